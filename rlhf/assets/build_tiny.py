@@ -1,0 +1,99 @@
+"""Build the embedded tiny demo under `rlhf/assets/tiny/`: a word-level tokenizer, a small random
+Llama policy, a prompt set and a rule-based reward. Deterministic for a given seed.
+
+The task: each prompt ends with "copy D :" for a digit D (after a few filler words); the reward is the
+fraction of the first four response words equal to D. A random policy scores about 0.02-0.1; a
+policy that learned to copy scores 1.
+
+    python -m rlhf.assets.build_tiny [--out DIR] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+
+import torch
+
+SPECIALS = ["<pad>", "<unk>", "<s>", "</s>"]
+DIGITS = [str(d) for d in range(10)]
+FILLER = list("abcdefghijklmnopqrstuvwxyz")
+WORDS = ["copy", ":", "user", "assistant", "system"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+REWARD_SOURCE = '''"""Reward of the embedded demo: fraction of the first four response words equal to the label digit."""
+
+import torch
+
+
+def reward_func(queries, prompts, labels):
+    rewards = []
+    for query, prompt, label in zip(queries, prompts, labels):
+        words = query[len(prompt):].split()[:4]
+        rewards.append(sum(w == str(label) for w in words) / 4.0)
+    return torch.tensor(rewards, dtype=torch.float32)
+'''
+
+
+def build_tokenizer(out_dir: str):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab_list = SPECIALS + WORDS + DIGITS + FILLER
+    vocab_list += [f"w{i}" for i in range(64 - len(vocab_list))]
+    vocab = {w: i for i, w in enumerate(vocab_list)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>",
+                                  bos_token="<s>", eos_token="</s>", clean_up_tokenization_spaces=False)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(out_dir)
+    return tok
+
+
+def build_policy(out_dir: str, tok, seed: int) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False, torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def build_prompts(path: str, seed: int, num_prompts: int = 512) -> None:
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(num_prompts):
+            digit = rng.choice(DIGITS)
+            filler = " ".join(rng.choice(FILLER) for _ in range(rng.randint(0, 3)))
+            text = f"{filler} copy {digit} :".strip()
+            f.write(json.dumps({"input": text, "label": digit}) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "tiny"))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    policy_dir = os.path.join(args.out, "policy")
+    os.makedirs(policy_dir, exist_ok=True)
+    tok = build_tokenizer(policy_dir)
+    build_policy(policy_dir, tok, args.seed)
+    build_prompts(os.path.join(args.out, "prompts.jsonl"), args.seed)
+    with open(os.path.join(args.out, "reward.py"), "w", encoding="utf-8") as f:
+        f.write(REWARD_SOURCE)
+    print(f"wrote the tiny demo to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

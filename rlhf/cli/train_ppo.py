@@ -1,0 +1,99 @@
+"""Entry point of PPO-family RL training: `torchrun ... -m rlhf.cli.train_ppo --pretrain ... `.
+
+Parses OpenRLHF-style flags into the typed config, validates inputs before any engine starts, builds
+the topology, the actor, the rollout engine and the reward source, and runs the trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from rlhf.config.flags import parse_config
+from rlhf.config.schema import TrainPPOConfig
+from rlhf.data.prompts import PromptSampler, load_prompts
+from rlhf.distributed.launch import init_distributed, read_launch_env
+from rlhf.distributed.topology import Placement, Role, Topology, plan_ranks
+from rlhf.engines.deepspeed_engine import DeepSpeedModel
+from rlhf.models.loading import load_tokenizer
+from rlhf.rewards.reward_func import RewardFuncFile
+from rlhf.trainers.actor import Actor
+from rlhf.trainers.ppo import PPOTrainer, total_steps
+from rlhf.utils.logging import MetricsLogger
+from rlhf.utils.seeding import seed_everything
+
+
+def build_rollout_engine(cfg: TrainPPOConfig, device: torch.device, tokenizer):
+    """vLLM in-process when installed (or asked for), else the HF-generate fallback with a warning."""
+    from rlhf.engines.vllm_engine import VLLMEngine, vllm_available
+
+    r, m = cfg.rollout, cfg.model
+    dtype = torch.bfloat16 if m.bf16 else torch.float32
+    use_vllm = r.rollout_engine == "vllm" or (r.rollout_engine == "auto" and vllm_available())
+    if use_vllm:
+        return VLLMEngine(m.pretrain, dtype=dtype, tp_size=r.vllm_tensor_parallel_size, seed=cfg.seed,
+                          max_model_len=cfg.data.prompt_max_len + r.generate_max_len,
+                          kv_cache_bytes=r.vllm_kv_cache_bytes, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+                          enforce_eager=r.enforce_eager, enable_prefix_caching=r.enable_prefix_caching,
+                          enable_sleep=False, trust_remote_code=m.trust_remote_code)
+    if r.rollout_engine == "auto":
+        warnings.warn("vLLM is not installed: generating with transformers (slower); install the cpu or gpu "
+                      "extra for vLLM", stacklevel=2)
+    if r.vllm_tensor_parallel_size > 1:
+        raise ValueError("--vllm_tensor_parallel_size > 1 needs vLLM; the HF fallback engine runs one rank each")
+    from rlhf.engines.hf_engine import HFGenerateEngine
+
+    return HFGenerateEngine(m.pretrain, dtype=dtype, device=device, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id, attn_implementation=m.attn,
+                            trust_remote_code=m.trust_remote_code)
+
+
+def run(cfg: TrainPPOConfig) -> None:
+    launch = read_launch_env()
+    cfg.check_world(launch.world_size)
+    # Validate the user's inputs before any engine starts (engines take minutes on real models).
+    reward = RewardFuncFile(cfg.reward.remote_rm_url)
+    tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code)
+    sampler = PromptSampler(load_prompts(cfg.data, tokenizer), cfg.batch.rollout_batch_size, cfg.seed)
+    device = init_distributed(launch)
+    topology = Topology(plan_ranks(Placement.colocated((Role.ACTOR, Role.ROLLOUT)), launch.world_size),
+                        rollout_tp=cfg.rollout.vllm_tensor_parallel_size)
+    is_writer = launch.rank == 0
+    if is_writer and cfg.model.pretrain == TrainPPOConfig().model.pretrain:
+        print("no --pretrain given: training the embedded tiny demo policy", flush=True)
+    engine = build_rollout_engine(cfg, device, tokenizer)
+    seed_everything(cfg.seed + launch.rank, cfg.full_determinism)  # vLLM re-seeds globally
+    steps = total_steps(cfg, sampler)
+    b = cfg.batch
+    samples_per_step = b.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+    dp = topology.dp_size(Role.ACTOR)
+    model = DeepSpeedModel(cfg.model, cfg.engine, cfg.optim, micro_batch_size=b.micro_train_batch_size,
+                           grad_accum_steps=b.train_batch_size // (b.micro_train_batch_size * dp),
+                           num_optimizer_steps=steps * b.max_epochs * samples_per_step // b.train_batch_size,
+                           dp_group=topology.group(Role.ACTOR))
+    engine.load_weights(model.full_parameters())
+    actor = Actor(model, topology.group(Role.ACTOR), device, temperature=cfg.rollout.temperature,
+                  clip_range=cfg.algo.clip_range)
+    logger = MetricsLogger(cfg.logging.save_path, cfg.logging.use_tensorboard, steps, enabled=is_writer)
+    try:
+        PPOTrainer(cfg, topology, actor, engine, reward, sampler, tokenizer, logger).fit()
+        model.save_hf(os.path.join(cfg.logging.save_path, "model"), tokenizer, is_writer)
+    finally:
+        logger.close()
+    dist.barrier()
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        run(parse_config(TrainPPOConfig, argv, prog="python -m rlhf.cli.train_ppo"))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

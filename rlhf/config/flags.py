@@ -1,0 +1,186 @@
+"""OpenRLHF-compatible flat command-line flags, parsed once into a typed config tree.
+
+The parser is generated from the field metadata of the config dataclasses (`rlhf.config.schema`).
+Flags of OpenRLHF that have no meaning here are accepted with a warning; flags of features this
+build does not have yet are refused with a message saying so; anything else unknown is an error with
+a "did you mean" hint. This module owns parsing only; it never reads the parsed values itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+IGNORED_FLAGS: dict[str, str] = {
+    "vllm_sync_with_ray": "weights move in-process here; there is no Ray",
+    "vllm_sync_backend": "weights are loaded into each rank's own engine in-process; no sync backend",
+    "vllm_num_engines": "every rank hosts an engine; the count is world size / --vllm_tensor_parallel_size",
+    "colocate_actor_ref": "this build colocates every role on every rank",
+    "colocate_critic_reward": "this build colocates every role on every rank",
+    "ref_num_nodes": "this build colocates every role on every rank",
+    "ref_num_gpus_per_node": "this build colocates every role on every rank",
+    "reward_num_nodes": "this build colocates every role on every rank",
+    "reward_num_gpus_per_node": "this build colocates every role on every rank",
+}
+"""Flag -> why it is ignored. Value-taking flags consume their value."""
+
+IGNORED_SWITCHES = {"vllm_sync_with_ray", "colocate_actor_ref", "colocate_critic_reward"}
+
+PENDING_FLAGS = (
+    "critic_pretrain critic_learning_rate critic_num_nodes critic_num_gpus_per_node value_head_prefix "
+    "kl_target kl_horizon kl_estimator use_kl_loss dual_clip value_clip gamma lambd normalize_reward "
+    "reward_clip_range entropy_loss_coef aux_loss_coef ptx_coef pretrain_data policy_loss_type "
+    "dynamic_filtering dynamic_filtering_reward_range overlong_buffer_len overlong_penalty_factor "
+    "stop_properly_penalty_coef enable_vllm_is_correction vllm_is_truncated_threshold use_icepop "
+    "freezing_actor_steps vllm_enable_sleep deepspeed_enable_sleep ref_reward_offload use_liger_kernel "
+    "ds_tensor_parallel_size ring_attn_size ring_head_stride packing_samples use_dynamic_batch "
+    "train_max_tokens_per_gpu rollout_max_tokens_per_gpu lora_rank lora_alpha target_modules "
+    "lora_dropout load_in_4bit max_len prompt_data_probs eval_dataset eval_split eval_temperature "
+    "eval_n_samples_per_prompt eval_steps async_train async_queue_size agent_func_path ckpt_path "
+    "save_steps save_hf_ckpt disable_ds_ckpt max_ckpt_num max_ckpt_mem load_checkpoint use_wandb "
+    "wandb_project wandb_group wandb_run_name save_value_network vllm_generate_batch_size param_dtype"
+).split()
+"""OpenRLHF train_ppo flags whose features are not built yet: refused, never silently ignored."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FlagSpec:
+    """One flag: where its value goes in the tree and how argparse reads it."""
+
+    flag: str
+    path: tuple[str, ...]
+    kind: type
+    optional: bool
+    default: Any
+    help: str
+    nargs: Any
+
+
+def _scalar_type(annotation: Any) -> tuple[type, bool, Any]:
+    """(element type, optional?, nargs-from-type) of a field annotation."""
+    optional = False
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(annotation))
+        annotation = args[0]
+        origin = typing.get_origin(annotation)
+    if origin is tuple:
+        return typing.get_args(annotation)[0], optional, len(typing.get_args(annotation))
+    return annotation, optional, None
+
+
+def flag_specs(config_cls: type, prefix: tuple[str, ...] = ()) -> list[FlagSpec]:
+    """Every flag of a config tree, depth first in field order."""
+    specs = []
+    hints = typing.get_type_hints(config_cls)
+    for f in dataclasses.fields(config_cls):
+        annotation = hints[f.name]
+        if dataclasses.is_dataclass(annotation):
+            specs.extend(flag_specs(annotation, prefix + (f.name,)))
+            continue
+        kind, optional, type_nargs = _scalar_type(annotation)
+        specs.append(FlagSpec(
+            flag=f.metadata.get("flag") or f.name,
+            path=prefix + (f.name,),
+            kind=kind,
+            optional=optional,
+            default=f.default if f.default is not dataclasses.MISSING else f.default_factory(),
+            help=f.metadata.get("help", ""),
+            nargs=f.metadata.get("nargs") or type_nargs,
+        ))
+    return specs
+
+
+def build_parser(config_cls: type, prog: str) -> tuple[argparse.ArgumentParser, list[FlagSpec]]:
+    """An argparse parser whose destinations are the flags of `config_cls`."""
+    parser = argparse.ArgumentParser(
+        prog=prog, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Flags follow OpenRLHF's names. Ignored for compatibility: "
+        + ", ".join(f"--{k}" for k in sorted(IGNORED_FLAGS))
+        + ". Not implemented yet (refused): " + ", ".join(f"--{k}" for k in PENDING_FLAGS),
+    )
+    specs = flag_specs(config_cls)
+    for spec in specs:
+        if spec.kind is bool:
+            parser.add_argument(f"--{spec.flag}", action="store_true", default=spec.default, help=spec.help)
+        else:
+            parser.add_argument(f"--{spec.flag}", type=spec.kind, nargs=spec.nargs, default=spec.default,
+                                help=spec.help, metavar=spec.flag.upper() if spec.nargs is None else None)
+    return parser, specs
+
+
+def _strip_ignored(argv: Sequence[str]) -> list[str]:
+    """Remove ignored flags (and their values) from argv, warning once for each."""
+    kept: list[str] = []
+    i = 0
+    while i < len(argv):
+        name = argv[i][2:].split("=", 1)[0] if argv[i].startswith("--") else None
+        if name in IGNORED_FLAGS:
+            warnings.warn(f"--{name} is ignored: {IGNORED_FLAGS[name]}", stacklevel=3)
+            takes_value = name not in IGNORED_SWITCHES and "=" not in argv[i]
+            i += 2 if takes_value and i + 1 < len(argv) and not argv[i + 1].startswith("--") else 1
+            continue
+        kept.append(argv[i])
+        i += 1
+    return kept
+
+
+def _explain_unknown(unknown: list[str], known_flags: list[str]) -> str:
+    lines = []
+    for i, token in enumerate(unknown):
+        if not token.startswith("--"):
+            if i == 0 or not unknown[i - 1].startswith("--"):
+                lines.append(f"unexpected value {token!r} (a flag before it takes no value, or too many values)")
+            continue
+        name = token[2:].split("=", 1)[0]
+        if name in PENDING_FLAGS:
+            lines.append(f"--{name} is an OpenRLHF flag whose feature is not implemented yet in this build")
+            continue
+        hint = difflib.get_close_matches(name, known_flags, n=1)
+        lines.append(f"unknown flag --{name}" + (f"; did you mean --{hint[0]}?" if hint else ""))
+    return "; ".join(lines)
+
+
+def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _instantiate(config_cls: type, values: dict) -> Any:
+    hints = typing.get_type_hints(config_cls)
+    kwargs = {}
+    for f in dataclasses.fields(config_cls):
+        if f.name not in values:
+            continue
+        if dataclasses.is_dataclass(hints[f.name]):
+            kwargs[f.name] = _instantiate(hints[f.name], values[f.name])
+        else:
+            value = values[f.name]
+            kwargs[f.name] = tuple(value) if isinstance(value, list) else value
+    return config_cls(**kwargs)
+
+
+def parse_config(config_cls: type, argv: Sequence[str] | None = None, prog: str = "train") -> Any:
+    """Parse OpenRLHF-style flags into an instance of `config_cls`.
+
+    Raises SystemExit (argparse convention) with a readable message on unknown flags, and
+    ValueError from the config's own validation on bad values.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, specs = build_parser(config_cls, prog)
+    namespace, unknown = parser.parse_known_args(_strip_ignored(argv))
+    if unknown:
+        parser.error(_explain_unknown(unknown, [s.flag for s in specs]))
+    values: dict = {}
+    for spec in specs:
+        _set(values, spec.path, getattr(namespace, spec.flag))
+    return _instantiate(config_cls, values)

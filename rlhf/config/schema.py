@@ -1,0 +1,289 @@
+"""The typed config tree for `train_ppo`: frozen keyword-only dataclasses, validated on construction.
+
+Each field's metadata names the OpenRLHF flag that sets it (`flag`) and a one-line help text; the
+flag parser in `rlhf.config.flags` is generated from this metadata, so a field and its flag cannot
+drift apart. Components receive only their own sub-config. This module knows nothing of argparse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_PROMPTS, EMBEDDED_REWARD
+
+ADVANTAGE_ESTIMATORS = ("group_norm", "reinforce_baseline")
+"""Estimators this build implements (the rest of RL_MATH.md's table arrives with PPO/critic support)."""
+
+
+def opt(default: Any, help: str, flag: str | None = None, nargs: str | int | None = None) -> Any:
+    """A config field with its CLI metadata. `flag` defaults to the field name."""
+    meta = {"help": help, "flag": flag, "nargs": nargs}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which policy to load and how to run it."""
+
+    pretrain: str = opt(EMBEDDED_MODEL_DIR, "HF model directory of the policy (default: embedded tiny demo)")
+    bf16: bool = opt(False, "train and generate in bfloat16 instead of float32")
+    attn_implementation: str = opt("sdpa", "transformers attention implementation (eager, sdpa, flash_attention_2)")
+    flash_attn: bool = opt(False, "shorthand for --attn_implementation flash_attention_2")
+    gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
+    trust_remote_code: bool = opt(False, "allow model/tokenizer code shipped inside the model directory")
+
+    def __post_init__(self) -> None:
+        _require(bool(self.pretrain), "--pretrain must name a local HF model directory")
+        _require(
+            self.attn_implementation in ("eager", "sdpa", "flash_attention_2", "flex_attention"),
+            f"--attn_implementation {self.attn_implementation!r}: choose eager, sdpa, flash_attention_2 "
+            "or flex_attention",
+        )
+
+    @property
+    def attn(self) -> str:
+        return "flash_attention_2" if self.flash_attn else self.attn_implementation
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW, LR schedule and gradient clipping of the actor."""
+
+    actor_learning_rate: float = opt(1e-6, "actor learning rate")
+    lr_warmup_ratio: float = opt(0.03, "fraction of optimizer steps spent in linear warm-up")
+    lr_scheduler: str = opt("cosine_with_min_lr", "transformers LR scheduler name")
+    adam_betas: tuple[float, float] = opt((0.9, 0.95), "AdamW betas", nargs=2)
+    l2: float = opt(0.0, "AdamW weight decay")
+    max_norm: float = opt(1.0, "gradient clipping norm (0 disables)")
+
+    def __post_init__(self) -> None:
+        _require(self.actor_learning_rate > 0, "--actor_learning_rate must be positive")
+        _require(0 <= self.lr_warmup_ratio < 1, "--lr_warmup_ratio must lie in [0, 1)")
+        _require(len(self.adam_betas) == 2, "--adam_betas takes two numbers, e.g. --adam_betas 0.9 0.95")
+        _require(self.max_norm >= 0, "--max_norm must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """DeepSpeed settings of trainable models."""
+
+    zero_stage: int = opt(2, "DeepSpeed ZeRO stage (0-3)")
+    adam_offload: bool = opt(False, "keep AdamW states on the host (ZeRO offload)")
+    overlap_comm: bool = opt(False, "overlap gradient reduction with backward")
+    local_rank: int = opt(-1, "accepted for compatibility with deepspeed launchers; the environment wins")
+
+    def __post_init__(self) -> None:
+        _require(self.zero_stage in (0, 1, 2, 3), f"--zero_stage {self.zero_stage}: choose 0, 1, 2 or 3")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Generation by the in-process rollout engines."""
+
+    vllm_num_engines: int = opt(0, "accepted for OpenRLHF compatibility; here every rank hosts an engine")
+    vllm_tensor_parallel_size: int = opt(1, "ranks per vLLM engine (consecutive ranks)")
+    vllm_gpu_memory_utilization: float = opt(0.5, "fraction of GPU memory vLLM may take (CUDA)")
+    vllm_kv_cache_bytes: int = opt(64 << 20, "KV-cache bytes per engine on CPU (vLLM needs an explicit size)")
+    enforce_eager: bool = opt(False, "disable CUDA graphs in vLLM")
+    enable_prefix_caching: bool = opt(False, "vLLM prefix caching")
+    rollout_engine: str = opt("auto", "auto (vLLM if installed, else HF generate), vllm or hf")
+    temperature: float = opt(1.0, "sampling temperature")
+    top_p: float = opt(1.0, "nucleus sampling probability mass")
+    generate_max_len: int = opt(1024, "maximum number of generated tokens per sample")
+    n_samples_per_prompt: int = opt(4, "samples per prompt (a group, for group estimators)")
+
+    def __post_init__(self) -> None:
+        _require(self.vllm_tensor_parallel_size >= 1, "--vllm_tensor_parallel_size must be >= 1")
+        _require(self.temperature > 0, "--temperature must be > 0")
+        _require(0 < self.top_p <= 1, "--top_p must lie in (0, 1]")
+        _require(self.generate_max_len >= 1, "--generate_max_len must be >= 1")
+        _require(self.n_samples_per_prompt >= 1, "--n_samples_per_prompt must be >= 1")
+        _require(self.rollout_engine in ("auto", "vllm", "hf"), "--rollout_engine: choose auto, vllm or hf")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Prompt dataset and chat formatting."""
+
+    prompt_data: str = opt(EMBEDDED_PROMPTS, "prompt dataset: a local JSON/JSONL file or directory")
+    prompt_split: str = opt("train", "split to read when --prompt_data is a directory with splits")
+    input_key: str = opt("input", "dataset column holding the prompt")
+    label_key: str | None = opt(None, "dataset column passed to reward_func as labels")
+    input_template: str | None = opt(None, "format string with one {} wrapped around each prompt")
+    apply_chat_template: bool = opt(False, "format prompts with the tokenizer's chat template")
+    tokenizer_chat_template: str | None = opt(None, "a Jinja chat template overriding the tokenizer's")
+    prompt_max_len: int = opt(1024, "prompts longer than this many tokens are dropped, with a count")
+    max_samples: int = opt(int(1e8), "read at most this many prompts")
+
+    def __post_init__(self) -> None:
+        _require(self.prompt_max_len >= 1, "--prompt_max_len must be >= 1")
+        _require(self.max_samples >= 1, "--max_samples must be >= 1")
+        if self.input_template is not None:
+            _require(
+                self.input_template.count("{}") == 1,
+                f"--input_template {self.input_template!r} must contain exactly one '{{}}' for the prompt",
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgoConfig:
+    """The RL objective: advantage estimator and PPO-clip loss."""
+
+    advantage_estimator: str = opt("group_norm", f"one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+    eps_clip: float = opt(0.2, "PPO clip range (symmetric)")
+    eps_clip_low_high: tuple[float, float] | None = opt(None, "asymmetric clip range: LOW HIGH", nargs=2)
+    no_advantage_std_norm: bool = opt(False, "whitening subtracts the mean but does not divide by the std")
+    init_kl_coef: float = opt(0.0, "KL penalty coefficient (needs a reference model: not implemented yet)")
+
+    def __post_init__(self) -> None:
+        _require(
+            self.advantage_estimator in ADVANTAGE_ESTIMATORS,
+            f"--advantage_estimator {self.advantage_estimator!r} is not available in this build; "
+            f"choose one of {', '.join(ADVANTAGE_ESTIMATORS)}",
+        )
+        _require(self.eps_clip > 0, "--eps_clip must be > 0")
+        _require(
+            self.init_kl_coef == 0,
+            "--init_kl_coef > 0 needs the reference model, which is not implemented yet; use 0",
+        )
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """(eps_low, eps_high) of the PPO clip."""
+        if self.eps_clip_low_high is not None:
+            return (float(self.eps_clip_low_high[0]), float(self.eps_clip_low_high[1]))
+        return (self.eps_clip, self.eps_clip)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchConfig:
+    """How many prompts, samples and tokens make one step, all as global counts."""
+
+    num_episodes: int = opt(1, "passes over the prompt dataset")
+    max_steps: int | None = opt(None, "stop after this many RL steps (default: until the episodes end)")
+    rollout_batch_size: int = opt(8, "prompts per RL step, over all ranks")
+    micro_rollout_batch_size: int = opt(8, "samples per forward pass when computing experience, per rank")
+    train_batch_size: int = opt(8, "samples per optimizer step, over all ranks")
+    micro_train_batch_size: int = opt(4, "samples per forward/backward, per rank")
+    max_epochs: int = opt(1, "passes over each step's experience")
+
+    def __post_init__(self) -> None:
+        for name in ("num_episodes", "rollout_batch_size", "micro_rollout_batch_size", "train_batch_size",
+                     "micro_train_batch_size", "max_epochs"):
+            _require(getattr(self, name) >= 1, f"--{name} must be >= 1")
+        _require(self.max_steps is None or self.max_steps >= 1, "--max_steps must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    """Where rewards come from."""
+
+    remote_rm_url: str | None = opt(EMBEDDED_REWARD, "a .py file defining reward_func(queries, prompts, labels)")
+    reward_pretrain: str | None = opt(None, "reward model directory (not implemented yet)")
+
+    def __post_init__(self) -> None:
+        _require(
+            self.reward_pretrain is None,
+            "--reward_pretrain (reward models) is not implemented yet; use --remote_rm_url reward.py",
+        )
+        _require(self.remote_rm_url is not None, "give --remote_rm_url path/to/reward.py")
+        _require(
+            not self.remote_rm_url.startswith(("http://", "https://")),
+            "--remote_rm_url over HTTP is not implemented yet; pass a .py file with reward_func",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """Where results, metrics and logs go."""
+
+    save_path: str = opt("./out", "output directory: metrics.jsonl and the final model")
+    use_tensorboard: str | None = opt(None, "TensorBoard log directory")
+    logging_steps: int = opt(1, "log every N steps")
+
+    def __post_init__(self) -> None:
+        _require(self.logging_steps >= 1, "--logging_steps must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementConfig:
+    """How roles map to ranks. This build runs every role on every rank (hybrid engine)."""
+
+    colocate_all_models: bool = opt(False, "put every role on every rank (the only placement so far)")
+    actor_num_nodes: int = opt(1, "nodes of the actor's rank range")
+    actor_num_gpus_per_node: int = opt(0, "ranks per node of the actor (0: the whole world)")
+
+    def __post_init__(self) -> None:
+        _require(self.actor_num_nodes >= 1, "--actor_num_nodes must be >= 1")
+        _require(self.actor_num_gpus_per_node >= 0, "--actor_num_gpus_per_node must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainPPOConfig:
+    """Everything `train_ppo` needs, one sub-config per component."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    seed: int = opt(42, "random seed (every rank derives its streams from it)")
+    full_determinism: bool = opt(False, "use deterministic torch algorithms")
+
+    def __post_init__(self) -> None:
+        n = self.rollout.n_samples_per_prompt
+        _require(
+            n > 1,
+            f"--advantage_estimator {self.algo.advantage_estimator} compares samples of one prompt: "
+            f"--n_samples_per_prompt must be > 1 (got {n})",
+        )
+        _require(
+            self.batch.train_batch_size <= self.batch.rollout_batch_size * n,
+            f"--train_batch_size {self.batch.train_batch_size} exceeds the samples of one step "
+            f"(--rollout_batch_size x --n_samples_per_prompt = {self.batch.rollout_batch_size * n})",
+        )
+
+    def check_world(self, world_size: int) -> None:
+        """Validate batch sizes against the number of data-parallel ranks."""
+        b, tp = self.batch, self.rollout.vllm_tensor_parallel_size
+        _require(world_size % tp == 0,
+                 f"world size {world_size} is not a multiple of --vllm_tensor_parallel_size {tp}")
+        num_engines = world_size // tp
+        _require(
+            b.rollout_batch_size % num_engines == 0,
+            f"--rollout_batch_size {b.rollout_batch_size} must be divisible by the number of rollout "
+            f"engines ({num_engines} = world size {world_size} / --vllm_tensor_parallel_size {tp})",
+        )
+        samples = b.rollout_batch_size * self.rollout.n_samples_per_prompt
+        _require(samples % b.train_batch_size == 0,
+                 f"--train_batch_size {b.train_batch_size} must divide the samples per step ({samples})")
+        _require(
+            b.train_batch_size % (b.micro_train_batch_size * world_size) == 0,
+            f"--train_batch_size {b.train_batch_size} must be a multiple of --micro_train_batch_size "
+            f"{b.micro_train_batch_size} x world size {world_size}",
+        )
+        if tp > 1:
+            per_engine = b.rollout_batch_size // num_engines
+            _require(per_engine % tp == 0,
+                     f"each engine's {per_engine} prompts must split evenly over its {tp} ranks "
+                     "(samples of one prompt stay on one rank)")
+
+
+def sub_configs(cfg: Any) -> list[tuple[str, Any]]:
+    """(name, value) of every dataclass-typed field of `cfg`."""
+    return [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(
+        getattr(cfg, f.name))]

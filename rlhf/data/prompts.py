@@ -1,0 +1,146 @@
+"""Prompt datasets for RL: read local JSON/JSONL (or a directory of them), format, tokenize, filter.
+
+Nothing here downloads. Formatting follows OpenRLHF: `--apply_chat_template` renders the prompt as a
+user turn (or uses the row's message list as is) with a generation prompt; otherwise
+`--input_template` wraps the raw text. Prompts longer than `--prompt_max_len` tokens are dropped
+(never truncated: a cut prompt changes the task), and the count is reported.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from rlhf.config.schema import DataConfig
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One formatted prompt: its text, token ids and label (None without --label_key)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    label: Any
+
+
+def _read_json_file(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        if path.endswith(".jsonl"):
+            rows = []
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}, line {lineno}: not valid JSON ({err.msg})") from err
+            return rows
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from err
+    if isinstance(data, dict) and "data" in data:
+        data = data["data"]
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of objects (or JSONL, one object per line)")
+    return data
+
+
+def _resolve_files(source: str, split: str) -> list[str]:
+    path = source.split("@", 1)[1] if source.startswith("json@") else source
+    if os.path.isfile(path):
+        return [path]
+    if os.path.isdir(path):
+        files = sorted(glob.glob(os.path.join(path, f"{split}*.json*")))
+        files = files or sorted(glob.glob(os.path.join(path, "*.json*")))
+        if not files:
+            raise ValueError(f"--prompt_data {source}: directory has no .json/.jsonl files "
+                             f"(looked for {split}*.json* then *.json*)")
+        return files
+    raise ValueError(f"--prompt_data {source}: no such file or directory (hub names are not downloaded; "
+                     "pass a local JSON/JSONL file or directory)")
+
+
+def read_rows(cfg: DataConfig) -> list[tuple[str, int, dict]]:
+    """(file, 1-based row number, row) for the first `max_samples` rows of the prompt data."""
+    rows = []
+    for path in _resolve_files(cfg.prompt_data, cfg.prompt_split):
+        for i, row in enumerate(_read_json_file(path), 1):
+            rows.append((path, i, row))
+            if len(rows) >= cfg.max_samples:
+                return rows
+    return rows
+
+
+def _format(row: dict, where: str, cfg: DataConfig, tokenizer) -> str:
+    if cfg.input_key not in row:
+        columns = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
+        raise ValueError(f"{where}: no column {cfg.input_key!r} (columns: {columns}); "
+                         "pass the right one with --input_key")
+    value = row[cfg.input_key]
+    if cfg.apply_chat_template:
+        messages = value if isinstance(value, list) else [{"role": "user", "content": str(value)}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: column {cfg.input_key!r} holds {type(value).__name__}, not text; "
+                         "use --apply_chat_template for message lists")
+    return cfg.input_template.format(value) if cfg.input_template else value
+
+
+def load_prompts(cfg: DataConfig, tokenizer) -> list[Prompt]:
+    """Formatted, tokenized prompts; rows over `prompt_max_len` tokens are dropped with a warning."""
+    if cfg.tokenizer_chat_template:
+        tokenizer.chat_template = cfg.tokenizer_chat_template
+    prompts, too_long = [], 0
+    rows = read_rows(cfg)
+    for path, rowno, row in rows:
+        where = f"{path}, row {rowno}"
+        text = _format(row, where, cfg, tokenizer)
+        label = None
+        if cfg.label_key is not None:
+            if cfg.label_key not in row:
+                raise ValueError(f"{where}: no column {cfg.label_key!r} for --label_key "
+                                 f"(columns: {', '.join(sorted(row))})")
+            label = row[cfg.label_key]
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > cfg.prompt_max_len:
+            too_long += 1
+            continue
+        prompts.append(Prompt(text, tuple(ids), label))
+    if too_long:
+        warnings.warn(f"dropped {too_long} of {len(rows)} prompts longer than --prompt_max_len "
+                      f"{cfg.prompt_max_len} tokens", stacklevel=2)
+    if not prompts:
+        raise ValueError(f"--prompt_data {cfg.prompt_data}: no usable prompts "
+                         f"({len(rows)} rows read, {too_long} longer than --prompt_max_len)")
+    return prompts
+
+
+class PromptSampler:
+    """Yields the same global batches of prompts on every rank: shuffled per episode with the seed,
+    incomplete last batches dropped. Each rollout engine then takes its own slice."""
+
+    def __init__(self, prompts: list[Prompt], batch_size: int, seed: int) -> None:
+        if len(prompts) < batch_size:
+            raise ValueError(f"only {len(prompts)} prompts but --rollout_batch_size is {batch_size}; "
+                             "lower it or add prompts")
+        self.prompts = prompts
+        self.batch_size = batch_size
+        self.seed = seed
+
+    @property
+    def steps_per_episode(self) -> int:
+        return len(self.prompts) // self.batch_size
+
+    def batch(self, step: int) -> list[Prompt]:
+        """Global batch number `step` (0-based, counting across episodes)."""
+        episode, index = divmod(step, self.steps_per_episode)
+        order = list(range(len(self.prompts)))
+        random.Random(self.seed * 1_000_003 + episode).shuffle(order)
+        picked = order[index * self.batch_size:(index + 1) * self.batch_size]
+        return [self.prompts[i] for i in picked]

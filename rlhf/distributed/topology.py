@@ -1,0 +1,143 @@
+"""Which ranks host which role, and every process group the job uses.
+
+`plan_ranks` is a pure function from a placement to rank ranges. `Topology` is built once on every
+rank, in the same order, and is the only place that calls `dist.new_group`; nothing else keeps groups.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+
+class Role(enum.Enum):
+    ACTOR = "actor"
+    CRITIC = "critic"
+    REWARD = "reward"
+    REF = "ref"
+    ROLLOUT = "rollout"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Requested rank counts per role and which roles share ranks.
+
+    `num_ranks[role] == 0` means "the whole world". Roles in one `colocate` set share the same
+    ranks (their counts must agree, or be 0). ROLLOUT always spans the whole world because vLLM's
+    external launcher builds its groups over every rank.
+    """
+
+    num_ranks: dict[Role, int]
+    colocate: tuple[frozenset[Role], ...] = field(default=())
+
+    @staticmethod
+    def colocated(roles: tuple[Role, ...]) -> Placement:
+        """Every role on every rank (the hybrid engine)."""
+        return Placement({role: 0 for role in roles}, (frozenset(roles),))
+
+
+def _slots(placement: Placement) -> list[tuple[Role, ...]]:
+    """Roles grouped into slots that share ranks, in a deterministic order."""
+    order = [r for r in Role if r in placement.num_ranks and r is not Role.ROLLOUT]
+    seen: set[Role] = set()
+    slots = []
+    for role in order:
+        if role in seen:
+            continue
+        group = next((c for c in placement.colocate if role in c), frozenset({role}))
+        slot = tuple(r for r in order if r in group)
+        seen.update(slot)
+        slots.append(slot)
+    return slots
+
+
+def plan_ranks(placement: Placement, world_size: int) -> dict[Role, tuple[int, ...]]:
+    """Assign each role a consecutive rank range; ROLLOUT gets all ranks.
+
+    A slot whose roles all ask for 0 ranks spans the whole world. Otherwise slots are laid out
+    back to back and must add up to exactly `world_size`.
+    """
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+    plan: dict[Role, tuple[int, ...]] = {}
+    start = 0
+    sized = []
+    for slot in _slots(placement):
+        counts = {placement.num_ranks[r] for r in slot} - {0}
+        if len(counts) > 1:
+            names = ", ".join(f"{r.value}={placement.num_ranks[r]}" for r in slot)
+            raise ValueError(f"colocated roles must use the same number of ranks, got {names}")
+        if not counts:
+            for role in slot:
+                plan[role] = tuple(range(world_size))
+            continue
+        count = counts.pop()
+        sized.append((slot, count))
+        for role in slot:
+            plan[role] = tuple(range(start, start + count))
+        start += count
+    if sized and start != world_size:
+        detail = " + ".join(f"{'/'.join(r.value for r in s)}={n}" for s, n in sized)
+        raise ValueError(f"role rank counts add up to {start} ({detail}) but the world has {world_size} ranks; "
+                         "adjust --{role}_num_nodes x --{role}_num_gpus_per_node or colocate roles")
+    plan[Role.ROLLOUT] = tuple(range(world_size))
+    return plan
+
+
+class Topology:
+    """Process groups of one job. Construct on every rank with identical arguments.
+
+    Creates, in this order: one data-parallel group per role in `plan` (Role order), then one group
+    per rollout engine (`rollout_tp` consecutive ranks each).
+    """
+
+    def __init__(self, plan: dict[Role, tuple[int, ...]], rollout_tp: int = 1) -> None:
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        if self.world_size % rollout_tp:
+            raise ValueError(f"world size {self.world_size} is not a multiple of --vllm_tensor_parallel_size "
+                             f"{rollout_tp}")
+        self.plan = dict(plan)
+        self.rollout_tp = rollout_tp
+        self._groups: dict[Role, dist.ProcessGroup] = {}
+        for role in Role:
+            if role in self.plan:
+                self._groups[role] = dist.new_group(list(self.plan[role]))
+        self._engine_groups = [dist.new_group(list(range(s, s + rollout_tp)))
+                               for s in range(0, self.world_size, rollout_tp)]
+
+    def hosts(self, role: Role) -> bool:
+        return role in self.plan and self.rank in self.plan[role]
+
+    def ranks(self, role: Role) -> tuple[int, ...]:
+        return self.plan[role]
+
+    def group(self, role: Role) -> dist.ProcessGroup:
+        """The data-parallel group of `role` (only meaningful on ranks that host it)."""
+        return self._groups[role]
+
+    def dp_size(self, role: Role) -> int:
+        return len(self.plan[role])
+
+    def dp_rank(self, role: Role) -> int:
+        return self.plan[role].index(self.rank)
+
+    @property
+    def num_engines(self) -> int:
+        return self.world_size // self.rollout_tp
+
+    @property
+    def engine_index(self) -> int:
+        """Which rollout engine this rank belongs to."""
+        return self.rank // self.rollout_tp
+
+    @property
+    def engine_rank(self) -> int:
+        """This rank's position inside its rollout engine's TP group."""
+        return self.rank % self.rollout_tp
+
+    @property
+    def engine_group(self) -> dist.ProcessGroup:
+        return self._engine_groups[self.engine_index]

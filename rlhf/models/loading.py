@@ -1,0 +1,42 @@
+"""Loading HF tokenizers and causal LMs from local directories. Nothing here downloads.
+
+Knows nothing about DeepSpeed beyond accepting an optional ZeRO-3 config object that must stay
+alive while the model is constructed (so transformers partitions and initialises it correctly).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def check_local_model(path: str, flag: str = "--pretrain") -> None:
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{flag} {path}: not a local HF model directory (needs config.json); "
+                         "nothing is downloaded at run time")
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """Tokenizer with a pad token (EOS when the model has none) and right padding."""
+    from transformers import AutoTokenizer
+
+    check_local_model(path)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "right"
+    return tok
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool = False):
+    """An `AutoModelForCausalLM` in `dtype`, with the KV cache disabled (training-time forwards)."""
+    from transformers import AutoModelForCausalLM
+
+    check_local_model(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
+        local_files_only=True,
+    )
+    model.config.use_cache = False
+    return model
