@@ -20,6 +20,7 @@ def ppo_clip_loss_BT1(logprobs_BT1: torch.Tensor, old_logprobs_BT1: torch.Tensor
     return loss, (clipped < unclipped).float()
 
 
-def token_sum_over_global_count(values_BT1: torch.Tensor, mask_BT1: torch.Tensor, global_num_tokens: float) -> torch.Tensor:
+def token_sum_over_global_count(values_BT1: torch.Tensor, mask_BT1: torch.Tensor,
+                                global_num_tokens: float) -> torch.Tensor:
     """Sum of masked per-token values divided by the global token count of the optimizer step."""
     return (values_BT1 * mask_BT1).sum() / global_num_tokens

@@ -25,7 +25,7 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
     "{% if add_generation_prompt %}assistant :{% endif %}"
 )
-REWARD_SOURCE = '''"""Reward of the embedded demo: fraction of the first four response words equal to the label digit."""
+REWARD_SOURCE = '''"""Reward of the embedded demo: the fraction of the first four response words equal to the label."""
 
 import torch
 

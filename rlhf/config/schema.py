@@ -89,7 +89,6 @@ class EngineConfig:
 class RolloutConfig:
     """Generation by the in-process rollout engines."""
 
-    vllm_num_engines: int = opt(0, "accepted for OpenRLHF compatibility; here every rank hosts an engine")
     vllm_tensor_parallel_size: int = opt(1, "ranks per vLLM engine (consecutive ranks)")
     vllm_gpu_memory_utilization: float = opt(0.5, "fraction of GPU memory vLLM may take (CUDA)")
     vllm_kv_cache_bytes: int = opt(64 << 20, "KV-cache bytes per engine on CPU (vLLM needs an explicit size)")
@@ -276,6 +275,10 @@ class TrainPPOConfig:
             f"--train_batch_size {b.train_batch_size} must be a multiple of --micro_train_batch_size "
             f"{b.micro_train_batch_size} x world size {world_size}",
         )
+        actor_ranks = self.placement.actor_num_nodes * self.placement.actor_num_gpus_per_node
+        _require(actor_ranks in (0, world_size),
+                 f"--actor_num_nodes x --actor_num_gpus_per_node = {actor_ranks}, but this build runs the actor on "
+                 f"every rank (world size {world_size}); set them to match or leave them out")
         if tp > 1:
             per_engine = b.rollout_batch_size // num_engines
             _require(per_engine % tp == 0,

@@ -20,7 +20,7 @@ from rlhf.models.loading import load_causal_lm
 
 
 def ds_config(engine: EngineConfig, optim: OptimConfig, *, bf16: bool, micro_batch_size: int,
-              grad_accum_steps: int, dp_size: int) -> dict:
+              grad_accum_steps: int) -> dict:
     """The DeepSpeed JSON config for one trainable model (pure)."""
     zero: dict = {"stage": engine.zero_stage, "overlap_comm": engine.overlap_comm,
                   "reduce_bucket_size": "auto" if engine.zero_stage == 3 else 5e8}
@@ -33,7 +33,6 @@ def ds_config(engine: EngineConfig, optim: OptimConfig, *, bf16: bool, micro_bat
     return {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": grad_accum_steps,
-        "train_batch_size": micro_batch_size * grad_accum_steps * dp_size,
         "gradient_clipping": optim.max_norm,
         "zero_optimization": zero,
         "bf16": {"enabled": bf16},
@@ -65,7 +64,8 @@ class DeepSpeedModel:
         self.zero_stage = engine_cfg.zero_stage
         dtype = torch.bfloat16 if model_cfg.bf16 else torch.float32
         self.config = ds_config(engine_cfg, optim_cfg, bf16=model_cfg.bf16, micro_batch_size=micro_batch_size,
-                                grad_accum_steps=grad_accum_steps, dp_size=self.dp_size)
+                                grad_accum_steps=grad_accum_steps)
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
         model = self._build_model(model_cfg, dtype)
         optimizer = torch.optim.AdamW(model.parameters(), lr=optim_cfg.actor_learning_rate,
                                       betas=tuple(optim_cfg.adam_betas), weight_decay=optim_cfg.l2)

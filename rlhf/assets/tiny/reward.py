@@ -1,4 +1,4 @@
-"""Reward of the embedded demo: fraction of the first four response words equal to the label digit."""
+"""Reward of the embedded demo: the fraction of the first four response words equal to the label."""
 
 import torch
 

@@ -1,0 +1,74 @@
+"""Run a function on N gloo ranks in fresh processes and collect what each returns."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(*args)
+        with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(("ok", result), f)
+    except BaseException:
+        with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(("error", traceback.format_exc()), f)
+        raise
+
+
+def run_on_ranks(world_size: int, fn, *args) -> list:
+    """fn(*args) on every rank of a fresh gloo world; returns the per-rank results in rank order.
+
+    `fn` must be importable (module level) so spawned processes can find it.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        procs = [ctx.Process(target=_entry, args=(r, world_size, port, out_dir, fn, args)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=600)
+        results = []
+        for r in range(world_size):
+            path = os.path.join(out_dir, f"{r}.pkl")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {r} died without a result (exit code {procs[r].exitcode})")
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status != "ok":
+                raise RuntimeError(f"rank {r} failed:\n{value}")
+            results.append(value)
+        return results
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_torchrun(nproc: int, target: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node nproc target args...` from the repository root; `target` is a script
+    path or `-m module`."""
+    target_args = target.split(" ", 1) if target.startswith("-m ") else [target]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", *target_args, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

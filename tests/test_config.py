@@ -1,0 +1,97 @@
+"""OpenRLHF-style flags parse into the typed config tree; bad flags and values fail with clear messages."""
+
+import pytest
+
+from rlhf.config.flags import IGNORED_FLAGS, PENDING_FLAGS, flag_specs, parse_config
+from rlhf.config.schema import TrainPPOConfig
+
+
+def parse(*argv):
+    return parse_config(TrainPPOConfig, list(argv))
+
+
+def test_flags_land_in_their_sub_configs():
+    cfg = parse("--pretrain", "/m", "--actor_learning_rate", "5e-7", "--adam_betas", "0.8", "0.9", "--zero_stage", "3",
+                "--n_samples_per_prompt", "8", "--advantage_estimator", "reinforce_baseline", "--bf16",
+                "--eps_clip_low_high", "0.2", "0.28", "--label_key", "answer", "--use_tensorboard", "tb")
+    assert cfg.model.pretrain == "/m" and cfg.model.bf16
+    assert cfg.optim.actor_learning_rate == 5e-7 and cfg.optim.adam_betas == (0.8, 0.9)
+    assert cfg.engine.zero_stage == 3
+    assert cfg.rollout.n_samples_per_prompt == 8
+    assert cfg.algo.advantage_estimator == "reinforce_baseline"
+    assert cfg.algo.clip_range == (0.2, 0.28)
+    assert cfg.data.label_key == "answer"
+    assert cfg.logging.use_tensorboard == "tb"
+
+
+def test_every_flag_is_unique_and_documented():
+    specs = flag_specs(TrainPPOConfig)
+    names = [s.flag for s in specs]
+    assert len(names) == len(set(names))
+    assert all(s.help for s in specs)
+    assert not set(names) & set(PENDING_FLAGS)
+    assert not set(names) & set(IGNORED_FLAGS)
+
+
+def test_unknown_flag_suggests_the_close_one(capsys):
+    with pytest.raises(SystemExit):
+        parse("--actor_learnig_rate", "1e-6")
+    err = capsys.readouterr().err
+    assert "unknown flag --actor_learnig_rate; did you mean --actor_learning_rate?" in err
+    assert "unexpected value" not in err
+
+
+def test_pending_flag_is_refused_not_ignored(capsys):
+    with pytest.raises(SystemExit):
+        parse("--use_kl_loss")
+    assert "--use_kl_loss is an OpenRLHF flag whose feature is not implemented yet" in capsys.readouterr().err
+
+
+def test_ignored_flag_warns_and_consumes_its_value():
+    with pytest.warns(UserWarning, match="--vllm_sync_backend is ignored"):
+        cfg = parse("--vllm_sync_backend", "nccl", "--seed", "3")
+    assert cfg.seed == 3
+    with pytest.warns(UserWarning, match="--vllm_sync_with_ray is ignored"):
+        assert parse("--vllm_sync_with_ray", "--seed", "4").seed == 4
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--n_samples_per_prompt", "1"], "--n_samples_per_prompt must be > 1"),
+    (["--advantage_estimator", "gae"], "--advantage_estimator 'gae' is not available"),
+    (["--zero_stage", "4"], "--zero_stage 4"),
+    (["--input_template", "no placeholder"], "exactly one '{}'"),
+    (["--init_kl_coef", "0.01"], "--init_kl_coef > 0 needs the reference model"),
+    (["--remote_rm_url", "http://host/score"], "over HTTP is not implemented yet"),
+    (["--train_batch_size", "1000"], "--train_batch_size 1000 exceeds"),
+])
+def test_bad_values_name_the_flag(argv, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("{", r"\{").replace("}", r"\}")):
+        parse(*argv)
+
+
+def test_world_checks():
+    cfg = parse("--rollout_batch_size", "6", "--n_samples_per_prompt", "2", "--train_batch_size", "12",
+                "--micro_train_batch_size", "2")
+    cfg.check_world(3)
+    with pytest.raises(ValueError, match="--rollout_batch_size 6 must be divisible by the number of rollout engines"):
+        cfg.check_world(4)
+    with pytest.raises(ValueError, match="multiple of --micro_train_batch_size"):
+        parse("--rollout_batch_size", "4", "--train_batch_size", "4", "--micro_train_batch_size", "4").check_world(2)
+    tp = parse("--rollout_batch_size", "3", "--vllm_tensor_parallel_size", "2", "--train_batch_size", "12",
+               "--micro_train_batch_size", "2")
+    with pytest.raises(ValueError, match="each engine's 3 prompts must split evenly over its 2 ranks"):
+        tp.check_world(2)
+
+
+def test_help_lists_flags(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse("--help")
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--actor_learning_rate" in out and "--use_kl_loss" in out  # pending ones are listed as such
+
+
+def test_actor_rank_count_must_match_the_world():
+    parse("--actor_num_nodes", "1", "--actor_num_gpus_per_node", "2", "--train_batch_size", "8").check_world(2)
+    with pytest.raises(ValueError, match="runs the actor on every rank"):
+        parse("--actor_num_nodes", "1", "--actor_num_gpus_per_node", "4").check_world(2)

@@ -1,0 +1,144 @@
+"""Bad user input fails before any engine starts, with a message naming the file, row or flag."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_PROMPTS, EMBEDDED_REWARD
+from rlhf.cli.train_ppo import run
+from rlhf.config.flags import parse_config
+from rlhf.config.schema import DataConfig, TrainPPOConfig
+from rlhf.data.prompts import PromptSampler, load_prompts
+from rlhf.models.loading import load_tokenizer
+from rlhf.rewards.reward_func import RewardFuncFile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(EMBEDDED_MODEL_DIR)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_missing_dataset_file(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match=r"--prompt_data .*nope.jsonl: no such file or directory"):
+        load_prompts(DataConfig(prompt_data=str(tmp_path / "nope.jsonl")), tokenizer)
+
+
+def test_missing_input_key_names_file_row_and_columns(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"input": "copy 1 :"}, {"question": "copy 2 :", "label": "2"}])
+    with pytest.raises(ValueError, match=r"p.jsonl, row 2: no column 'input' \(columns: label, question\); "
+                                         r"pass the right one with --input_key"):
+        load_prompts(DataConfig(prompt_data=path), tokenizer)
+
+
+def test_missing_label_key(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"input": "copy 1 :"}])
+    with pytest.raises(ValueError, match="row 1: no column 'answer' for --label_key"):
+        load_prompts(DataConfig(prompt_data=path, label_key="answer"), tokenizer)
+
+
+def test_invalid_json_line_is_located(tmp_path, tokenizer):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"input": "copy 1 :"}\n{"input": \n')
+    with pytest.raises(ValueError, match=r"p.jsonl, line 2: not valid JSON"):
+        load_prompts(DataConfig(prompt_data=str(path)), tokenizer)
+
+
+def test_long_prompts_are_dropped_and_counted(tmp_path, tokenizer):
+    rows = [{"input": "copy 1 :"}, {"input": "a b c d e f copy 2 :"}, {"input": "a b c d e copy 3 :"}]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    with pytest.warns(UserWarning, match="dropped 2 of 3 prompts longer than --prompt_max_len 5 tokens"):
+        prompts = load_prompts(DataConfig(prompt_data=path, prompt_max_len=5), tokenizer)
+    assert [p.text for p in prompts] == ["copy 1 :"]
+    with pytest.raises(ValueError, match="no usable prompts"), pytest.warns(UserWarning):
+        load_prompts(DataConfig(prompt_data=path, prompt_max_len=2), tokenizer)
+
+
+def test_templates_and_labels(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"q": "copy 4 :", "a": 4}])
+    plain = load_prompts(DataConfig(prompt_data=path, input_key="q", label_key="a",
+                                    input_template="user : {} assistant :"), tokenizer)
+    assert plain[0].text == "user : copy 4 : assistant :" and plain[0].label == 4
+    chat = load_prompts(DataConfig(prompt_data=path, input_key="q", apply_chat_template=True), tokenizer)
+    assert chat[0].text == "user : copy 4 : assistant :"
+    assert list(chat[0].token_ids) == tokenizer("user : copy 4 : assistant :", add_special_tokens=False)["input_ids"]
+
+
+def test_directory_and_json_at_syntax(tmp_path, tokenizer):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "train.json").write_text(json.dumps([{"input": "copy 5 :"}]))
+    (tmp_path / "d" / "test.json").write_text(json.dumps([{"input": "copy 6 :"}]))
+    assert [p.text for p in load_prompts(DataConfig(prompt_data=f"json@{tmp_path / 'd'}"), tokenizer)] == ["copy 5 :"]
+
+
+def test_sampler_is_deterministic_and_covers_an_episode(tokenizer):
+    prompts = load_prompts(DataConfig(prompt_data=EMBEDDED_PROMPTS, max_samples=40), tokenizer)
+    a, b = PromptSampler(prompts, 8, seed=1), PromptSampler(prompts, 8, seed=1)
+    assert a.steps_per_episode == 5
+    first_episode = [p for s in range(5) for p in a.batch(s)]
+    assert sorted(p.text for p in first_episode) == sorted(p.text for p in prompts)
+    assert [p.text for p in a.batch(7)] == [p.text for p in b.batch(7)]
+    assert [p.text for p in a.batch(0)] != [p.text for p in a.batch(5)]  # reshuffled next episode
+
+
+def test_reward_file_without_reward_func(tmp_path):
+    path = tmp_path / "r.py"
+    path.write_text("def score(x):\n    return 1\n")
+    with pytest.raises(ValueError, match=r"r.py defines no function reward_func\(queries, prompts, labels\)"):
+        RewardFuncFile(str(path))
+    with pytest.raises(ValueError, match="file not found"):
+        RewardFuncFile(str(tmp_path / "missing.py"))
+
+
+def test_reward_func_wrong_length(tmp_path):
+    path = tmp_path / "r.py"
+    path.write_text("def reward_func(queries, prompts, labels):\n    return [1.0]\n")
+    with pytest.raises(ValueError, match=r"returned 1 rewards for 3 queries; it must return exactly one per query"):
+        RewardFuncFile(str(path)).score(["a", "b", "c"], ["a", "b", "c"], [None] * 3)
+
+
+def test_reward_func_dict_output_and_nonfinite(tmp_path):
+    path = tmp_path / "r.py"
+    path.write_text("def reward_func(queries, prompts, labels):\n"
+                    "    return {'rewards': [1, 2], 'scores': [0, 1], 'extra_logs': {'len': [3, 4]}}\n")
+    out = RewardFuncFile(str(path)).score(["a", "b"], ["", ""], [None, None])
+    torch.testing.assert_close(out.rewards_B, torch.tensor([1.0, 2.0]))
+    torch.testing.assert_close(out.scores_B, torch.tensor([0.0, 1.0]))
+    torch.testing.assert_close(out.extra_logs["len"], torch.tensor([3.0, 4.0]))
+    path.write_text("def reward_func(queries, prompts, labels):\n    return [float('nan')]\n")
+    with pytest.raises(ValueError, match="non-finite rewards"):
+        RewardFuncFile(str(path)).score(["a"], [""], [None])
+
+
+def test_embedded_reward_scores_the_copy_task():
+    reward = RewardFuncFile(EMBEDDED_REWARD)
+    out = reward.score(["copy 3 : 3 3 1 3 3", "copy 3 : 1 2"], ["copy 3 :", "copy 3 :"], ["3", "3"])
+    torch.testing.assert_close(out.rewards_B, torch.tensor([0.75, 0.0]))
+
+
+def test_run_fails_before_engines_start(tmp_path, monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(key, raising=False)
+    cfg = parse_config(TrainPPOConfig, ["--prompt_data", str(tmp_path / "missing.jsonl"), "--train_batch_size", "8"])
+    with pytest.raises(ValueError, match="no such file or directory"):
+        run(cfg)
+
+
+def test_cli_reports_errors_without_a_traceback(tmp_path):
+    bad = tmp_path / "r.py"
+    bad.write_text("x = 1\n")
+    proc = subprocess.run([sys.executable, "-m", "rlhf.cli.train_ppo", "--remote_rm_url", str(bad)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "defines no function reward_func" in proc.stderr
+    assert "Traceback" not in proc.stderr

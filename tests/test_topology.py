@@ -1,0 +1,72 @@
+"""Rank planning (pure), process groups on gloo ranks, and launcher environment detection."""
+
+import pytest
+
+from rlhf.distributed.launch import _first_host, read_launch_env
+from rlhf.distributed.topology import Placement, Role, Topology, plan_ranks
+from tests.distributed import run_on_ranks
+
+
+def test_colocated_plan_puts_every_role_everywhere():
+    plan = plan_ranks(Placement.colocated((Role.ACTOR, Role.REF, Role.ROLLOUT)), 4)
+    assert plan == {Role.ACTOR: (0, 1, 2, 3), Role.REF: (0, 1, 2, 3), Role.ROLLOUT: (0, 1, 2, 3)}
+
+
+def test_disjoint_ranges_are_consecutive_in_role_order():
+    placement = Placement({Role.ACTOR: 2, Role.REF: 2, Role.CRITIC: 1, Role.REWARD: 1},
+                          (frozenset({Role.ACTOR, Role.REF}),))
+    plan = plan_ranks(placement, 4)
+    assert plan[Role.ACTOR] == plan[Role.REF] == (0, 1)
+    assert plan[Role.CRITIC] == (2,)
+    assert plan[Role.REWARD] == (3,)
+    assert plan[Role.ROLLOUT] == (0, 1, 2, 3)
+
+
+def test_plan_rejects_counts_that_do_not_fill_the_world():
+    with pytest.raises(ValueError, match=r"add up to 3 .* but the world has 4 ranks"):
+        plan_ranks(Placement({Role.ACTOR: 2, Role.CRITIC: 1}), 4)
+    with pytest.raises(ValueError, match="colocated roles must use the same number of ranks"):
+        plan_ranks(Placement({Role.ACTOR: 2, Role.REF: 1}, (frozenset({Role.ACTOR, Role.REF}),)), 3)
+
+
+def _topology_facts(tp):
+    import torch
+    import torch.distributed as dist
+
+    topo = Topology(plan_ranks(Placement.colocated((Role.ACTOR, Role.ROLLOUT)), dist.get_world_size()), tp)
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(value, group=topo.engine_group)
+    actor_sum = torch.tensor([1.0])
+    dist.all_reduce(actor_sum, group=topo.group(Role.ACTOR))
+    return {"engine": topo.engine_index, "engine_rank": topo.engine_rank, "engine_sum": float(value),
+            "actor_sum": float(actor_sum), "dp_rank": topo.dp_rank(Role.ACTOR)}
+
+
+def test_topology_groups_on_four_ranks():
+    facts = run_on_ranks(4, _topology_facts, 2)
+    assert [f["engine"] for f in facts] == [0, 0, 1, 1]
+    assert [f["engine_rank"] for f in facts] == [0, 1, 0, 1]
+    assert [f["engine_sum"] for f in facts] == [3.0, 3.0, 7.0, 7.0]
+    assert all(f["actor_sum"] == 4.0 for f in facts)
+    assert [f["dp_rank"] for f in facts] == [0, 1, 2, 3]
+
+
+def test_launch_env_torchrun():
+    env = read_launch_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "9"})
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port, env.launcher) == (
+        3, 8, 1, "h", 9, "torchrun")
+    with pytest.raises(ValueError, match="MASTER_ADDR, MASTER_PORT are not"):
+        read_launch_env({"RANK": "0", "WORLD_SIZE": "2"})
+
+
+def test_launch_env_slurm():
+    env = read_launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5",
+                           "SLURM_JOB_NODELIST": "gpu[07-08,11]"})
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.launcher) == (5, 16, 5, "gpu07", "slurm")
+    assert _first_host("node3,node4") == "node3"
+    with pytest.raises(ValueError, match="neither MASTER_ADDR nor SLURM_JOB_NODELIST"):
+        read_launch_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+
+
+def test_launch_env_single_process():
+    assert read_launch_env({}).launcher == "single"

@@ -1,0 +1,65 @@
+"""Run under torchrun: train one step, push weights into every rank's vLLM engine, sample, and compare
+engine log-probs with actor log-probs of the same sequences. Rank 0 writes a JSON report.
+
+    torchrun --nproc_per_node 2 tests/workers/vllm_parity.py OUT.json ZERO_STAGE TP
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from rlhf.assets import EMBEDDED_MODEL_DIR
+from rlhf.config.schema import EngineConfig, ModelConfig, OptimConfig
+from rlhf.distributed.launch import init_distributed, read_launch_env
+from rlhf.distributed.topology import Placement, Role, Topology, plan_ranks
+from rlhf.engines.deepspeed_engine import DeepSpeedModel
+from rlhf.engines.rollout import SamplingSpec, to_rollout
+from rlhf.engines.vllm_engine import VLLMEngine
+from rlhf.models.loading import load_causal_lm, load_tokenizer
+from rlhf.models.logprobs import sequence_logprobs
+from rlhf.trainers.actor import Actor
+from tests.test_dp_equivalence import synthetic_experiences
+
+
+def main(out_path: str, zero_stage: int, tp: int) -> None:
+    launch = read_launch_env()
+    device = init_distributed(launch)
+    topo = Topology(plan_ranks(Placement.colocated((Role.ACTOR, Role.ROLLOUT)), launch.world_size), rollout_tp=tp)
+    engine = VLLMEngine(EMBEDDED_MODEL_DIR, dtype=torch.float32, tp_size=tp, seed=0, max_model_len=64,
+                        kv_cache_bytes=16 << 20, gpu_memory_utilization=0.5, enforce_eager=True,
+                        enable_prefix_caching=False, enable_sleep=False)
+    torch.manual_seed(0)
+    model = DeepSpeedModel(ModelConfig(), EngineConfig(zero_stage=zero_stage),
+                           OptimConfig(actor_learning_rate=5e-2, lr_warmup_ratio=0.0, lr_scheduler="constant"),
+                           micro_batch_size=2, grad_accum_steps=1, num_optimizer_steps=1,
+                           dp_group=topo.group(Role.ACTOR))
+    actor = Actor(model, topo.group(Role.ACTOR), device, temperature=1.0, clip_range=(0.2, 0.2))
+    exp = synthetic_experiences(model.module.config.vocab_size)
+    exp.old_logprobs_BT1 = actor.logprobs(exp.sequences_BT, exp.attention_mask_BT, 4)
+    rank = dist.get_rank()
+    actor.train_batch([exp.slice(2 * rank, 2 * rank + 2)])
+    engine.load_weights(model.full_parameters())
+
+    tok = load_tokenizer(EMBEDDED_MODEL_DIR)
+    texts = ["a copy 3 :", "copy 9 :", "b c copy 0 :"]
+    prompt_ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    gens = engine.generate(prompt_ids, SamplingSpec(n=4, temperature=1.0, top_p=1.0, max_tokens=12, seed=5))
+    rollout = to_rollout(prompt_ids, gens, tok.pad_token_id, tok, texts, [None] * 3)
+    actor_lp = actor.logprobs(rollout.sequences_BT, rollout.attention_mask_BT, 16)
+    mask = rollout.action_mask_BT1
+    diff = float(((actor_lp - rollout.rollout_logprobs_BT1).abs() * mask).max())
+    original = load_causal_lm(EMBEDDED_MODEL_DIR, torch.float32, "sdpa")
+    with torch.no_grad():
+        before_lp = sequence_logprobs(original, rollout.sequences_BT, rollout.attention_mask_BT)
+    moved = float(((before_lp - rollout.rollout_logprobs_BT1).abs() * mask).max())
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"max_abs_diff": diff, "diff_vs_initial_weights": moved,
+                       "num_tokens": int(mask.sum())}, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
