@@ -7,10 +7,11 @@ import torch
 
 from rlhf.algorithms.advantages import (
     ESTIMATORS,
-    broadcast_to_tokens,
+    discounted_returns,
     group_baseline,
     group_norm,
     masked_moments,
+    token_rewards,
     whiten,
 )
 from rlhf.algorithms.losses import ppo_clip_loss_BT1, token_sum_over_global_count
@@ -29,14 +30,9 @@ def test_group_baseline_hand_values():
     torch.testing.assert_close(out, torch.tensor([[1.0, -1.0], [-2.0, 2.0]]))
 
 
-def test_estimator_table_whitening_flags():
-    assert ESTIMATORS["group_norm"].whiten is False
-    assert ESTIMATORS["reinforce_baseline"].whiten is True
-
-
-def test_broadcast_to_tokens_puts_return_on_every_action_token():
+def test_undiscounted_return_puts_the_score_on_every_action_token():
     mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 1.0]])
-    out = broadcast_to_tokens(torch.tensor([2.0, -1.0]), mask)
+    out = discounted_returns(token_rewards(torch.tensor([2.0, -1.0]), mask), mask, gamma=1.0)
     torch.testing.assert_close(out, torch.tensor([[0.0, 2.0, 2.0, 0.0], [0.0, 0.0, -1.0, -1.0]]))
 
 
@@ -84,3 +80,157 @@ def test_token_mean_uses_global_count():
     values = torch.tensor([[1.0, 2.0, 3.0]])
     mask = torch.tensor([[1.0, 0.0, 1.0]])
     assert float(token_sum_over_global_count(values, mask, 8.0)) == pytest.approx(0.5)
+
+
+def test_leave_one_out_hand_values():
+    from rlhf.algorithms.advantages import leave_one_out
+
+    # [1, 2, 6]: baselines (2+6)/2=4, (1+6)/2=3.5, (1+2)/2=1.5
+    torch.testing.assert_close(leave_one_out(torch.tensor([[1.0, 2.0, 6.0]])), torch.tensor([[-3.0, -1.5, 4.5]]))
+
+
+def test_every_estimator_in_the_table():
+    assert set(ESTIMATORS) == {"gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo"}
+    whitened = {k for k, e in ESTIMATORS.items() if e.whiten}
+    assert whitened == {"gae", "reinforce", "reinforce_baseline"}
+    assert {k for k, e in ESTIMATORS.items() if e.needs_critic} == {"gae"}
+    assert {k for k, e in ESTIMATORS.items() if e.needs_groups} == {"reinforce_baseline", "rloo", "group_norm",
+                                                                     "dr_grpo"}
+    r = torch.tensor([[1.0, 3.0]])
+    torch.testing.assert_close(ESTIMATORS["dr_grpo"].group_step(r), torch.tensor([[-1.0, 1.0]]))
+
+
+def test_token_rewards_kl_and_score_on_last_action_token():
+    from rlhf.algorithms.advantages import token_rewards
+
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0]])
+    kl = torch.tensor([[5.0, 0.1, 0.2, 0.3, 9.0], [1.0, 1.0, 0.5, 1.0, 1.0]])
+    out = token_rewards(torch.tensor([2.0, -1.0]), mask, kl, kl_coef=0.5)
+    torch.testing.assert_close(out, torch.tensor([[0.0, -0.05, -0.1, 2.0 - 0.15, 0.0],
+                                                  [0.0, 0.0, -1.0 - 0.25, 0.0, 0.0]]))
+
+
+def test_discounted_returns_hand_values():
+    from rlhf.algorithms.advantages import discounted_returns
+
+    rewards = torch.tensor([[0.0, 1.0, 0.0, 2.0, 0.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0]])
+    out = discounted_returns(rewards, mask, gamma=0.5)
+    # G3 = 2, G2 = 0 + 0.5*2 = 1, G1 = 1 + 0.5*1 = 1.5
+    torch.testing.assert_close(out, torch.tensor([[0.0, 1.5, 1.0, 2.0, 0.0]]))
+
+
+def test_gae_hand_values():
+    from rlhf.algorithms.advantages import gae
+
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
+    values = torch.tensor([[9.0, 0.5, 0.25, 9.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0]])
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lambd=0.8)
+    # t=2: delta = 1 + 0 - 0.25 = 0.75 = A2; t=1: delta = 0 + 0.9*0.25 - 0.5 = -0.275; A1 = -0.275 + 0.72*0.75
+    a1 = -0.275 + 0.9 * 0.8 * 0.75
+    torch.testing.assert_close(adv, torch.tensor([[0.0, a1, 0.75, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[0.0, a1 + 0.5, 1.0, 0.0]]))
+
+
+def test_gae_with_lambda_one_is_discounted_return_minus_value():
+    from rlhf.algorithms.advantages import discounted_returns, gae
+
+    g = torch.Generator().manual_seed(3)
+    rewards, values = torch.randn(3, 6, generator=g), torch.randn(3, 6, generator=g)
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0]], dtype=torch.float32)
+    adv, _ = gae(rewards * mask, values, mask, gamma=0.7, lambd=1.0)
+    torch.testing.assert_close(adv, (discounted_returns(rewards * mask, mask, 0.7) - values) * mask)
+
+
+@pytest.mark.parametrize("kind,expected", [("k1", [0.5, -1.0, 10.0]), ("k2", [0.125, 0.5, 10.0]),
+                                           ("k3", [math.exp(-0.5) - 0.5, math.e - 2, 10.0])])
+def test_kl_estimators_hand_values(kind, expected):
+    from rlhf.algorithms.kl import kl_estimate
+
+    logp = torch.tensor([[0.5, -1.0, 20.0]])
+    out = kl_estimate(logp, torch.zeros(1, 3), kind)
+    torch.testing.assert_close(out, torch.tensor([expected]), rtol=1e-5, atol=1e-6)
+
+
+def test_adaptive_kl_controller():
+    from rlhf.algorithms.kl import KLController
+
+    fixed = KLController(0.1)
+    fixed.update(5.0, 100)
+    assert fixed.value == 0.1
+    adaptive = KLController(0.1, target=1.0, horizon=1000)
+    adaptive.update(5.0, 100)  # error clipped to 0.2: beta *= 1 + 0.2 * 0.1
+    assert adaptive.value == pytest.approx(0.102)
+    adaptive.update(0.9, 1000)  # error -0.1: beta *= 0.9
+    assert adaptive.value == pytest.approx(0.0918)
+
+
+def test_dual_clip_caps_negative_advantage_loss():
+    # ratio e^2 = 7.39 with A = -1: PPO loss = max(7.39, 1.2) = 7.39; dual clip 3 caps it to 3
+    loss, _ = ppo_clip_loss_BT1(torch.tensor([[2.0, 2.0]]), torch.zeros(1, 2), torch.tensor([[-1.0, 1.0]]),
+                                0.2, 0.2, dual_clip=3.0)
+    torch.testing.assert_close(loss, torch.tensor([[3.0, -1.2]]))
+
+
+def test_gspo_uses_one_ratio_per_sequence():
+    from rlhf.algorithms.losses import gspo_loss_BT1
+
+    logp = torch.tensor([[0.0, 0.1, -0.1, 0.0]], requires_grad=True)
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0]])
+    loss, _ = gspo_loss_BT1(logp, torch.zeros(1, 4), torch.ones(1, 4), mask, 0.2, 0.2)
+    torch.testing.assert_close(loss * mask, -mask)  # mean log-ratio 0 -> ratio 1 on both tokens
+
+
+def test_value_loss_hand_values():
+    from rlhf.algorithms.losses import value_loss_BT1
+
+    v, v_old, g = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 0.0]]), torch.tensor([[0.0, 2.0]])
+    torch.testing.assert_close(value_loss_BT1(v, v_old, g, None), torch.tensor([[0.5, 2.0]]))
+    # clipped V for token 0: 0 + clip(1, +-0.2) = 0.2 -> (0.2)^2 = 0.04 < 1: max keeps 1
+    torch.testing.assert_close(value_loss_BT1(v, v_old, g, 0.2), torch.tensor([[0.5, 2.0]]))
+    v2 = torch.tensor([[0.0, 1.0]])  # token 1: unclipped (1-2)^2 = 1, clipped (0.2-2)^2 = 3.24
+    torch.testing.assert_close(value_loss_BT1(v2, v_old, g, 0.2), torch.tensor([[0.0, 1.62]]))
+
+
+def test_importance_weights_tis_and_icepop():
+    from rlhf.algorithms.losses import importance_weights_BT1
+
+    old = torch.log(torch.tensor([[1.0, 3.0, 0.2]]))
+    roll = torch.zeros(1, 3)
+    torch.testing.assert_close(importance_weights_BT1(old, roll, 0.5, 2.0, icepop=False), torch.tensor([[1.0, 2.0, 0.5]]))
+    torch.testing.assert_close(importance_weights_BT1(old, roll, 0.5, 2.0, icepop=True), torch.tensor([[1.0, 0.0, 0.0]]))
+
+
+def test_entropy_and_sequence_mean():
+    from rlhf.algorithms.losses import entropy_from_logits_BT, sequence_mean_over_global_count
+
+    ent = entropy_from_logits_BT(torch.zeros(1, 2, 4))
+    torch.testing.assert_close(ent, torch.full((1, 2), math.log(4)))
+    values = torch.tensor([[1.0, 3.0, 0.0], [2.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert float(sequence_mean_over_global_count(values, mask, 4.0)) == pytest.approx((2.0 + 2.0) / 4)
+
+
+def test_length_penalties_and_group_filter():
+    from rlhf.algorithms.shaping import group_filter, overlong_penalty, stop_properly_penalty
+
+    out = overlong_penalty(torch.tensor([5, 7, 9, 12]), generate_max_len=10, buffer_len=4, factor=1.0)
+    torch.testing.assert_close(out, torch.tensor([0.0, -0.25, -0.75, -1.0]))
+    r, trunc = torch.tensor([1.0, 1.0]), torch.tensor([True, False])
+    torch.testing.assert_close(stop_properly_penalty(r, trunc, 0.5), torch.tensor([0.5, 1.0]))
+    torch.testing.assert_close(stop_properly_penalty(r, trunc, -0.5), torch.tensor([-0.5, 1.0]))
+    keep = group_filter(torch.tensor([[0.0, 0.0], [0.0, 1.0], [1.0, 1.0]]), 0.0, 1.0)
+    assert keep.tolist() == [False, True, False]
+
+
+def test_running_moments_merge_equals_whole():
+    from rlhf.algorithms.shaping import RunningMoments
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, generator=g, dtype=torch.float64) * 3 + 1
+    rm = RunningMoments()
+    for part in (x[:20], x[20:]):
+        rm.update(float(part.sum()), float((part * part).sum()), part.numel())
+    assert rm.mean == pytest.approx(float(x.mean()))
+    assert rm.std == pytest.approx(float(x.std(unbiased=False)))

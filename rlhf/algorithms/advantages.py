@@ -1,7 +1,8 @@
 """Advantage estimators as pure tensor functions (RL_MATH.md, "Advantage estimators").
 
 No configs, groups or state: global statistics (for whitening across data-parallel ranks) are
-passed in as arguments. Shapes: P prompts, N samples per prompt, B = P*N, T1 token positions.
+passed in as arguments. Shapes: P prompts, N samples per prompt, B = P*N, T1 token positions
+aligned with next-token targets (see rlhf.data.records); masks are float 0/1.
 """
 
 from __future__ import annotations
@@ -24,23 +25,89 @@ def group_baseline(rewards_PN: torch.Tensor) -> torch.Tensor:
     return rewards_PN - rewards_PN.mean(-1, keepdim=True)
 
 
+def leave_one_out(rewards_PN: torch.Tensor) -> torch.Tensor:
+    """RLOO: R - (sum_group R - R) / (n - 1)."""
+    n = rewards_PN.shape[-1]
+    return rewards_PN - (rewards_PN.sum(-1, keepdim=True) - rewards_PN) / (n - 1)
+
+
 @dataclass(frozen=True)
 class Estimator:
-    """A group step on sequence rewards, and whether token advantages are then whitened globally."""
+    """How one `--advantage_estimator` turns rewards into token advantages.
 
-    group_step: Callable[[torch.Tensor], torch.Tensor]
+    group_step: applied to sequence rewards [P, N] before returns (None: no group step).
+    whiten: whiten token advantages with global statistics afterwards.
+    needs_critic: uses value estimates (GAE).
+    gamma_one: discounting is switched off (group methods).
+    """
+
+    group_step: Callable[[torch.Tensor], torch.Tensor] | None
     whiten: bool
+    needs_critic: bool = False
+    gamma_one: bool = True
+
+    @property
+    def needs_groups(self) -> bool:
+        return self.group_step is not None
 
 
 ESTIMATORS: dict[str, Estimator] = {
-    "group_norm": Estimator(group_norm, whiten=False),
+    "gae": Estimator(None, whiten=True, needs_critic=True, gamma_one=False),
+    "reinforce": Estimator(None, whiten=True, gamma_one=False),
     "reinforce_baseline": Estimator(group_baseline, whiten=True),
+    "rloo": Estimator(leave_one_out, whiten=False),
+    "group_norm": Estimator(group_norm, whiten=False),
+    "dr_grpo": Estimator(group_baseline, whiten=False),
 }
 
 
-def broadcast_to_tokens(scores_B: torch.Tensor, action_mask_BT1: torch.Tensor) -> torch.Tensor:
-    """Per-token returns with gamma = 1 and the reward on the last action token: G_t = R on every action token."""
-    return scores_B[:, None].to(action_mask_BT1.dtype) * action_mask_BT1
+def last_action_index(action_mask_BT1: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: position of the last action token of each row (rows must have one)."""
+    positions = torch.arange(action_mask_BT1.shape[1], device=action_mask_BT1.device)
+    return (positions * (action_mask_BT1 > 0)).argmax(-1)
+
+
+def token_rewards(scores_B: torch.Tensor, action_mask_BT1: torch.Tensor, kl_BT1: torch.Tensor | None = None,
+                  kl_coef: float = 0.0) -> torch.Tensor:
+    """r_t = -kl_coef * kl_t on action tokens, plus the sequence score on the last action token."""
+    rewards = torch.zeros_like(action_mask_BT1, dtype=torch.float32)
+    if kl_BT1 is not None and kl_coef != 0.0:
+        rewards = -kl_coef * kl_BT1.float() * action_mask_BT1
+    last = last_action_index(action_mask_BT1)
+    rows = torch.arange(rewards.shape[0], device=rewards.device)
+    rewards[rows, last] += scores_B.float()
+    return rewards
+
+
+def discounted_returns(rewards_BT1: torch.Tensor, action_mask_BT1: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = sum_{k>=t} gamma^(k-t) r_k over action tokens (0 elsewhere)."""
+    returns = torch.zeros_like(rewards_BT1)
+    running = torch.zeros_like(rewards_BT1[:, 0])
+    for t in reversed(range(rewards_BT1.shape[1])):
+        running = (rewards_BT1[:, t] + gamma * running) * action_mask_BT1[:, t]
+        returns[:, t] = running
+    return returns
+
+
+def gae(rewards_BT1: torch.Tensor, values_BT1: torch.Tensor, action_mask_BT1: torch.Tensor, gamma: float,
+        lambd: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over action tokens: (advantages, returns = advantages + values).
+
+    delta_t = r_t + gamma V_{t+1} - V_t with V = 0 after the last action token;
+    A_t = delta_t + gamma lambda A_{t+1}.
+    """
+    values = values_BT1.float() * action_mask_BT1
+    advantages = torch.zeros_like(rewards_BT1)
+    next_value = torch.zeros_like(rewards_BT1[:, 0])
+    next_adv = torch.zeros_like(rewards_BT1[:, 0])
+    for t in reversed(range(rewards_BT1.shape[1])):
+        m = action_mask_BT1[:, t]
+        delta = rewards_BT1[:, t] + gamma * next_value - values[:, t]
+        adv = (delta + gamma * lambd * next_adv) * m
+        advantages[:, t] = adv
+        next_value = torch.where(m > 0, values[:, t], next_value)
+        next_adv = torch.where(m > 0, adv, next_adv)
+    return advantages, (advantages + values) * action_mask_BT1
 
 
 def masked_moments(x_BT1: torch.Tensor, mask_BT1: torch.Tensor) -> torch.Tensor:
@@ -56,9 +123,9 @@ def whiten(x_BT1: torch.Tensor, mask_BT1: torch.Tensor, moments: torch.Tensor, d
     Uses the biased (population) variance of all action tokens. Values outside the mask are 0.
     """
     total, total_sq, count = moments.tolist()
-    mean = total / count
+    mean = total / max(count, 1.0)
     out = x_BT1 - mean
     if divide_std:
-        var = max(total_sq / count - mean * mean, 0.0)
+        var = max(total_sq / max(count, 1.0) - mean * mean, 0.0)
         out = out / (var**0.5 + eps)
     return out * mask_BT1

@@ -1,8 +1,8 @@
-"""Policy losses as pure tensor functions (RL_MATH.md, "Losses").
+"""Policy and value losses as pure tensor functions (RL_MATH.md, "Losses").
 
 Per-token losses are reduced with an explicit global normaliser (the number of action tokens of the
 whole optimizer step over every micro-batch and DP rank), so any DP x accumulation split gives the
-same gradient. Shapes: B samples, T1 token positions.
+same gradient. Shapes: B samples, T1 token positions, V vocabulary.
 """
 
 from __future__ import annotations
@@ -11,16 +11,72 @@ import torch
 
 
 def ppo_clip_loss_BT1(logprobs_BT1: torch.Tensor, old_logprobs_BT1: torch.Tensor, advantages_BT1: torch.Tensor,
-                      clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token PPO-clip loss -min(rho*A, clip(rho, 1-lo, 1+hi)*A), and a 0/1 clipped indicator."""
+                      clip_low: float, clip_high: float,
+                      dual_clip: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO-clip loss -min(rho*A, clip(rho, 1-lo, 1+hi)*A), and a 0/1 clipped indicator.
+
+    With `dual_clip` c > 1, tokens with A < 0 have their loss capped at -c*A.
+    """
     ratio = torch.exp(logprobs_BT1 - old_logprobs_BT1)
     unclipped = ratio * advantages_BT1
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages_BT1
     loss = -torch.minimum(unclipped, clipped)
+    if dual_clip is not None:
+        capped = torch.minimum(loss, -dual_clip * advantages_BT1)
+        loss = torch.where(advantages_BT1 < 0, capped, loss)
     return loss, (clipped < unclipped).float()
+
+
+def gspo_loss_BT1(logprobs_BT1: torch.Tensor, old_logprobs_BT1: torch.Tensor, advantages_BT1: torch.Tensor,
+                  action_mask_BT1: torch.Tensor, clip_low: float,
+                  clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO: one ratio per sequence, exp(mean_t(logp - logp_old)), applied to every token of it.
+
+    The token form keeps gradients flowing per token (ratio_t = sg(s_seq) * exp(logp_t - sg(logp_t))).
+    Reduce it with a sequence-level mean.
+    """
+    count = action_mask_BT1.sum(-1, keepdim=True).clamp(min=1)
+    seq_log_ratio = ((logprobs_BT1 - old_logprobs_BT1) * action_mask_BT1).sum(-1, keepdim=True) / count
+    ratio = torch.exp(seq_log_ratio.detach() + logprobs_BT1 - logprobs_BT1.detach())
+    unclipped = ratio * advantages_BT1
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages_BT1
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).float()
+
+
+def value_loss_BT1(values_BT1: torch.Tensor, old_values_BT1: torch.Tensor, returns_BT1: torch.Tensor,
+                   value_clip: float | None) -> torch.Tensor:
+    """0.5 * max((V - G)^2, (V_old + clip(V - V_old, +-eps) - G)^2); unclipped without `value_clip`."""
+    unclipped = (values_BT1 - returns_BT1).square()
+    if value_clip is None:
+        return 0.5 * unclipped
+    clipped_values = old_values_BT1 + (values_BT1 - old_values_BT1).clamp(-value_clip, value_clip)
+    return 0.5 * torch.maximum(unclipped, (clipped_values - returns_BT1).square())
+
+
+def importance_weights_BT1(old_logprobs_BT1: torch.Tensor, rollout_logprobs_BT1: torch.Tensor, low: float,
+                           high: float, icepop: bool) -> torch.Tensor:
+    """Off-policy correction against the rollout engine: w = exp(logp_old - logp_roll), truncated to
+    [low, high] (TIS) or zeroed outside it (ICEPOP). Detached."""
+    w = torch.exp(old_logprobs_BT1 - rollout_logprobs_BT1).detach()
+    if icepop:
+        return w * ((w >= low) & (w <= high)).float()
+    return w.clamp(low, high)
+
+
+def entropy_from_logits_BT(logits_BTV: torch.Tensor) -> torch.Tensor:
+    """float32 [B, T] entropy of softmax(logits)."""
+    logp = logits_BTV.float().log_softmax(-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def token_sum_over_global_count(values_BT1: torch.Tensor, mask_BT1: torch.Tensor,
                                 global_num_tokens: float) -> torch.Tensor:
     """Sum of masked per-token values divided by the global token count of the optimizer step."""
     return (values_BT1 * mask_BT1).sum() / global_num_tokens
+
+
+def sequence_mean_over_global_count(values_BT1: torch.Tensor, mask_BT1: torch.Tensor,
+                                    global_num_sequences: float) -> torch.Tensor:
+    """Sum over sequences of each sequence's token mean, divided by the global sequence count."""
+    per_seq = (values_BT1 * mask_BT1).sum(-1) / mask_BT1.sum(-1).clamp(min=1)
+    return per_seq.sum() / global_num_sequences
