@@ -198,8 +198,10 @@ def test_importance_weights_tis_and_icepop():
 
     old = torch.log(torch.tensor([[1.0, 3.0, 0.2]]))
     roll = torch.zeros(1, 3)
-    torch.testing.assert_close(importance_weights_BT1(old, roll, 0.5, 2.0, icepop=False), torch.tensor([[1.0, 2.0, 0.5]]))
-    torch.testing.assert_close(importance_weights_BT1(old, roll, 0.5, 2.0, icepop=True), torch.tensor([[1.0, 0.0, 0.0]]))
+    tis = importance_weights_BT1(old, roll, 0.5, 2.0, icepop=False)
+    torch.testing.assert_close(tis, torch.tensor([[1.0, 2.0, 0.5]]))
+    icepop = importance_weights_BT1(old, roll, 0.5, 2.0, icepop=True)
+    torch.testing.assert_close(icepop, torch.tensor([[1.0, 0.0, 0.0]]))
 
 
 def test_entropy_and_sequence_mean():

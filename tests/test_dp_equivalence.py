@@ -33,30 +33,41 @@ def synthetic_experiences(vocab: int):
         action[b, p - 1: p - 1 + r] = 1
     adv = torch.randn(GLOBAL_BATCH, T - 1, generator=g) * action
     old_offset = 0.3 * torch.randn(GLOBAL_BATCH, T - 1, generator=g)
-    return Experience(seq, attn, action, old_offset, adv, torch.zeros(GLOBAL_BATCH))
+    return Experience(seq, attn, action, old_offset, torch.zeros_like(old_offset), adv, torch.zeros(GLOBAL_BATCH))
+
+
+def build_actor(zero_stage: int, lr: float, grad_accum_steps: int):
+    """A DeepSpeed actor on the embedded tiny policy over the whole world."""
+    import torch.distributed as dist
+
+    from rlhf.assets import EMBEDDED_MODEL_DIR
+    from rlhf.config.schema import AlgoConfig, EngineConfig, OptimConfig
+    from rlhf.engines.deepspeed_engine import DeepSpeedModel
+    from rlhf.models.loading import load_causal_lm
+    from rlhf.trainers.actor import Actor
+
+    model = DeepSpeedModel(lambda: load_causal_lm(EMBEDDED_MODEL_DIR, torch.float32, "sdpa"),
+                           EngineConfig(zero_stage=zero_stage),
+                           OptimConfig(lr_warmup_ratio=0.0, lr_scheduler="constant"), learning_rate=lr, bf16=False,
+                           micro_batch_size=MICRO, grad_accum_steps=grad_accum_steps, num_optimizer_steps=1,
+                           device=torch.device("cpu"), dp_group=dist.group.WORLD)
+    return Actor(model, dist.group.WORLD, torch.device("cpu"), temperature=1.0, algo=AlgoConfig())
 
 
 def one_step(zero_stage: int) -> dict:
     import torch.distributed as dist
 
-    from rlhf.config.schema import EngineConfig, ModelConfig, OptimConfig
-    from rlhf.engines.deepspeed_engine import DeepSpeedModel
-    from rlhf.trainers.actor import Actor
-
     torch.manual_seed(0)
     dp, rank = dist.get_world_size(), dist.get_rank()
-    model = DeepSpeedModel(ModelConfig(), EngineConfig(zero_stage=zero_stage),
-                           OptimConfig(actor_learning_rate=1e-2, lr_warmup_ratio=0.0, lr_scheduler="constant"),
-                           micro_batch_size=MICRO, grad_accum_steps=GLOBAL_BATCH // (MICRO * dp),
-                           num_optimizer_steps=1, dp_group=dist.group.WORLD)
-    actor = Actor(model, dist.group.WORLD, torch.device("cpu"), temperature=1.0, clip_range=(0.2, 0.2))
+    actor = build_actor(zero_stage, 1e-2, GLOBAL_BATCH // (MICRO * dp))
+    model = actor.model
     exp = synthetic_experiences(model.module.config.vocab_size)
     current = actor.logprobs(exp.sequences_BT, exp.attention_mask_BT, micro_batch_size=GLOBAL_BATCH)
     exp.old_logprobs_BT1 = (current + exp.old_logprobs_BT1) * exp.action_mask_BT1
     per_rank = GLOBAL_BATCH // dp
     mine = exp.slice(rank * per_rank, (rank + 1) * per_rank)
     micro = [mine.slice(s, s + MICRO) for s in range(0, per_rank, MICRO)]
-    stats = actor.train_batch(micro)
+    stats = actor.train_batch(micro, kl_coef=0.0)
     loss = torch.tensor([stats["policy_loss"]], dtype=torch.float64)
     dist.all_reduce(loss)
     weights = {name: t for name, t in model.full_parameters()}

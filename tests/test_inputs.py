@@ -14,7 +14,14 @@ from rlhf.config.flags import parse_config
 from rlhf.config.schema import DataConfig, TrainPPOConfig
 from rlhf.data.prompts import PromptSampler, load_prompts
 from rlhf.models.loading import load_tokenizer
+from rlhf.rewards.base import RewardInputs
 from rlhf.rewards.reward_func import RewardFuncFile
+
+
+def inputs(queries, prompts, labels):
+    n = len(queries)
+    return RewardInputs(list(queries), list(prompts), list(labels), torch.zeros(n, 1, dtype=torch.long),
+                        torch.ones(n, 1, dtype=torch.long))
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -104,25 +111,25 @@ def test_reward_func_wrong_length(tmp_path):
     path = tmp_path / "r.py"
     path.write_text("def reward_func(queries, prompts, labels):\n    return [1.0]\n")
     with pytest.raises(ValueError, match=r"returned 1 rewards for 3 queries; it must return exactly one per query"):
-        RewardFuncFile(str(path)).score(["a", "b", "c"], ["a", "b", "c"], [None] * 3)
+        RewardFuncFile(str(path)).score(inputs(["a", "b", "c"], ["a", "b", "c"], [None] * 3))
 
 
 def test_reward_func_dict_output_and_nonfinite(tmp_path):
     path = tmp_path / "r.py"
     path.write_text("def reward_func(queries, prompts, labels):\n"
                     "    return {'rewards': [1, 2], 'scores': [0, 1], 'extra_logs': {'len': [3, 4]}}\n")
-    out = RewardFuncFile(str(path)).score(["a", "b"], ["", ""], [None, None])
+    out = RewardFuncFile(str(path)).score(inputs(["a", "b"], ["", ""], [None, None]))
     torch.testing.assert_close(out.rewards_B, torch.tensor([1.0, 2.0]))
     torch.testing.assert_close(out.scores_B, torch.tensor([0.0, 1.0]))
     torch.testing.assert_close(out.extra_logs["len"], torch.tensor([3.0, 4.0]))
     path.write_text("def reward_func(queries, prompts, labels):\n    return [float('nan')]\n")
     with pytest.raises(ValueError, match="non-finite rewards"):
-        RewardFuncFile(str(path)).score(["a"], [""], [None])
+        RewardFuncFile(str(path)).score(inputs(["a"], [""], [None]))
 
 
 def test_embedded_reward_scores_the_copy_task():
     reward = RewardFuncFile(EMBEDDED_REWARD)
-    out = reward.score(["copy 3 : 3 3 1 3 3", "copy 3 : 1 2"], ["copy 3 :", "copy 3 :"], ["3", "3"])
+    out = reward.score(inputs(["copy 3 : 3 3 1 3 3", "copy 3 : 1 2"], ["copy 3 :", "copy 3 :"], ["3", "3"]))
     torch.testing.assert_close(out.rewards_B, torch.tensor([0.75, 0.0]))
 
 

@@ -80,6 +80,51 @@ def build_prompts(path: str, seed: int, num_prompts: int = 512) -> None:
             f.write(json.dumps({"input": text, "label": digit}) + "\n")
 
 
+def _copy_task_samples(tok, rng: random.Random, count: int) -> tuple[list[str], list[str], list[float]]:
+    """Prompt/response pairs whose number of label copies is uniform over 0..4, and their rule reward."""
+    words = DIGITS + FILLER + ["</s>"]
+    prompts, responses, rewards = [], [], []
+    for _ in range(count):
+        digit = rng.choice(DIGITS)
+        filler = " ".join(rng.choice(FILLER) for _ in range(rng.randint(0, 3)))
+        copies = rng.randint(0, 4)
+        others = [w for w in words if w != digit]
+        head = [digit] * copies + [rng.choice(others) for _ in range(4 - copies)]
+        rng.shuffle(head)
+        tail = [rng.choice(words) for _ in range(rng.randint(0, 4))]
+        prompts.append(f"{filler} copy {digit} :".strip())
+        responses.append(" ".join(head + tail))
+        rewards.append(copies / 4.0)
+    return prompts, responses, rewards
+
+
+def build_reward_model(out_dir: str, policy_dir: str, tok, seed: int, steps: int = 600) -> None:
+    """A scalar-head model trained by regression to predict the copy-task reward of a response."""
+    from rlhf.models.value import load_scalar_head_model, save_scalar_head_model
+
+    torch.manual_seed(seed + 1)
+    model = load_scalar_head_model(policy_dir, "score", torch.float32, "sdpa")
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05) if p.dim() > 1 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng = random.Random(seed + 1)
+    for step in range(steps):
+        prompts, responses, rewards = _copy_task_samples(tok, rng, 64)
+        enc = tok([p + " " + r for p, r in zip(prompts, responses)], padding=True, return_tensors="pt",
+                  add_special_tokens=False)
+        values = model(enc["input_ids"], enc["attention_mask"])
+        last = enc["attention_mask"].sum(-1) - 1
+        pred = values.gather(1, last[:, None]).squeeze(1)
+        loss = torch.nn.functional.mse_loss(pred, torch.tensor(rewards))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 100 == 0 or step == steps - 1:
+            print(f"reward model step {step}: mse {loss.item():.4f}")
+    save_scalar_head_model({k: v.detach() for k, v in model.state_dict().items()}, model.config, "score", out_dir,
+                           tok)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "tiny"))
@@ -90,6 +135,7 @@ def main() -> None:
     tok = build_tokenizer(policy_dir)
     build_policy(policy_dir, tok, args.seed)
     build_prompts(os.path.join(args.out, "prompts.jsonl"), args.seed)
+    build_reward_model(os.path.join(args.out, "reward_model"), policy_dir, tok, args.seed)
     with open(os.path.join(args.out, "reward.py"), "w", encoding="utf-8") as f:
         f.write(REWARD_SOURCE)
     print(f"wrote the tiny demo to {args.out}")

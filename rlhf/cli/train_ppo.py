@@ -1,7 +1,7 @@
-"""Entry point of PPO-family RL training: `torchrun ... -m rlhf.cli.train_ppo --pretrain ... `.
+"""Entry point of RL training: `torchrun ... -m rlhf.cli.train_ppo --pretrain ... ` (or srun).
 
 Parses OpenRLHF-style flags into the typed config, validates inputs before any engine starts, builds
-the topology, the actor, the rollout engine and the reward source, and runs the trainer.
+the topology, the roles, the rollout engine and the reward source, and runs the trainer.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from rlhf.config.flags import parse_config
 from rlhf.config.schema import TrainPPOConfig
 from rlhf.data.prompts import PromptSampler, load_prompts
 from rlhf.distributed.launch import init_distributed, read_launch_env
-from rlhf.distributed.topology import Placement, Role, Topology, plan_ranks
-from rlhf.engines.deepspeed_engine import DeepSpeedModel
+from rlhf.distributed.topology import Role, Topology, plan_ranks
 from rlhf.models.loading import load_tokenizer
-from rlhf.rewards.reward_func import RewardFuncFile
-from rlhf.trainers.actor import Actor
-from rlhf.trainers.ppo import PPOTrainer, total_steps
+from rlhf.models.value import save_scalar_head_model
+from rlhf.rewards.base import RewardSource
+from rlhf.trainers.build import ROLE_NAMES, build_roles, placement_from_config
+from rlhf.trainers.ppo import PPOTrainer, Roles, total_steps
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.seeding import seed_everything
 
@@ -52,36 +52,57 @@ def build_rollout_engine(cfg: TrainPPOConfig, device: torch.device, tokenizer):
                             trust_remote_code=m.trust_remote_code)
 
 
+def build_reward_source(cfg: TrainPPOConfig) -> RewardSource | None:
+    """The reward_func file or HTTP client (reward models are built per rank with the roles)."""
+    source = cfg.reward.source
+    if not source:
+        return None
+    if source.startswith(("http://", "https://")):
+        from rlhf.rewards.remote import RemoteRewardClient
+
+        return RemoteRewardClient(source, cfg.reward.remote_rm_timeout, cfg.reward.remote_rm_retries)
+    from rlhf.rewards.reward_func import RewardFuncFile
+
+    return RewardFuncFile(source)
+
+
+def save_models(cfg: TrainPPOConfig, roles: Roles, topology: Topology, tokenizer) -> None:
+    """Final HF-format models under --save_path: the actor (with tokenizer) and the critic."""
+    out = cfg.logging.save_path
+    if roles.actor is not None:
+        roles.actor.model.save_hf(os.path.join(out, "model"), tokenizer, topology.dp_rank(Role.ACTOR) == 0)
+    if roles.critic is not None:
+        state = dict(roles.critic.model.full_parameters())
+        if topology.dp_rank(Role.CRITIC) == 0:
+            module = roles.critic.model.module
+            save_scalar_head_model(state, module.config, module.head_prefix, os.path.join(out, "critic"), tokenizer)
+
+
 def run(cfg: TrainPPOConfig) -> None:
     launch = read_launch_env()
     cfg.check_world(launch.world_size)
+    plan = plan_ranks(placement_from_config(cfg), launch.world_size)
+    cfg.check_role_sizes({ROLE_NAMES[r]: len(ranks) for r, ranks in plan.items() if r is not Role.ROLLOUT},
+                         trainable=("actor", "critic"))
     # Validate the user's inputs before any engine starts (engines take minutes on real models).
-    reward = RewardFuncFile(cfg.reward.remote_rm_url)
+    reward_source = build_reward_source(cfg)
     tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code)
     sampler = PromptSampler(load_prompts(cfg.data, tokenizer), cfg.batch.rollout_batch_size, cfg.seed)
     device = init_distributed(launch)
-    topology = Topology(plan_ranks(Placement.colocated((Role.ACTOR, Role.ROLLOUT)), launch.world_size),
-                        rollout_tp=cfg.rollout.vllm_tensor_parallel_size)
+    topology = Topology(plan, rollout_tp=cfg.rollout.vllm_tensor_parallel_size)
     is_writer = launch.rank == 0
     if is_writer and cfg.model.pretrain == TrainPPOConfig().model.pretrain:
         print("no --pretrain given: training the embedded tiny demo policy", flush=True)
     engine = build_rollout_engine(cfg, device, tokenizer)
     seed_everything(cfg.seed + launch.rank, cfg.full_determinism)  # vLLM re-seeds globally
     steps = total_steps(cfg, sampler)
-    b = cfg.batch
-    samples_per_step = b.rollout_batch_size * cfg.rollout.n_samples_per_prompt
-    dp = topology.dp_size(Role.ACTOR)
-    model = DeepSpeedModel(cfg.model, cfg.engine, cfg.optim, micro_batch_size=b.micro_train_batch_size,
-                           grad_accum_steps=b.train_batch_size // (b.micro_train_batch_size * dp),
-                           num_optimizer_steps=steps * b.max_epochs * samples_per_step // b.train_batch_size,
-                           dp_group=topology.group(Role.ACTOR))
-    engine.load_weights(model.full_parameters())
-    actor = Actor(model, topology.group(Role.ACTOR), device, temperature=cfg.rollout.temperature,
-                  clip_range=cfg.algo.clip_range)
+    roles = build_roles(cfg, topology, device, steps, reward_source, tokenizer)
     logger = MetricsLogger(cfg.logging.save_path, cfg.logging.use_tensorboard, steps, enabled=is_writer)
+    trainer = PPOTrainer(cfg, topology, roles, engine, sampler, tokenizer, logger, device)
+    trainer.sync_weights()
     try:
-        PPOTrainer(cfg, topology, actor, engine, reward, sampler, tokenizer, logger).fit()
-        model.save_hf(os.path.join(cfg.logging.save_path, "model"), tokenizer, is_writer)
+        trainer.fit()
+        save_models(cfg, roles, topology, tokenizer)
     finally:
         logger.close()
     dist.barrier()

@@ -22,24 +22,13 @@ IGNORED_FLAGS: dict[str, str] = {
     "vllm_sync_with_ray": "weights move in-process here; there is no Ray",
     "vllm_sync_backend": "weights are loaded into each rank's own engine in-process; no sync backend",
     "vllm_num_engines": "every rank hosts an engine; the count is world size / --vllm_tensor_parallel_size",
-    "colocate_actor_ref": "this build colocates every role on every rank",
-    "colocate_critic_reward": "this build colocates every role on every rank",
-    "ref_num_nodes": "this build colocates every role on every rank",
-    "ref_num_gpus_per_node": "this build colocates every role on every rank",
-    "reward_num_nodes": "this build colocates every role on every rank",
-    "reward_num_gpus_per_node": "this build colocates every role on every rank",
 }
 """Flag -> why it is ignored. Value-taking flags consume their value."""
 
-IGNORED_SWITCHES = {"vllm_sync_with_ray", "colocate_actor_ref", "colocate_critic_reward"}
+IGNORED_SWITCHES = {"vllm_sync_with_ray"}
 
 PENDING_FLAGS = (
-    "critic_pretrain critic_learning_rate critic_num_nodes critic_num_gpus_per_node value_head_prefix "
-    "kl_target kl_horizon kl_estimator use_kl_loss dual_clip value_clip gamma lambd normalize_reward "
-    "reward_clip_range entropy_loss_coef aux_loss_coef ptx_coef pretrain_data policy_loss_type "
-    "dynamic_filtering dynamic_filtering_reward_range overlong_buffer_len overlong_penalty_factor "
-    "stop_properly_penalty_coef enable_vllm_is_correction vllm_is_truncated_threshold use_icepop "
-    "freezing_actor_steps vllm_enable_sleep deepspeed_enable_sleep ref_reward_offload use_liger_kernel "
+    "vllm_enable_sleep deepspeed_enable_sleep ref_reward_offload use_liger_kernel "
     "ds_tensor_parallel_size ring_attn_size ring_head_stride packing_samples use_dynamic_batch "
     "train_max_tokens_per_gpu rollout_max_tokens_per_gpu lora_rank lora_alpha target_modules "
     "lora_dropout load_in_4bit max_len prompt_data_probs eval_dataset eval_split eval_temperature "

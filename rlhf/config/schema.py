@@ -7,14 +7,14 @@ drift apart. Components receive only their own sub-config. This module knows not
 
 from __future__ import annotations
 
-import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_PROMPTS, EMBEDDED_REWARD
 
-ADVANTAGE_ESTIMATORS = ("group_norm", "reinforce_baseline")
-"""Estimators this build implements (the rest of RL_MATH.md's table arrives with PPO/critic support)."""
+ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")
+GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
 
 
 def opt(default: Any, help: str, flag: str | None = None, nargs: str | int | None = None) -> Any:
@@ -35,6 +35,8 @@ class ModelConfig:
     """Which policy to load and how to run it."""
 
     pretrain: str = opt(EMBEDDED_MODEL_DIR, "HF model directory of the policy (default: embedded tiny demo)")
+    critic_pretrain: str | None = opt(None, "critic initialisation (default: the first reward model, else --pretrain)")
+    value_head_prefix: str = opt("score", "attribute name of the scalar head of critic and reward models")
     bf16: bool = opt(False, "train and generate in bfloat16 instead of float32")
     attn_implementation: str = opt("sdpa", "transformers attention implementation (eager, sdpa, flash_attention_2)")
     flash_attn: bool = opt(False, "shorthand for --attn_implementation flash_attention_2")
@@ -59,6 +61,7 @@ class OptimConfig:
     """AdamW, LR schedule and gradient clipping of the actor."""
 
     actor_learning_rate: float = opt(1e-6, "actor learning rate")
+    critic_learning_rate: float = opt(9e-6, "critic learning rate")
     lr_warmup_ratio: float = opt(0.03, "fraction of optimizer steps spent in linear warm-up")
     lr_scheduler: str = opt("cosine_with_min_lr", "transformers LR scheduler name")
     adam_betas: tuple[float, float] = opt((0.9, 0.95), "AdamW betas", nargs=2)
@@ -92,6 +95,7 @@ class RolloutConfig:
     vllm_tensor_parallel_size: int = opt(1, "ranks per vLLM engine (consecutive ranks)")
     vllm_gpu_memory_utilization: float = opt(0.5, "fraction of GPU memory vLLM may take (CUDA)")
     vllm_kv_cache_bytes: int = opt(64 << 20, "KV-cache bytes per engine on CPU (vLLM needs an explicit size)")
+    weight_sync_bucket_mb: int = opt(256, "MiB per broadcast bucket when pushing weights to ranks without the actor")
     enforce_eager: bool = opt(False, "disable CUDA graphs in vLLM")
     enable_prefix_caching: bool = opt(False, "vLLM prefix caching")
     rollout_engine: str = opt("auto", "auto (vLLM if installed, else HF generate), vllm or hf")
@@ -102,6 +106,7 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _require(self.vllm_tensor_parallel_size >= 1, "--vllm_tensor_parallel_size must be >= 1")
+        _require(self.weight_sync_bucket_mb >= 1, "--weight_sync_bucket_mb must be >= 1")
         _require(self.temperature > 0, "--temperature must be > 0")
         _require(0 < self.top_p <= 1, "--top_p must lie in (0, 1]")
         _require(self.generate_max_len >= 1, "--generate_max_len must be >= 1")
@@ -122,6 +127,7 @@ class DataConfig:
     tokenizer_chat_template: str | None = opt(None, "a Jinja chat template overriding the tokenizer's")
     prompt_max_len: int = opt(1024, "prompts longer than this many tokens are dropped, with a count")
     max_samples: int = opt(int(1e8), "read at most this many prompts")
+    pretrain_data: str | None = opt(None, "JSON/JSONL texts (column --input_key) for the ptx loss")
 
     def __post_init__(self) -> None:
         _require(self.prompt_max_len >= 1, "--prompt_max_len must be >= 1")
@@ -135,25 +141,55 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class AlgoConfig:
-    """The RL objective: advantage estimator and PPO-clip loss."""
+    """The RL objective: estimator, KL, policy/value losses and every stabiliser of RL_MATH.md."""
 
     advantage_estimator: str = opt("group_norm", f"one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+    gamma: float = opt(1.0, "discount factor (gae, reinforce; forced to 1 for group estimators)")
+    lambd: float = opt(0.95, "GAE lambda")
+    no_advantage_std_norm: bool = opt(False, "whitening subtracts the mean but does not divide by the std")
     eps_clip: float = opt(0.2, "PPO clip range (symmetric)")
     eps_clip_low_high: tuple[float, float] | None = opt(None, "asymmetric clip range: LOW HIGH", nargs=2)
-    no_advantage_std_norm: bool = opt(False, "whitening subtracts the mean but does not divide by the std")
-    init_kl_coef: float = opt(0.0, "KL penalty coefficient (needs a reference model: not implemented yet)")
+    dual_clip: float | None = opt(None, "dual-clip constant c > 1 for negative advantages")
+    value_clip: float | None = opt(None, "clip range of value updates around the old values")
+    policy_loss_type: str = opt("ppo", "ppo (token-level ratio) or gspo (sequence-level ratio)")
+    init_kl_coef: float = opt(0.0, "KL coefficient beta (0 and no --use_kl_loss: no reference model)")
+    kl_target: float | None = opt(None, "target KL of the adaptive controller (default: fixed beta)")
+    kl_horizon: int = opt(10000, "samples over which the adaptive controller moves beta")
+    kl_estimator: str = opt("k1", "k1, k2 or k3")
+    use_kl_loss: bool = opt(False, "KL as a loss term (GRPO style) instead of a reward penalty")
+    entropy_loss_coef: float = opt(0.0, "entropy bonus coefficient")
+    aux_loss_coef: float = opt(0.0, "MoE auxiliary loss coefficient (models that return aux_loss)")
+    ptx_coef: float = opt(0.05, "pretraining NLL coefficient (needs --pretrain_data)")
+    normalize_reward: bool = opt(False, "normalise rewards with running mean/std over all samples")
+    reward_clip_range: tuple[float, float] | None = opt(None, "clamp rewards to LOW HIGH", nargs=2)
+    overlong_buffer_len: int | None = opt(None, "DAPO overlong penalty buffer (tokens before the limit)")
+    overlong_penalty_factor: float = opt(1.0, "DAPO overlong penalty at the limit")
+    stop_properly_penalty_coef: float | None = opt(None, "truncated samples: reward*coef (0..1), or coef if < 0")
+    dynamic_filtering: bool = opt(False, "drop prompt groups whose mean score is outside the range")
+    dynamic_filtering_reward_range: tuple[float, float] = opt((0.0, 1.0), "kept groups: LOW < mean < HIGH",
+                                                              nargs=2)
+    enable_vllm_is_correction: bool = opt(False, "importance-weight tokens by exp(logp_old - logp_rollout)")
+    vllm_is_truncated_threshold: tuple[float, float] = opt((0.5, 5.0), "TIS/ICEPOP interval LOW HIGH", nargs=2)
+    use_icepop: bool = opt(False, "zero (instead of truncate) weights outside the interval")
+    freezing_actor_steps: int = opt(-1, "train only the critic for this many steps (critic warm-up)")
 
     def __post_init__(self) -> None:
-        _require(
-            self.advantage_estimator in ADVANTAGE_ESTIMATORS,
-            f"--advantage_estimator {self.advantage_estimator!r} is not available in this build; "
-            f"choose one of {', '.join(ADVANTAGE_ESTIMATORS)}",
-        )
+        _require(self.advantage_estimator in ADVANTAGE_ESTIMATORS,
+                 f"--advantage_estimator {self.advantage_estimator!r}: choose one of "
+                 f"{', '.join(ADVANTAGE_ESTIMATORS)}")
         _require(self.eps_clip > 0, "--eps_clip must be > 0")
-        _require(
-            self.init_kl_coef == 0,
-            "--init_kl_coef > 0 needs the reference model, which is not implemented yet; use 0",
-        )
+        _require(self.dual_clip is None or self.dual_clip > 1, "--dual_clip must be > 1")
+        _require(self.policy_loss_type in ("ppo", "gspo"), "--policy_loss_type: choose ppo or gspo")
+        _require(self.kl_estimator in ("k1", "k2", "k3"), "--kl_estimator: choose k1, k2 or k3")
+        _require(self.init_kl_coef >= 0, "--init_kl_coef must be >= 0")
+        _require(self.kl_target is None or self.kl_target > 0, "--kl_target must be > 0")
+        _require(0 <= self.gamma <= 1 and 0 <= self.lambd <= 1, "--gamma and --lambd must lie in [0, 1]")
+        if self.stop_properly_penalty_coef is not None and self.stop_properly_penalty_coef >= 0:
+            _require(self.stop_properly_penalty_coef <= 1, "--stop_properly_penalty_coef must be <= 1 or < 0")
+        lo, hi = self.vllm_is_truncated_threshold
+        _require(0 <= lo < hi, "--vllm_is_truncated_threshold needs 0 <= LOW < HIGH")
+        if self.reward_clip_range is not None:
+            _require(self.reward_clip_range[0] < self.reward_clip_range[1], "--reward_clip_range needs LOW < HIGH")
 
     @property
     def clip_range(self) -> tuple[float, float]:
@@ -161,6 +197,11 @@ class AlgoConfig:
         if self.eps_clip_low_high is not None:
             return (float(self.eps_clip_low_high[0]), float(self.eps_clip_low_high[1]))
         return (self.eps_clip, self.eps_clip)
+
+    @property
+    def needs_ref(self) -> bool:
+        """A reference model exists only when some KL term uses it."""
+        return self.init_kl_coef > 0 or self.use_kl_loss
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,21 +225,30 @@ class BatchConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RewardConfig:
-    """Where rewards come from."""
+    """Where rewards come from: reward models, a reward_func file, or an HTTP endpoint."""
 
-    remote_rm_url: str | None = opt(EMBEDDED_REWARD, "a .py file defining reward_func(queries, prompts, labels)")
-    reward_pretrain: str | None = opt(None, "reward model directory (not implemented yet)")
+    reward_pretrain: str | None = opt(None, "reward model directories, comma separated (scores are summed)")
+    remote_rm_url: str | None = opt(None, "http(s) URL of a reward server, or a .py file defining reward_func "
+                                    "(default without --reward_pretrain: the embedded demo reward)")
+    remote_rm_timeout: float = opt(30.0, "seconds per HTTP reward request")
+    remote_rm_retries: int = opt(3, "attempts per HTTP reward request")
 
     def __post_init__(self) -> None:
-        _require(
-            self.reward_pretrain is None,
-            "--reward_pretrain (reward models) is not implemented yet; use --remote_rm_url reward.py",
-        )
-        _require(self.remote_rm_url is not None, "give --remote_rm_url path/to/reward.py")
-        _require(
-            not self.remote_rm_url.startswith(("http://", "https://")),
-            "--remote_rm_url over HTTP is not implemented yet; pass a .py file with reward_func",
-        )
+        _require(not (self.reward_pretrain and self.remote_rm_url),
+                 "give either --reward_pretrain or --remote_rm_url, not both")
+        _require(self.remote_rm_timeout > 0 and self.remote_rm_retries >= 1,
+                 "--remote_rm_timeout must be > 0 and --remote_rm_retries >= 1")
+
+    @property
+    def reward_paths(self) -> list[str]:
+        return [p for p in (self.reward_pretrain or "").split(",") if p]
+
+    @property
+    def source(self) -> str:
+        """The reward_func file or URL in use (the embedded demo reward when nothing is given)."""
+        if self.remote_rm_url:
+            return self.remote_rm_url
+        return "" if self.reward_pretrain else EMBEDDED_REWARD
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,15 +265,30 @@ class LoggingConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class PlacementConfig:
-    """How roles map to ranks. This build runs every role on every rank (hybrid engine)."""
+    """How roles map to ranks: colocated (hybrid engine) or disjoint ranges sized per role."""
 
-    colocate_all_models: bool = opt(False, "put every role on every rank (the only placement so far)")
+    colocate_all_models: bool = opt(False, "every role on every rank (also the default when no sizes are given)")
+    colocate_actor_ref: bool = opt(False, "actor and reference share ranks")
+    colocate_critic_reward: bool = opt(False, "critic and reward models share ranks")
     actor_num_nodes: int = opt(1, "nodes of the actor's rank range")
-    actor_num_gpus_per_node: int = opt(0, "ranks per node of the actor (0: the whole world)")
+    actor_num_gpus_per_node: int = opt(0, "ranks per node of the actor (0: colocated over the world)")
+    critic_num_nodes: int = opt(1, "nodes of the critic's rank range")
+    critic_num_gpus_per_node: int = opt(0, "ranks per node of the critic")
+    reward_num_nodes: int = opt(1, "nodes of the reward models' rank range")
+    reward_num_gpus_per_node: int = opt(0, "ranks per node of the reward models")
+    ref_num_nodes: int = opt(1, "nodes of the reference model's rank range")
+    ref_num_gpus_per_node: int = opt(0, "ranks per node of the reference model")
 
     def __post_init__(self) -> None:
-        _require(self.actor_num_nodes >= 1, "--actor_num_nodes must be >= 1")
-        _require(self.actor_num_gpus_per_node >= 0, "--actor_num_gpus_per_node must be >= 0")
+        for role in ("actor", "critic", "reward", "ref"):
+            _require(getattr(self, f"{role}_num_nodes") >= 1, f"--{role}_num_nodes must be >= 1")
+            _require(getattr(self, f"{role}_num_gpus_per_node") >= 0, f"--{role}_num_gpus_per_node must be >= 0")
+
+    def num_ranks(self, role: str) -> int:
+        """Ranks requested for `role` (0: span the world)."""
+        if self.colocate_all_models:
+            return 0
+        return getattr(self, f"{role}_num_nodes") * getattr(self, f"{role}_num_gpus_per_node")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,49 +309,57 @@ class TrainPPOConfig:
     full_determinism: bool = opt(False, "use deterministic torch algorithms")
 
     def __post_init__(self) -> None:
-        n = self.rollout.n_samples_per_prompt
-        _require(
-            n > 1,
-            f"--advantage_estimator {self.algo.advantage_estimator} compares samples of one prompt: "
-            f"--n_samples_per_prompt must be > 1 (got {n})",
-        )
-        _require(
-            self.batch.train_batch_size <= self.batch.rollout_batch_size * n,
-            f"--train_batch_size {self.batch.train_batch_size} exceeds the samples of one step "
-            f"(--rollout_batch_size x --n_samples_per_prompt = {self.batch.rollout_batch_size * n})",
-        )
+        n, algo = self.rollout.n_samples_per_prompt, self.algo
+        if algo.advantage_estimator in GROUP_ESTIMATORS:
+            _require(n > 1, f"--advantage_estimator {algo.advantage_estimator} compares samples of one prompt: "
+                            f"--n_samples_per_prompt must be > 1 (got {n})")
+        _require(not algo.dynamic_filtering or n > 1, "--dynamic_filtering filters prompt groups: "
+                 "--n_samples_per_prompt must be > 1")
+        _require(self.batch.train_batch_size <= self.batch.rollout_batch_size * n,
+                 f"--train_batch_size {self.batch.train_batch_size} exceeds the samples of one step "
+                 f"(--rollout_batch_size x --n_samples_per_prompt = {self.batch.rollout_batch_size * n})")
+        if algo.overlong_buffer_len is not None:
+            _require(0 < algo.overlong_buffer_len <= self.rollout.generate_max_len,
+                     "--overlong_buffer_len must lie in (0, --generate_max_len]")
+        if algo.advantage_estimator != "gae" and (self.model.critic_pretrain or self.placement.num_ranks("critic")):
+            warnings.warn(f"--advantage_estimator {algo.advantage_estimator} uses no critic: critic flags are "
+                          "ignored", stacklevel=2)
+        if algo.advantage_estimator == "gae":
+            _require(bool(self.reward.reward_paths) or bool(self.reward.source),
+                     "--advantage_estimator gae needs rewards: give --reward_pretrain or --remote_rm_url")
+        _require(algo.ptx_coef == 0 or self.data.pretrain_data is None or algo.ptx_coef > 0,
+                 "--ptx_coef must be >= 0")
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.algo.advantage_estimator == "gae"
 
     def check_world(self, world_size: int) -> None:
-        """Validate batch sizes against the number of data-parallel ranks."""
+        """Validate rollout sharding against the world size (role sizes: `check_role_sizes`)."""
         b, tp = self.batch, self.rollout.vllm_tensor_parallel_size
         _require(world_size % tp == 0,
                  f"world size {world_size} is not a multiple of --vllm_tensor_parallel_size {tp}")
         num_engines = world_size // tp
-        _require(
-            b.rollout_batch_size % num_engines == 0,
-            f"--rollout_batch_size {b.rollout_batch_size} must be divisible by the number of rollout "
-            f"engines ({num_engines} = world size {world_size} / --vllm_tensor_parallel_size {tp})",
-        )
+        _require(b.rollout_batch_size % num_engines == 0,
+                 f"--rollout_batch_size {b.rollout_batch_size} must be divisible by the number of rollout "
+                 f"engines ({num_engines} = world size {world_size} / --vllm_tensor_parallel_size {tp})")
         samples = b.rollout_batch_size * self.rollout.n_samples_per_prompt
         _require(samples % b.train_batch_size == 0,
                  f"--train_batch_size {b.train_batch_size} must divide the samples per step ({samples})")
-        _require(
-            b.train_batch_size % (b.micro_train_batch_size * world_size) == 0,
-            f"--train_batch_size {b.train_batch_size} must be a multiple of --micro_train_batch_size "
-            f"{b.micro_train_batch_size} x world size {world_size}",
-        )
-        actor_ranks = self.placement.actor_num_nodes * self.placement.actor_num_gpus_per_node
-        _require(actor_ranks in (0, world_size),
-                 f"--actor_num_nodes x --actor_num_gpus_per_node = {actor_ranks}, but this build runs the actor on "
-                 f"every rank (world size {world_size}); set them to match or leave them out")
         if tp > 1:
             per_engine = b.rollout_batch_size // num_engines
             _require(per_engine % tp == 0,
                      f"each engine's {per_engine} prompts must split evenly over its {tp} ranks "
                      "(samples of one prompt stay on one rank)")
 
-
-def sub_configs(cfg: Any) -> list[tuple[str, Any]]:
-    """(name, value) of every dataclass-typed field of `cfg`."""
-    return [(f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if dataclasses.is_dataclass(
-        getattr(cfg, f.name))]
+    def check_role_sizes(self, dp_sizes: dict[str, int], trainable: tuple[str, ...]) -> None:
+        """Every role's ranks must split the step's samples evenly; trainable ones also its batches."""
+        b = self.batch
+        samples = b.rollout_batch_size * self.rollout.n_samples_per_prompt
+        for role, dp in dp_sizes.items():
+            _require(samples % dp == 0, f"the {samples} samples of a step do not split over the {dp} {role} ranks; "
+                                        "change --rollout_batch_size or the role's rank count")
+            if role in trainable:
+                _require(b.train_batch_size % (b.micro_train_batch_size * dp) == 0,
+                         f"--train_batch_size {b.train_batch_size} must be a multiple of --micro_train_batch_size "
+                         f"{b.micro_train_batch_size} x {dp} {role} ranks")

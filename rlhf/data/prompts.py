@@ -121,6 +121,17 @@ def load_prompts(cfg: DataConfig, tokenizer) -> list[Prompt]:
     return prompts
 
 
+def load_texts(source: str, key: str, max_samples: int) -> list[str]:
+    """The `key` column of a local JSON/JSONL file or directory (pretraining texts for the ptx loss)."""
+    cfg = DataConfig(prompt_data=source, input_key=key, max_samples=max_samples)
+    texts = []
+    for path, rowno, row in read_rows(cfg):
+        if not isinstance(row, dict) or not isinstance(row.get(key), str):
+            raise ValueError(f"{path}, row {rowno}: no text column {key!r}; pass the right one with --input_key")
+        texts.append(row[key])
+    return texts
+
+
 class PromptSampler:
     """Yields the same global batches of prompts on every rank: shuffled per episode with the seed,
     incomplete last batches dropped. Each rollout engine then takes its own slice."""

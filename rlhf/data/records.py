@@ -9,7 +9,7 @@ N = samples per prompt, V = vocabulary. Log-prob tensors are float32 and aligned
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -42,32 +42,44 @@ class Rollout:
 
 @dataclass
 class Experience:
-    """One sample batch ready for the policy loss (all tensors on the training device).
+    """The step's samples with everything the losses need (global batch, identical on every rank).
 
-    old_logprobs_BT1: float32 [B, T-1] actor log-probs at experience time.
-    advantages_BT1: float32 [B, T-1] per-token advantages (0 outside the action mask).
-    rewards_B: float32 [B] scalar reward of each sample.
+    action_mask_BT1: float32 [B, T-1] action tokens that count in the losses (filtered groups are 0).
+    old_logprobs_BT1 / rollout_logprobs_BT1 / ref_logprobs_BT1: float32 [B, T-1] actor at experience
+        time / rollout engine / reference model (None without a reference model).
+    values_BT1, returns_BT1: float32 [B, T-1] critic values and returns (None without a critic).
+    advantages_BT1: float32 [B, T-1]; rewards_B: float32 [B] shaped sequence rewards.
     """
 
     sequences_BT: torch.Tensor
     attention_mask_BT: torch.Tensor
     action_mask_BT1: torch.Tensor
     old_logprobs_BT1: torch.Tensor
+    rollout_logprobs_BT1: torch.Tensor
     advantages_BT1: torch.Tensor
     rewards_B: torch.Tensor
+    ref_logprobs_BT1: torch.Tensor | None = None
+    values_BT1: torch.Tensor | None = None
+    returns_BT1: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:
         return self.sequences_BT.shape[0]
 
+    def select(self, index: torch.Tensor | slice) -> Experience:
+        """The samples at `index` (all tensor fields)."""
+        return Experience(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
+                             for f in fields(self)})
+
     def slice(self, start: int, stop: int) -> Experience:
         """Samples [start, stop), trimmed to the longest real sequence among them."""
-        length = int(self.attention_mask_BT[start:stop].sum(-1).max())
-        return Experience(
-            sequences_BT=self.sequences_BT[start:stop, :length],
-            attention_mask_BT=self.attention_mask_BT[start:stop, :length],
-            action_mask_BT1=self.action_mask_BT1[start:stop, : length - 1],
-            old_logprobs_BT1=self.old_logprobs_BT1[start:stop, : length - 1],
-            advantages_BT1=self.advantages_BT1[start:stop, : length - 1],
-            rewards_B=self.rewards_B[start:stop],
-        )
+        part = self.select(slice(start, stop))
+        length = int(part.attention_mask_BT.sum(-1).max())
+        width = part.sequences_BT.shape[1]
+
+        def trim(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or t.dim() < 2:
+                return t
+            return t[:, :length] if t.shape[1] == width else t[:, : length - 1]
+
+        return Experience(**{f.name: trim(getattr(part, f.name)) for f in fields(part)})

@@ -89,8 +89,9 @@ def plan_ranks(placement: Placement, world_size: int) -> dict[Role, tuple[int, .
 class Topology:
     """Process groups of one job. Construct on every rank with identical arguments.
 
-    Creates, in this order: one data-parallel group per role in `plan` (Role order), then one group
-    per rollout engine (`rollout_tp` consecutive ranks each).
+    Creates, in this order: one data-parallel group per role in `plan` (Role order), one group per
+    rollout engine (`rollout_tp` consecutive ranks each), and, when some role runs on a subgroup,
+    one single-rank group per rank.
     """
 
     def __init__(self, plan: dict[Role, tuple[int, ...]], rollout_tp: int = 1) -> None:
@@ -107,6 +108,14 @@ class Topology:
                 self._groups[role] = dist.new_group(list(self.plan[role]))
         self._engine_groups = [dist.new_group(list(range(s, s + rollout_tp)))
                                for s in range(0, self.world_size, rollout_tp)]
+        # DeepSpeed's mpu needs a model-parallel group of one rank when a role runs on a subgroup.
+        self.has_subgroups = any(len(r) != self.world_size for r in self.plan.values())
+        self._self_groups = [dist.new_group([r]) for r in range(self.world_size)] if self.has_subgroups else []
+
+    @property
+    def self_group(self) -> dist.ProcessGroup | None:
+        """A group holding only this rank (created only when some role runs on a subgroup)."""
+        return self._self_groups[self.rank] if self._self_groups else None
 
     def hosts(self, role: Role) -> bool:
         return role in self.plan and self.rank in self.plan[role]

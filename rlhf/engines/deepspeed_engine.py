@@ -8,15 +8,15 @@ same for any split of the step over DP ranks and micro-batches.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 
 import deepspeed
 import torch
 import torch.distributed as dist
 
-from rlhf.config.schema import EngineConfig, ModelConfig, OptimConfig
-from rlhf.models.loading import load_causal_lm
+from rlhf.config.schema import EngineConfig, OptimConfig
+from rlhf.engines.deepspeed_compat import barriers_scoped_to
 
 
 def ds_config(engine: EngineConfig, optim: OptimConfig, *, bf16: bool, micro_batch_size: int,
@@ -52,45 +52,89 @@ def _scheduler(optimizer, optim: OptimConfig, num_optimizer_steps: int):
                          num_training_steps=num_optimizer_steps, scheduler_specific_kwargs=kwargs)
 
 
-class DeepSpeedModel:
-    """One trainable causal LM on DeepSpeed. Construct on every rank of `dp_group`, same arguments."""
+class GroupMPU:
+    """The `mpu` DeepSpeed asks for when a model's data-parallel group is a subgroup of the world:
+    data parallelism over the role's group, no model parallelism (a single-rank group)."""
 
-    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, optim_cfg: OptimConfig, *,
-                 micro_batch_size: int, grad_accum_steps: int, num_optimizer_steps: int,
-                 dp_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, dp_group: dist.ProcessGroup, self_group: dist.ProcessGroup) -> None:
+        self.dp_group, self.self_group = dp_group, self_group
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.dp_group)
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self.dp_group)
+
+    def get_model_parallel_group(self):
+        return self.self_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+
+class DeepSpeedModel:
+    """One model on DeepSpeed over `dp_group`; construct on every rank of the group, same arguments.
+
+    `build()` returns the torch module; under ZeRO-3 it runs while transformers' DeepSpeed config is
+    alive so `from_pretrained` partitions and initialises weights as transformers intends.
+    Trainable models get AdamW and the LR schedule; frozen ones (reference, reward) are plain
+    modules below ZeRO-3 and parameter-sharded DeepSpeed engines at ZeRO-3.
+    """
+
+    def __init__(self, build: Callable[[], torch.nn.Module], engine_cfg: EngineConfig, optim_cfg: OptimConfig, *,
+                 learning_rate: float, bf16: bool, micro_batch_size: int, grad_accum_steps: int,
+                 num_optimizer_steps: int, device: torch.device, dp_group: dist.ProcessGroup | None = None,
+                 mpu: GroupMPU | None = None, trainable: bool = True, gradient_checkpointing: bool = False) -> None:
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(group=dp_group)
-        self.grad_accum_steps = grad_accum_steps
         self.zero_stage = engine_cfg.zero_stage
-        dtype = torch.bfloat16 if model_cfg.bf16 else torch.float32
-        self.config = ds_config(engine_cfg, optim_cfg, bf16=model_cfg.bf16, micro_batch_size=micro_batch_size,
+        self.trainable = trainable
+        self.config = ds_config(engine_cfg, optim_cfg, bf16=bf16, micro_batch_size=micro_batch_size,
                                 grad_accum_steps=grad_accum_steps)
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
-        model = self._build_model(model_cfg, dtype)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=optim_cfg.actor_learning_rate,
-                                      betas=tuple(optim_cfg.adam_betas), weight_decay=optim_cfg.l2)
-        scheduler = _scheduler(optimizer, optim_cfg, num_optimizer_steps)
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.config,
-            dist_init_required=False)
-
-    def _build_model(self, model_cfg: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
-        keep_alive = None
-        if self.zero_stage == 3:
-            from transformers.integrations import HfDeepSpeedConfig
-
-            keep_alive = HfDeepSpeedConfig(self.config)  # must outlive from_pretrained
-        model = load_causal_lm(model_cfg.pretrain, dtype, model_cfg.attn, model_cfg.trust_remote_code)
-        del keep_alive
-        if model_cfg.gradient_checkpointing:
+        model = self._build(build)
+        if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return model
+        self.scheduler = None
+        with barriers_scoped_to(mpu.get_data_parallel_group() if mpu else None):
+            if trainable:
+                optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=tuple(optim_cfg.adam_betas),
+                                              weight_decay=optim_cfg.l2)
+                scheduler = _scheduler(optimizer, optim_cfg, num_optimizer_steps)
+                self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                    model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.config, mpu=mpu,
+                    dist_init_required=False)
+            elif self.zero_stage == 3:
+                self.engine, *_ = deepspeed.initialize(model=model, config=self.config, mpu=mpu,
+                                                       dist_init_required=False)
+                self.engine.eval()
+            else:
+                self.engine = model.to(device).eval().requires_grad_(False)
+
+    def _build(self, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+        if self.zero_stage != 3:
+            return build()
+        from transformers.integrations import HfDeepSpeedConfig
+
+        keep_alive = HfDeepSpeedConfig(self.config)  # noqa: F841 - must outlive from_pretrained
+        return build()
 
     @property
     def module(self) -> torch.nn.Module:
-        return self.engine.module
+        return self.engine.module if hasattr(self.engine, "module") else self.engine
 
     def train(self) -> None:
+        assert self.trainable, "frozen model"
         self.engine.train()
 
     def eval(self) -> None:
@@ -121,8 +165,10 @@ class DeepSpeedModel:
         Collective under ZeRO-3: every rank of the DP group iterates it to the end, in the same order.
         Yielded tensors are private copies (valid after the gather is released).
         """
+        seen: set[int] = set()
         for module_name, module in self.module.named_modules():
-            params = list(module.named_parameters(recurse=False))
+            params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+            seen.update(id(p) for _, p in params)
             if not params:
                 continue
             gather = (deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None)

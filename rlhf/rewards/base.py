@@ -1,4 +1,4 @@
-"""The reward interface every reward source implements. Knows nothing about models or ranks."""
+"""The reward interface every reward source implements. Knows nothing about ranks or placement."""
 
 from __future__ import annotations
 
@@ -6,6 +6,20 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+
+@dataclass
+class RewardInputs:
+    """Samples to score. queries = prompt text + response text (what reward_func receives).
+
+    sequences_BT / attention_mask_BT: the token ids (for reward models), right-padded.
+    """
+
+    queries: list[str]
+    prompts: list[str]
+    labels: list
+    sequences_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
 
 
 @dataclass
@@ -19,6 +33,33 @@ class RewardResult:
 
 
 class RewardSource(Protocol):
-    def score(self, queries: list[str], prompts: list[str], labels: list) -> RewardResult:
-        """Score each query (prompt + response text). Called on the ranks that own the samples."""
+    def score(self, batch: RewardInputs) -> RewardResult:
+        """Score each sample. Called by every rank of the reward role, each with its own shard."""
         ...
+
+
+def result_from_output(out, n: int, where: str) -> RewardResult:
+    """Validate a reward function's or server's output: a list/tensor of rewards, or a dict with
+    'rewards' and optionally 'scores' and 'extra_logs'. `where` names the source in errors."""
+    if isinstance(out, dict):
+        if "rewards" not in out:
+            raise ValueError(f"{where} returned a dict without 'rewards' (keys: {sorted(out)})")
+        rewards = as_vector(out["rewards"], "rewards", where, n)
+        scores = as_vector(out["scores"], "scores", where, n) if "scores" in out else rewards.clone()
+        extra = {k: as_vector(v, f"extra_logs[{k!r}]", where, n) for k, v in (out.get("extra_logs") or {}).items()}
+        return RewardResult(rewards, scores, extra)
+    rewards = as_vector(out, "rewards", where, n)
+    return RewardResult(rewards, rewards.clone())
+
+
+def as_vector(values, what: str, where: str, expected: int) -> torch.Tensor:
+    try:
+        vector = torch.as_tensor(values, dtype=torch.float32).reshape(-1)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(f"{where} returned {what} that is not a list of numbers: {err}") from err
+    if vector.numel() != expected:
+        raise ValueError(f"{where} returned {vector.numel()} {what} for {expected} queries; "
+                         "it must return exactly one per query, in order")
+    if not torch.isfinite(vector).all():
+        raise ValueError(f"{where} returned non-finite {what}: {vector.tolist()}")
+    return vector

@@ -8,9 +8,7 @@ import importlib.util
 import os
 from collections.abc import Callable
 
-import torch
-
-from rlhf.rewards.base import RewardResult
+from rlhf.rewards.base import RewardInputs, RewardResult, result_from_output
 
 
 def load_reward_func(path: str) -> Callable:
@@ -29,37 +27,13 @@ def load_reward_func(path: str) -> Callable:
     return func
 
 
-def _as_vector(values, what: str, path: str, expected: int) -> torch.Tensor:
-    try:
-        vector = torch.as_tensor(values, dtype=torch.float32).reshape(-1)
-    except (TypeError, ValueError, RuntimeError) as err:
-        raise ValueError(f"reward_func in {path} returned {what} that is not a list of numbers: {err}") from err
-    if vector.numel() != expected:
-        raise ValueError(f"reward_func in {path} returned {vector.numel()} {what} for {expected} queries; "
-                         "it must return exactly one per query, in order")
-    if not torch.isfinite(vector).all():
-        raise ValueError(f"reward_func in {path} returned non-finite {what}: {vector.tolist()}")
-    return vector
-
-
 class RewardFuncFile:
-    """A `RewardSource` backed by a reward_func file, called on each rank for its own samples."""
+    """A `RewardSource` backed by a reward_func file."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.func = load_reward_func(path)
 
-    def score(self, queries: list[str], prompts: list[str], labels: list) -> RewardResult:
-        out = self.func(queries, prompts, labels)
-        n = len(queries)
-        if isinstance(out, dict):
-            if "rewards" not in out:
-                raise ValueError(f"reward_func in {self.path} returned a dict without 'rewards' "
-                                 f"(keys: {sorted(out)})")
-            rewards = _as_vector(out["rewards"], "rewards", self.path, n)
-            scores = _as_vector(out["scores"], "scores", self.path, n) if "scores" in out else rewards.clone()
-            extra = {k: _as_vector(v, f"extra_logs[{k!r}]", self.path, n)
-                     for k, v in (out.get("extra_logs") or {}).items()}
-            return RewardResult(rewards, scores, extra)
-        rewards = _as_vector(out, "rewards", self.path, n)
-        return RewardResult(rewards, rewards.clone())
+    def score(self, batch: RewardInputs) -> RewardResult:
+        out = self.func(batch.queries, batch.prompts, batch.labels)
+        return result_from_output(out, len(batch.queries), f"reward_func in {self.path}")

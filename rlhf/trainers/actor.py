@@ -1,7 +1,8 @@
-"""The actor role: experience-time log-probs and the PPO-clip policy update on DeepSpeed.
+"""The actor role: experience-time log-probs and the policy update (PPO-clip or GSPO with every
+extra term of RL_MATH.md) on DeepSpeed.
 
-Runs on the actor's data-parallel ranks. Receives experiences already holding advantages; knows
-nothing about rewards or rollout engines. Every collective here is over the actor DP group.
+Runs on the actor's data-parallel ranks, each on its shard of the step's experience. Knows nothing
+about rewards, critics or rollout engines. Every collective here is over the actor DP group.
 """
 
 from __future__ import annotations
@@ -9,62 +10,117 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rlhf.algorithms.losses import ppo_clip_loss_BT1, token_sum_over_global_count
+from rlhf.algorithms.kl import kl_estimate
+from rlhf.algorithms.losses import (
+    gspo_loss_BT1,
+    importance_weights_BT1,
+    ppo_clip_loss_BT1,
+    sequence_mean_over_global_count,
+    token_sum_over_global_count,
+)
+from rlhf.config.schema import AlgoConfig
 from rlhf.data.records import Experience
 from rlhf.engines.deepspeed_engine import DeepSpeedModel
-from rlhf.models.logprobs import sequence_logprobs
+from rlhf.models.logprobs import policy_forward
+
+
+@torch.no_grad()
+def batched_logprobs(model: torch.nn.Module, sequences_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
+                     micro_batch_size: int, temperature: float, device: torch.device) -> torch.Tensor:
+    """float32 [B, T-1] log-probs, `micro_batch_size` samples per forward (results on the CPU)."""
+    chunks = []
+    for start in range(0, sequences_BT.shape[0], micro_batch_size):
+        seq = sequences_BT[start:start + micro_batch_size].to(device)
+        mask = attention_mask_BT[start:start + micro_batch_size].to(device)
+        chunks.append(policy_forward(model, seq, mask, temperature).logprobs_BT1.float().cpu())
+    return torch.cat(chunks)
+
+
+def global_sum(values: list[float], group: dist.ProcessGroup) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return t.tolist()
 
 
 class Actor:
     """Policy being trained. All ranks of `group` call every method the same number of times."""
 
     def __init__(self, model: DeepSpeedModel, group: dist.ProcessGroup, device: torch.device, *,
-                 temperature: float, clip_range: tuple[float, float]) -> None:
-        self.model = model
-        self.group = group
-        self.device = device
+                 temperature: float, algo: AlgoConfig) -> None:
+        self.model, self.group, self.device = model, group, device
         self.temperature = temperature
-        self.clip_low, self.clip_high = clip_range
+        self.algo = algo
+        self.clip_low, self.clip_high = algo.clip_range
 
-    @torch.no_grad()
     def logprobs(self, sequences_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
                  micro_batch_size: int) -> torch.Tensor:
-        """float32 [B, T-1] log-probs under the current weights, `micro_batch_size` samples per forward."""
+        """float32 [B, T-1] log-probs under the current weights."""
         self.model.eval()
-        chunks = []
-        for start in range(0, sequences_BT.shape[0], micro_batch_size):
-            seq = sequences_BT[start:start + micro_batch_size].to(self.device)
-            mask = attention_mask_BT[start:start + micro_batch_size].to(self.device)
-            chunks.append(sequence_logprobs(self.model.engine, seq, mask, self.temperature).float().cpu())
-        return torch.cat(chunks)
+        return batched_logprobs(self.model.engine, sequences_BT, attention_mask_BT, micro_batch_size,
+                                self.temperature, self.device)
 
-    def _global_tokens(self, batch: list[Experience]) -> float:
-        count = torch.tensor([sum(float(e.action_mask_BT1.sum()) for e in batch)], dtype=torch.float64)
-        dist.all_reduce(count, group=self.group)
-        return float(count.item())
+    def _policy_term(self, exp: Experience, logprobs: torch.Tensor, action: torch.Tensor, num_tokens: float,
+                     num_seqs: float) -> tuple[torch.Tensor, torch.Tensor]:
+        old, adv = exp.old_logprobs_BT1.to(self.device), exp.advantages_BT1.to(self.device)
+        if self.algo.policy_loss_type == "gspo":
+            token_loss, clipped = gspo_loss_BT1(logprobs, old, adv, action, self.clip_low, self.clip_high)
+        else:
+            token_loss, clipped = ppo_clip_loss_BT1(logprobs, old, adv, self.clip_low, self.clip_high,
+                                                    self.algo.dual_clip)
+        if self.algo.enable_vllm_is_correction:
+            low, high = self.algo.vllm_is_truncated_threshold
+            token_loss = token_loss * importance_weights_BT1(old, exp.rollout_logprobs_BT1.to(self.device), low,
+                                                             high, self.algo.use_icepop)
+        if self.algo.policy_loss_type == "gspo":
+            return sequence_mean_over_global_count(token_loss, action, num_seqs), clipped
+        return token_sum_over_global_count(token_loss, action, num_tokens), clipped
 
-    def train_batch(self, micro_batches: list[Experience]) -> dict[str, float]:
-        """One optimizer step over this rank's micro-batches; loss is the token mean over all DP ranks.
+    def train_batch(self, micro_batches: list[Experience], kl_coef: float,
+                    ptx_batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, float]:
+        """One optimizer step over this rank's micro-batches; token means are over all DP ranks.
 
-        Returns sums over this rank's micro-batches of the token-normalised loss and clip statistics
-        (add them up over ranks to get the global values) and the grad norm.
+        Returns this rank's share of each loss term (sum over ranks = the global value) and the grad norm.
         """
         self.model.train()
-        num_tokens = self._global_tokens(micro_batches)
-        stats = {"policy_loss": 0.0, "clip_frac": 0.0, "approx_kl": 0.0}
-        for exp in micro_batches:
-            seq, mask = exp.sequences_BT.to(self.device), exp.attention_mask_BT.to(self.device)
+        local = [sum(float(e.action_mask_BT1.sum()) for e in micro_batches),
+                 sum(float((e.action_mask_BT1.sum(-1) > 0).sum()) for e in micro_batches)]
+        num_tokens, num_seqs = (max(v, 1.0) for v in global_sum(local, self.group))
+        num_micro = len(micro_batches) * dist.get_world_size(self.group)
+        stats = {"policy_loss": 0.0, "clip_frac": 0.0, "train_kl": 0.0, "entropy": 0.0, "ptx_loss": 0.0}
+        for i, exp in enumerate(micro_batches):
             action = exp.action_mask_BT1.to(self.device)
-            old = exp.old_logprobs_BT1.to(self.device)
-            logprobs = sequence_logprobs(self.model.engine, seq, mask, self.temperature)
-            token_loss, clipped = ppo_clip_loss_BT1(logprobs, old, exp.advantages_BT1.to(self.device),
-                                                    self.clip_low, self.clip_high)
-            loss = token_sum_over_global_count(token_loss, action, num_tokens)
+            out = policy_forward(self.model.engine, exp.sequences_BT.to(self.device),
+                                 exp.attention_mask_BT.to(self.device), self.temperature,
+                                 with_entropy=self.algo.entropy_loss_coef != 0)
+            policy_loss, clipped = self._policy_term(exp, out.logprobs_BT1, action, num_tokens, num_seqs)
+            loss = policy_loss
+            stats["policy_loss"] += float(policy_loss.detach())
+            stats["clip_frac"] += float(token_sum_over_global_count(clipped, action, num_tokens))
+            if exp.ref_logprobs_BT1 is not None:
+                kl = kl_estimate(out.logprobs_BT1, exp.ref_logprobs_BT1.to(self.device), self.algo.kl_estimator)
+                kl_mean = token_sum_over_global_count(kl, action, num_tokens)
+                stats["train_kl"] += float(kl_mean.detach())
+                if self.algo.use_kl_loss:
+                    loss = loss + kl_coef * kl_mean
+            if out.entropy_BT1 is not None:
+                entropy = token_sum_over_global_count(out.entropy_BT1, action, num_tokens)
+                stats["entropy"] += float(entropy.detach())
+                loss = loss - self.algo.entropy_loss_coef * entropy
+            if out.aux_loss is not None and self.algo.aux_loss_coef:
+                loss = loss + self.algo.aux_loss_coef * out.aux_loss / num_micro
+            if ptx_batches:
+                ptx = self._ptx_loss(*ptx_batches[i % len(ptx_batches)])
+                stats["ptx_loss"] += float(ptx.detach()) / num_micro
+                loss = loss + self.algo.ptx_coef * ptx / num_micro
             self.model.backward(loss)
             self.model.step()
-            stats["policy_loss"] += float(loss.detach())
-            stats["clip_frac"] += float(token_sum_over_global_count(clipped, action, num_tokens))
-            stats["approx_kl"] += float(token_sum_over_global_count((old - logprobs.detach()), action, num_tokens))
         stats["grad_norm"] = self.model.grad_norm()
         stats["lr"] = self.model.learning_rate()
         return stats
+
+    def _ptx_loss(self, ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+        """Mean next-token NLL of a pretraining micro-batch."""
+        ids, mask = ids_BT.to(self.device), mask_BT.to(self.device)
+        logprobs = policy_forward(self.model.engine, ids, mask).logprobs_BT1
+        target_mask = mask[:, 1:].float()
+        return -(logprobs * target_mask).sum() / target_mask.sum().clamp(min=1)

@@ -1,26 +1,34 @@
-"""The RL loop of `train_ppo` for critic-free estimators (GRPO, REINFORCE++-baseline).
+"""The RL loop of `train_ppo`: PPO (GAE + critic), REINFORCE++, REINFORCE++-baseline, RLOO, GRPO
+and Dr.GRPO share it.
 
-One step: generate -> make experience -> compute advantages -> train -> sync weights -> log.
-Every rank runs every stage (all roles are colocated); collectives go over the actor's group.
+One step: generate (every rank's engine) -> gather the global batch -> make experience (each role on
+its ranks) -> train actor || train critic (each on its ranks, concurrently when disjoint) -> sync the
+actor's weights into every engine -> log. Per-role work lives in the role objects.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from rlhf.algorithms.advantages import ESTIMATORS, broadcast_to_tokens, masked_moments, whiten
 from rlhf.config.schema import TrainPPOConfig
 from rlhf.data.prompts import Prompt, PromptSampler
 from rlhf.data.records import Experience, Rollout
+from rlhf.distributed.collectives import all_gather_rollout, shard
 from rlhf.distributed.topology import Role, Topology
 from rlhf.engines.rollout import RolloutEngine, SamplingSpec, to_rollout
-from rlhf.rewards.base import RewardSource
+from rlhf.engines.weight_sync import ParamSpec, broadcast_parameters
 from rlhf.trainers.actor import Actor
+from rlhf.trainers.critic import Critic
+from rlhf.trainers.experience import ExperienceMaker
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.timers import StageTimer
+
+SHARE_METRICS = ("policy_loss", "clip_frac", "train_kl", "entropy", "ptx_loss", "value_loss")
+TRAIN_METRICS = SHARE_METRICS + ("grad_norm", "lr", "critic_grad_norm")
 
 
 def total_steps(cfg: TrainPPOConfig, sampler: PromptSampler) -> int:
@@ -28,22 +36,25 @@ def total_steps(cfg: TrainPPOConfig, sampler: PromptSampler) -> int:
     return min(steps, cfg.batch.max_steps) if cfg.batch.max_steps else steps
 
 
+@dataclass
+class Roles:
+    """What this rank hosts (None where it does not) and what every rank needs for weight sync."""
+
+    actor: Actor | None
+    critic: Critic | None
+    experience: ExperienceMaker
+    actor_specs: list[ParamSpec]
+    ptx: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
 class PPOTrainer:
     """Drives the loop. Construct on every rank with the same config."""
 
-    def __init__(self, cfg: TrainPPOConfig, topology: Topology, actor: Actor, engine: RolloutEngine,
-                 reward: RewardSource, sampler: PromptSampler, tokenizer, logger: MetricsLogger) -> None:
-        self.cfg = cfg
-        self.topology = topology
-        self.actor = actor
-        self.engine = engine
-        self.reward = reward
-        self.sampler = sampler
-        self.tokenizer = tokenizer
-        self.logger = logger
+    def __init__(self, cfg: TrainPPOConfig, topology: Topology, roles: Roles, engine: RolloutEngine,
+                 sampler: PromptSampler, tokenizer, logger: MetricsLogger, device: torch.device) -> None:
+        self.cfg, self.topology, self.roles, self.engine = cfg, topology, roles, engine
+        self.sampler, self.tokenizer, self.logger, self.device = sampler, tokenizer, logger, device
         self.timer = StageTimer()
-        self.estimator = ESTIMATORS[cfg.algo.advantage_estimator]
-        self.group = topology.group(Role.ACTOR)
 
     def fit(self, start_step: int = 0) -> None:
         for step in range(start_step, total_steps(self.cfg, self.sampler)):
@@ -56,13 +67,15 @@ class PPOTrainer:
 
     def step(self, step: int) -> dict[str, float]:
         with self.timer.stage("generation"):
-            rollout = self.generate(step)
+            local = self.generate(step)
         with self.timer.stage("experience"):
-            experience, metrics = self.make_experience(rollout)
+            experience, metrics = self.roles.experience.make(all_gather_rollout(local, self.tokenizer.pad_token_id))
+        train_actor = step >= self.cfg.algo.freezing_actor_steps
         with self.timer.stage("train"):
-            metrics.update(self.train(experience, step))
-        with self.timer.stage("weight_sync"):
-            self.engine.load_weights(self.actor.model.full_parameters())
+            metrics.update(self.train(experience, step, train_actor))
+        if train_actor:
+            with self.timer.stage("weight_sync"):
+                self.sync_weights()
         return metrics
 
     def _engine_prompts(self, step: int) -> tuple[list[Prompt], int]:
@@ -88,62 +101,61 @@ class PPOTrainer:
         return to_rollout([list(p.token_ids) for p in prompts], generations, self.tokenizer.pad_token_id,
                           self.tokenizer, [p.text for p in prompts], [p.label for p in prompts])
 
-    def make_experience(self, rollout: Rollout) -> tuple[Experience, dict[str, float]]:
-        """Rewards, experience-time log-probs and advantages for this rank's samples."""
-        queries = [p + resp for p, resp in zip(rollout.prompts, rollout.responses)]
-        scored = self.reward.score(queries, rollout.prompts, rollout.labels)
-        old_logprobs = self.actor.logprobs(rollout.sequences_BT, rollout.attention_mask_BT,
-                                           self.cfg.batch.micro_rollout_batch_size)
-        n = self.cfg.rollout.n_samples_per_prompt
-        scores_B = self.estimator.group_step(scored.rewards_B.reshape(-1, n)).reshape(-1)
-        advantages = broadcast_to_tokens(scores_B, rollout.action_mask_BT1)
-        if self.estimator.whiten:
-            moments = masked_moments(advantages, rollout.action_mask_BT1)
-            dist.all_reduce(moments, group=self.group)
-            advantages = whiten(advantages, rollout.action_mask_BT1, moments,
-                                divide_std=not self.cfg.algo.no_advantage_std_norm)
-        experience = Experience(rollout.sequences_BT, rollout.attention_mask_BT, rollout.action_mask_BT1,
-                                old_logprobs, advantages, scored.rewards_B)
-        metrics = self._global_means({
-            "reward_mean": scored.rewards_B,
-            "response_length": rollout.response_lens_B.float(),
-            "stop_ratio": torch.tensor([float(f == "stop") for f in rollout.finish_reasons]),
-            **{f"reward_extra/{k}": v for k, v in scored.extra_logs.items()},
-        })
-        return experience, metrics
-
-    def _global_means(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
-        keys = sorted(values)
-        sums = torch.tensor([[float(values[k].sum()), float(values[k].numel())] for k in keys], dtype=torch.float64)
-        dist.all_reduce(sums, group=self.group)
-        return {k: float(s / c) for k, (s, c) in zip(keys, sums.tolist())}
-
-    def train(self, experience: Experience, step: int) -> dict[str, float]:
-        """`max_epochs` passes over the experience in optimizer steps of `train_batch_size` samples."""
+    def _optimizer_batches(self, exp: Experience, role: Role, step: int, epoch: int) -> list[list[Experience]]:
+        """This rank's shard, shuffled, cut into optimizer steps of micro-batches."""
         b = self.cfg.batch
-        dp = self.topology.dp_size(Role.ACTOR)
+        dp, rank = self.topology.dp_size(role), self.topology.dp_rank(role)
+        mine = exp.select(shard(exp.num_samples, dp, rank))
+        order = list(range(mine.num_samples))
+        random.Random(((self.cfg.seed * 100_003 + step) * 101 + epoch) * 4099 + rank).shuffle(order)
+        mine = mine.select(torch.tensor(order))
         per_step = b.train_batch_size // dp
-        totals: dict[str, float] = {}
-        num_updates = 0
-        for epoch in range(b.max_epochs):
-            order = list(range(experience.num_samples))
-            random.Random(((self.cfg.seed * 100_003 + step) * 101 + epoch) * 4099 + self.topology.rank).shuffle(order)
-            shuffled = _select(experience, order)
-            for start in range(0, experience.num_samples, per_step):
-                micro = [shuffled.slice(s, s + b.micro_train_batch_size)
-                         for s in range(start, start + per_step, b.micro_train_batch_size)]
-                stats = self.actor.train_batch(micro)
-                for k, v in stats.items():
-                    totals[k] = totals.get(k, 0.0) + v
-                num_updates += 1
-        summed = torch.tensor([totals["policy_loss"], totals["clip_frac"], totals["approx_kl"]], dtype=torch.float64)
-        dist.all_reduce(summed, group=self.group)
-        loss, clip, kl = (summed / num_updates).tolist()
-        return {"policy_loss": loss, "clip_frac": clip, "approx_kl": kl,
-                "grad_norm": totals["grad_norm"] / num_updates, "lr": stats["lr"]}
+        return [[mine.slice(s, s + b.micro_train_batch_size) for s in range(start, start + per_step,
+                                                                             b.micro_train_batch_size)]
+                for start in range(0, mine.num_samples, per_step)]
+
+    def train(self, exp: Experience, step: int, train_actor: bool) -> dict[str, float]:
+        """max_epochs passes; actor and critic each on their own ranks. Metrics are global."""
+        actor_stats: dict[str, float] = {}
+        critic_stats: dict[str, float] = {}
+        for epoch in range(self.cfg.batch.max_epochs):
+            if self.roles.actor is not None and train_actor:
+                for micro in self._optimizer_batches(exp, Role.ACTOR, step, epoch):
+                    _accumulate(actor_stats, self.roles.actor.train_batch(
+                        micro, self.roles.experience.kl_ctl.value, self.roles.ptx))
+            if self.roles.critic is not None:
+                for micro in self._optimizer_batches(exp, Role.CRITIC, step, epoch):
+                    _accumulate(critic_stats, self.roles.critic.train_batch(micro))
+        return self._global_train_metrics(actor_stats, critic_stats)
+
+    def _global_train_metrics(self, actor: dict[str, float], critic: dict[str, float]) -> dict[str, float]:
+        """Per-update averages over the world: loss terms are summed over a role's ranks (each holds its
+        share); norms and the LR are taken from the role's first rank."""
+        contrib: dict[str, float] = {}
+        for role, stats in ((Role.ACTOR, actor), (Role.CRITIC, critic)):
+            if stats:
+                updates = stats.pop("_updates")
+                first = self.topology.dp_rank(role) == 0
+                contrib.update({k: v / updates for k, v in stats.items() if k in SHARE_METRICS or first})
+        values = torch.tensor([contrib.get(k, 0.0) for k in TRAIN_METRICS]
+                              + [float(k in contrib) for k in TRAIN_METRICS], dtype=torch.float64)
+        dist.all_reduce(values)
+        n = len(TRAIN_METRICS)
+        return {k: float(values[i]) for i, k in enumerate(TRAIN_METRICS) if values[n + i] > 0}
+
+    def sync_weights(self) -> None:
+        """Push the actor's weights into every rank's engine (collective over the world)."""
+        actor = self.roles.actor
+        if self.topology.dp_size(Role.ACTOR) == self.topology.world_size:
+            self.engine.load_weights(actor.model.full_parameters())
+            return
+        local = actor.model.full_parameters() if actor is not None else None
+        self.engine.load_weights(broadcast_parameters(
+            local, self.roles.actor_specs, src=self.topology.ranks(Role.ACTOR)[0],
+            bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb << 20, device=self.device))
 
 
-def _select(exp: Experience, order: list[int]) -> Experience:
-    idx = torch.tensor(order)
-    return Experience(exp.sequences_BT[idx], exp.attention_mask_BT[idx], exp.action_mask_BT1[idx],
-                      exp.old_logprobs_BT1[idx], exp.advantages_BT1[idx], exp.rewards_B[idx])
+def _accumulate(total: dict[str, float], stats: dict[str, float]) -> None:
+    for k, v in stats.items():
+        total[k] = total.get(k, 0.0) + v
+    total["_updates"] = total.get("_updates", 0.0) + 1.0

@@ -11,35 +11,27 @@ import torch
 import torch.distributed as dist
 
 from rlhf.assets import EMBEDDED_MODEL_DIR
-from rlhf.config.schema import EngineConfig, ModelConfig, OptimConfig
 from rlhf.distributed.launch import init_distributed, read_launch_env
-from rlhf.distributed.topology import Placement, Role, Topology, plan_ranks
-from rlhf.engines.deepspeed_engine import DeepSpeedModel
 from rlhf.engines.rollout import SamplingSpec, to_rollout
 from rlhf.engines.vllm_engine import VLLMEngine
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.models.logprobs import sequence_logprobs
-from rlhf.trainers.actor import Actor
-from tests.test_dp_equivalence import synthetic_experiences
+from tests.test_dp_equivalence import build_actor, synthetic_experiences
 
 
 def main(out_path: str, zero_stage: int, tp: int) -> None:
     launch = read_launch_env()
-    device = init_distributed(launch)
-    topo = Topology(plan_ranks(Placement.colocated((Role.ACTOR, Role.ROLLOUT)), launch.world_size), rollout_tp=tp)
+    init_distributed(launch)
     engine = VLLMEngine(EMBEDDED_MODEL_DIR, dtype=torch.float32, tp_size=tp, seed=0, max_model_len=64,
                         kv_cache_bytes=16 << 20, gpu_memory_utilization=0.5, enforce_eager=True,
                         enable_prefix_caching=False, enable_sleep=False)
     torch.manual_seed(0)
-    model = DeepSpeedModel(ModelConfig(), EngineConfig(zero_stage=zero_stage),
-                           OptimConfig(actor_learning_rate=5e-2, lr_warmup_ratio=0.0, lr_scheduler="constant"),
-                           micro_batch_size=2, grad_accum_steps=1, num_optimizer_steps=1,
-                           dp_group=topo.group(Role.ACTOR))
-    actor = Actor(model, topo.group(Role.ACTOR), device, temperature=1.0, clip_range=(0.2, 0.2))
+    actor = build_actor(zero_stage, 5e-2, grad_accum_steps=1)
+    model = actor.model
     exp = synthetic_experiences(model.module.config.vocab_size)
     exp.old_logprobs_BT1 = actor.logprobs(exp.sequences_BT, exp.attention_mask_BT, 4)
     rank = dist.get_rank()
-    actor.train_batch([exp.slice(2 * rank, 2 * rank + 2)])
+    actor.train_batch([exp.slice(2 * rank, 2 * rank + 2)], kl_coef=0.0)
     engine.load_weights(model.full_parameters())
 
     tok = load_tokenizer(EMBEDDED_MODEL_DIR)

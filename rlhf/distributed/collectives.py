@@ -1,0 +1,80 @@
+"""Moving experience between roles with explicit collectives over named groups.
+
+Every function says which ranks must call it. Shapes follow rlhf.data.records; B_local samples per
+rank, B = world_size * B_local in rank order (so groups of one prompt stay contiguous).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rlhf.data.records import Rollout
+
+
+def shard(total: int, num_shards: int, index: int) -> slice:
+    """Contiguous shard `index` of `total` items split into `num_shards` equal parts."""
+    if total % num_shards:
+        raise ValueError(f"{total} samples do not split evenly over {num_shards} ranks")
+    size = total // num_shards
+    return slice(index * size, (index + 1) * size)
+
+
+def _pad_cols(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    if t.shape[1] == width:
+        return t
+    pad = torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype)
+    return torch.cat([t, pad], dim=1)
+
+
+def _gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def _gather_list(items: list, group: dist.ProcessGroup | None) -> list:
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, items, group=group)
+    return [x for part in parts for x in part]
+
+
+def all_gather_rollout(rollout: Rollout, pad_id: int, group: dist.ProcessGroup | None = None) -> Rollout:
+    """Concatenate every rank's rollout in rank order, padded to the longest sequence.
+    Called by every rank of `group` with the same number of local samples."""
+    width = torch.tensor([rollout.sequences_BT.shape[1]])
+    dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
+    T = int(width)
+    return Rollout(
+        sequences_BT=_gather_rows(_pad_cols(rollout.sequences_BT, T, pad_id), group),
+        attention_mask_BT=_gather_rows(_pad_cols(rollout.attention_mask_BT, T, 0), group),
+        action_mask_BT1=_gather_rows(_pad_cols(rollout.action_mask_BT1, T - 1, 0.0), group),
+        rollout_logprobs_BT1=_gather_rows(_pad_cols(rollout.rollout_logprobs_BT1, T - 1, 0.0), group),
+        prompt_lens_B=_gather_rows(rollout.prompt_lens_B, group),
+        response_lens_B=_gather_rows(rollout.response_lens_B, group),
+        finish_reasons=_gather_list(rollout.finish_reasons, group),
+        prompts=_gather_list(rollout.prompts, group),
+        responses=_gather_list(rollout.responses, group),
+        labels=_gather_list(rollout.labels, group),
+    )
+
+
+def assemble(part: torch.Tensor | None, where: slice, shape: tuple[int, ...],
+             group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The full float32 tensor of `shape` whose row ranges are computed on different ranks.
+
+    Each rank that computed rows `where` passes them as `part`; ranks that computed nothing pass None.
+    Every row must be computed by exactly one rank. Called by every rank of `group` (the world).
+    """
+    full = torch.zeros(shape, dtype=torch.float32)
+    if part is not None:
+        full[where] = part.float()
+    dist.all_reduce(full, group=group)
+    return full
+
+
+def broadcast_keys(keys: list[str] | None, src: int, group: dist.ProcessGroup | None = None) -> list[str]:
+    """The list of names held by global rank `src`, on every rank of `group`."""
+    holder = [keys]
+    dist.broadcast_object_list(holder, src=src, group=group)
+    return list(holder[0])

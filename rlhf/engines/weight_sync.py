@@ -1,0 +1,93 @@
+"""Streaming the actor's weights into every rank's rollout engine, bucket by bucket.
+
+Actor ranks gather ZeRO-3 shards one module at a time (`DeepSpeedModel.full_parameters`). When some
+ranks do not host the actor, the first actor rank packs parameters into flat buckets of at most
+`bucket_bytes` and broadcasts each over the world; every rank unpacks and feeds its own engine. The
+whole stream is one lazy iterator, because vLLM must receive all tensors of a fused module in one
+reload call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def num_bytes(self) -> int:
+        return int(torch.Size(self.shape).numel()) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def param_specs(model: torch.nn.Module) -> list[ParamSpec]:
+    """Specs in `DeepSpeedModel.full_parameters` order (modules in order, shared parameters once).
+    Works on a meta-device model, so ranks without the actor can compute them."""
+    seen: set[int] = set()
+    specs = []
+    for module_name, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            specs.append(ParamSpec(f"{module_name}.{name}" if module_name else name, tuple(p.shape), p.dtype))
+    return specs
+
+
+def meta_param_specs(model_path: str, dtype: torch.dtype, trust_remote_code: bool = False) -> list[ParamSpec]:
+    """Parameter specs of the HF causal LM at `model_path` without loading its weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    return param_specs(model)
+
+
+def buckets(specs: list[ParamSpec], bucket_bytes: int) -> list[list[ParamSpec]]:
+    """Consecutive specs grouped so each group holds at most `bucket_bytes` (a larger tensor alone)."""
+    out: list[list[ParamSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if out[-1] and size + spec.num_bytes > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(spec)
+        size += spec.num_bytes
+    return [b for b in out if b]
+
+
+def broadcast_parameters(local: Iterable[tuple[str, torch.Tensor]] | None, specs: list[ParamSpec], src: int,
+                         bucket_bytes: int, device: torch.device,
+                         group: dist.ProcessGroup | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every spec on every rank of `group`, broadcast from global rank `src`.
+
+    Actor ranks pass their `full_parameters()` iterator (iterated in lockstep, as ZeRO-3 gathers are
+    collective); other ranks pass None. Every rank of `group` must exhaust the iterator.
+    """
+    source = iter(local) if local is not None else None
+    for bucket in buckets(specs, bucket_bytes):
+        dtype = bucket[0].dtype
+        if any(s.dtype != dtype for s in bucket):
+            raise ValueError("mixed parameter dtypes in one bucket are not supported")
+        flat = torch.empty(sum(torch.Size(s.shape).numel() for s in bucket), dtype=dtype, device=device)
+        if source is not None:
+            offset = 0
+            for spec in bucket:
+                name, tensor = next(source)
+                assert name == spec.name, (name, spec.name)
+                flat[offset:offset + tensor.numel()] = tensor.reshape(-1).to(device)
+                offset += tensor.numel()
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for spec in bucket:
+            n = torch.Size(spec.shape).numel()
+            yield spec.name, flat[offset:offset + n].view(spec.shape)
+            offset += n

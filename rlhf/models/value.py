@@ -1,0 +1,102 @@
+"""Critic and reward models: an HF base model plus a scalar head named by `--value_head_prefix`.
+
+The parameter layout is that of `AutoModelForSequenceClassification` with `num_labels=1`
+(`<base_model_prefix>.*` + `<head>.weight`), so a saved model with the default head name `score`
+loads there directly. Rewards are the head's output at the last non-pad token; critic values are
+the head's output at every position. Knows nothing about DeepSpeed or RL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from rlhf.models.loading import check_local_model
+from rlhf.models.logprobs import position_ids_for
+
+
+class ScalarHeadModel(torch.nn.Module):
+    """values_BT = head(base(input_ids).last_hidden_state)[..., 0] (float32)."""
+
+    def __init__(self, base: torch.nn.Module, head_prefix: str) -> None:
+        super().__init__()
+        self.base_prefix = base.base_model_prefix
+        self.head_prefix = head_prefix
+        self.config = base.config
+        setattr(self, self.base_prefix, base)
+        setattr(self, head_prefix, torch.nn.Linear(base.config.hidden_size, 1, bias=False, dtype=base.dtype))
+
+    @property
+    def base(self) -> torch.nn.Module:
+        return getattr(self, self.base_prefix)
+
+    @property
+    def head(self) -> torch.nn.Linear:
+        return getattr(self, self.head_prefix)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.base(input_ids=input_ids, attention_mask=attention_mask,
+                           position_ids=position_ids_for(attention_mask), use_cache=False).last_hidden_state
+        return self.head(hidden).squeeze(-1).float()
+
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        self.base.gradient_checkpointing_enable(**kwargs)
+
+
+def last_token_values(values_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+    """[B]: the value at the last real token of each right-padded row (the sequence reward)."""
+    last = attention_mask_BT.long().sum(-1) - 1
+    return values_BT.gather(1, last[:, None]).squeeze(1)
+
+
+def _head_weight(path: str, key: str) -> torch.Tensor | None:
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            tensors = load_file(os.path.join(path, name))
+            if key in tensors:
+                return tensors[key]
+    return None
+
+
+def load_scalar_head_model(path: str, head_prefix: str, dtype: torch.dtype, attn_implementation: str,
+                           trust_remote_code: bool = False, flag: str = "--reward_pretrain") -> ScalarHeadModel:
+    """Base weights from `path` (a causal LM or a sequence-classification checkpoint) and the head
+    `<head_prefix>.weight` when present; a missing head is initialised N(0, 1/(hidden+1))."""
+    from transformers import AutoModel
+
+    check_local_model(path, flag)
+    base = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                     trust_remote_code=trust_remote_code, local_files_only=True)
+    model = ScalarHeadModel(base, head_prefix)
+    weight = _head_weight(path, f"{head_prefix}.weight")
+    with torch.no_grad():
+        if weight is not None:
+            model.head.weight.copy_(weight.reshape(1, -1).to(dtype))
+        else:
+            model.head.weight.normal_(0.0, 1.0 / (base.config.hidden_size + 1))
+    return model
+
+
+def save_scalar_head_model(state: dict[str, torch.Tensor], config, head_prefix: str, path: str,
+                           tokenizer=None, extra_config: dict | None = None) -> None:
+    """Write `state` (ScalarHeadModel parameter names) as a sequence-classification checkpoint."""
+    os.makedirs(path, exist_ok=True)
+    config = config.__class__.from_dict(config.to_dict())
+    arch = config.architectures[0] if config.architectures else type(config).__name__.replace("Config", "")
+    for suffix in ("ForCausalLM", "Model", "ForSequenceClassification"):
+        arch = arch.removesuffix(suffix)
+    config.architectures = [f"{arch}ForSequenceClassification"]
+    config.num_labels = 1
+    config.value_head_prefix = head_prefix
+    for key, value in (extra_config or {}).items():
+        setattr(config, key, value)
+    config.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    with open(os.path.join(path, "config.json")) as f:
+        json.load(f)  # fail here, not at load time, if the config did not serialise

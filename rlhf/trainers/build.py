@@ -1,0 +1,140 @@
+"""Building `train_ppo`'s pieces from the config: placement, topology, role engines, rewards, engines.
+
+Every function is called on every rank in the same order; ranks that do not host a role skip its
+construction (DeepSpeed engines are built only over their role's group).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from rlhf.config.schema import TrainPPOConfig
+from rlhf.data.prompts import load_texts
+from rlhf.distributed.topology import Placement, Role, Topology
+from rlhf.engines.deepspeed_compat import install_subgroup_patches
+from rlhf.engines.deepspeed_engine import DeepSpeedModel, GroupMPU
+from rlhf.engines.weight_sync import meta_param_specs
+from rlhf.models.loading import load_causal_lm
+from rlhf.models.value import load_scalar_head_model
+from rlhf.rewards.base import RewardSource
+from rlhf.trainers.actor import Actor
+from rlhf.trainers.critic import Critic
+from rlhf.trainers.experience import ExperienceMaker
+from rlhf.trainers.ppo import Roles
+
+ROLE_NAMES = {Role.ACTOR: "actor", Role.CRITIC: "critic", Role.REWARD: "reward", Role.REF: "ref"}
+
+
+def roles_needed(cfg: TrainPPOConfig) -> tuple[Role, ...]:
+    roles = [Role.ACTOR, Role.REWARD]
+    if cfg.uses_critic:
+        roles.append(Role.CRITIC)
+    if cfg.algo.needs_ref:
+        roles.append(Role.REF)
+    return tuple(roles)
+
+
+def placement_from_config(cfg: TrainPPOConfig) -> Placement:
+    """Role rank counts from the --{role}_num_nodes/_num_gpus_per_node flags and colocation switches."""
+    roles = roles_needed(cfg)
+    p = cfg.placement
+    counts = {role: p.num_ranks(ROLE_NAMES[role]) for role in roles}
+    if p.colocate_all_models or not any(counts.values()):
+        return Placement.colocated(roles + (Role.ROLLOUT,))
+    colocate = []
+    if p.colocate_actor_ref and Role.REF in roles:
+        colocate.append(frozenset({Role.ACTOR, Role.REF}))
+    if p.colocate_critic_reward and Role.CRITIC in roles:
+        colocate.append(frozenset({Role.CRITIC, Role.REWARD}))
+    return Placement({**counts, Role.ROLLOUT: 0}, tuple(colocate))
+
+
+def _dtype(cfg: TrainPPOConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.model.bf16 else torch.float32
+
+
+def _engine(cfg: TrainPPOConfig, topology: Topology, role: Role, build, device: torch.device, *,
+            trainable: bool, learning_rate: float = 0.0) -> DeepSpeedModel:
+    b = cfg.batch
+    dp = topology.dp_size(role)
+    samples = b.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+    steps = cfg.batch.max_steps or 1_000_000
+    mpu = GroupMPU(topology.group(role), topology.self_group) if topology.has_subgroups else None
+    return DeepSpeedModel(
+        build, cfg.engine, cfg.optim, learning_rate=learning_rate, bf16=cfg.model.bf16,
+        micro_batch_size=b.micro_train_batch_size if trainable else b.micro_rollout_batch_size,
+        grad_accum_steps=max(b.train_batch_size // (b.micro_train_batch_size * dp), 1) if trainable else 1,
+        num_optimizer_steps=max(steps * b.max_epochs * samples // b.train_batch_size, 1), device=device,
+        dp_group=topology.group(role), mpu=mpu, trainable=trainable,
+        gradient_checkpointing=cfg.model.gradient_checkpointing and trainable)
+
+
+def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, total_steps: int,
+                reward_source: RewardSource | None, tokenizer) -> Roles:
+    """Role objects for this rank (None where it does not host the role)."""
+    if topology.has_subgroups:
+        install_subgroup_patches()
+    m, dtype = cfg.model, _dtype(cfg)
+    actor = critic = ref_model = None
+    if topology.hosts(Role.ACTOR):
+        model = _engine(_with_steps(cfg, total_steps), topology, Role.ACTOR,
+                        lambda: load_causal_lm(m.pretrain, dtype, m.attn, m.trust_remote_code), device,
+                        trainable=True, learning_rate=cfg.optim.actor_learning_rate)
+        actor = Actor(model, topology.group(Role.ACTOR), device, temperature=cfg.rollout.temperature, algo=cfg.algo)
+    if Role.CRITIC in topology.plan and topology.hosts(Role.CRITIC):
+        path = m.critic_pretrain or (cfg.reward.reward_paths or [m.pretrain])[0]
+        model = _engine(_with_steps(cfg, total_steps), topology, Role.CRITIC,
+                        lambda: load_scalar_head_model(path, m.value_head_prefix, dtype, m.attn, m.trust_remote_code,
+                                                       "--critic_pretrain"), device,
+                        trainable=True, learning_rate=cfg.optim.critic_learning_rate)
+        critic = Critic(model, topology.group(Role.CRITIC), device, cfg.algo.value_clip)
+    if Role.REF in topology.plan and topology.hosts(Role.REF):
+        ref_model = _engine(cfg, topology, Role.REF, lambda: load_causal_lm(m.pretrain, dtype, m.attn,
+                                                                            m.trust_remote_code),
+                            device, trainable=False).engine
+    reward = reward_source
+    if cfg.reward.reward_paths and topology.hosts(Role.REWARD):
+        reward = _reward_models(cfg, topology, device)
+    experience = ExperienceMaker(cfg, topology, actor=actor, critic=critic, ref_model=ref_model, reward=reward,
+                                 device=device)
+    specs = meta_param_specs(m.pretrain, dtype, m.trust_remote_code)
+    return Roles(actor, critic, experience, specs, _ptx_batches(cfg, tokenizer) if actor is not None else None)
+
+
+def _with_steps(cfg: TrainPPOConfig, total_steps: int) -> TrainPPOConfig:
+    """The config with max_steps pinned to the real step count (sizes the LR schedule)."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, max_steps=total_steps))
+
+
+def _reward_models(cfg: TrainPPOConfig, topology: Topology, device: torch.device) -> RewardSource:
+    from rlhf.rewards.models import RewardModelEnsemble
+
+    m, dtype = cfg.model, _dtype(cfg)
+    engines = [_engine(cfg, topology, Role.REWARD,
+                       lambda p=path: load_scalar_head_model(p, m.value_head_prefix, dtype, m.attn,
+                                                             m.trust_remote_code), device, trainable=False).engine
+               for path in cfg.reward.reward_paths]
+    return RewardModelEnsemble(engines, device, cfg.batch.micro_rollout_batch_size)
+
+
+def _ptx_batches(cfg: TrainPPOConfig, tokenizer) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Micro-batches of pretraining text for the ptx loss (right-padded ids and masks)."""
+    if cfg.data.pretrain_data is None or cfg.algo.ptx_coef == 0:
+        if cfg.data.pretrain_data is not None:
+            warnings.warn("--pretrain_data is ignored because --ptx_coef is 0", stacklevel=2)
+        return None
+    texts = load_texts(cfg.data.pretrain_data, cfg.data.input_key, cfg.data.max_samples)
+    size = cfg.batch.micro_train_batch_size
+    out = []
+    for start in range(0, len(texts) - size + 1, size):
+        enc = tokenizer(texts[start:start + size], padding=True, truncation=True,
+                        max_length=cfg.data.prompt_max_len + cfg.rollout.generate_max_len, return_tensors="pt")
+        out.append((enc["input_ids"], enc["attention_mask"]))
+    if not out:
+        raise ValueError(f"--pretrain_data {cfg.data.pretrain_data}: fewer than --micro_train_batch_size "
+                         f"({size}) texts")
+    return out

@@ -1,0 +1,149 @@
+"""Making experience from the step's global rollout: each role scores its shard on its own ranks,
+the shards are assembled on every rank, then rewards are shaped and advantages computed identically
+everywhere (so whitening statistics are those of the whole global batch).
+
+Owns the KL controller and the reward normaliser (their state goes into checkpoints).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from rlhf.algorithms.advantages import (
+    ESTIMATORS,
+    discounted_returns,
+    gae,
+    masked_moments,
+    token_rewards,
+    whiten,
+)
+from rlhf.algorithms.kl import KLController, kl_estimate
+from rlhf.algorithms.shaping import (
+    RunningMoments,
+    group_filter,
+    overlong_penalty,
+    stop_properly_penalty,
+)
+from rlhf.config.schema import TrainPPOConfig
+from rlhf.data.records import Experience, Rollout
+from rlhf.distributed.collectives import assemble, broadcast_keys, shard
+from rlhf.distributed.topology import Role, Topology
+from rlhf.rewards.base import RewardInputs, RewardSource
+from rlhf.trainers.actor import Actor, batched_logprobs
+from rlhf.trainers.critic import Critic
+
+
+class ExperienceMaker:
+    """Built on every rank; roles the rank does not host are None."""
+
+    def __init__(self, cfg: TrainPPOConfig, topology: Topology, *, actor: Actor | None, critic: Critic | None,
+                 ref_model: torch.nn.Module | None, reward: RewardSource | None, device: torch.device) -> None:
+        self.cfg, self.topology, self.device = cfg, topology, device
+        self.actor, self.critic, self.ref_model, self.reward = actor, critic, ref_model, reward
+        self.estimator = ESTIMATORS[cfg.algo.advantage_estimator]
+        algo = cfg.algo
+        self.kl_ctl = KLController(algo.init_kl_coef, algo.kl_target, algo.kl_horizon)
+        self.reward_stats = RunningMoments()
+
+    def _by_role(self, role: Role, compute: Callable[[slice], torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+        """Rows computed by `role`'s ranks on their shards, assembled on every rank (collective: world)."""
+        where = shard(shape[0], self.topology.dp_size(role), self.topology.dp_rank(role)) \
+            if self.topology.hosts(role) else slice(0, 0)
+        part = compute(where) if self.topology.hosts(role) else None
+        return assemble(part, where, shape)
+
+    def _rewards(self, batch: Rollout) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        B = batch.num_samples
+        queries = [p + r for p, r in zip(batch.prompts, batch.responses)]
+        results: dict[str, torch.Tensor] = {}
+
+        def score(where: slice) -> torch.Tensor:
+            out = self.reward.score(RewardInputs(queries[where], batch.prompts[where], batch.labels[where],
+                                                 batch.sequences_BT[where], batch.attention_mask_BT[where]))
+            results["extra"] = out.extra_logs
+            return torch.stack([out.rewards_B, out.scores_B], dim=1)
+
+        both = self._by_role(Role.REWARD, score, (B, 2))
+        keys = broadcast_keys(sorted(results.get("extra", {})), src=self.topology.ranks(Role.REWARD)[0])
+        extra = {k: self._by_role(Role.REWARD, lambda w, k=k: results["extra"][k], (B,)) for k in keys}
+        return both[:, 0], both[:, 1], extra
+
+    def _shape_rewards(self, rewards_B: torch.Tensor, batch: Rollout) -> torch.Tensor:
+        algo = self.cfg.algo
+        if algo.overlong_buffer_len is not None:
+            rewards_B = rewards_B + overlong_penalty(batch.response_lens_B, self.cfg.rollout.generate_max_len,
+                                                     algo.overlong_buffer_len, algo.overlong_penalty_factor)
+        if algo.stop_properly_penalty_coef is not None:
+            truncated = torch.tensor([f == "length" for f in batch.finish_reasons])
+            rewards_B = stop_properly_penalty(rewards_B, truncated, algo.stop_properly_penalty_coef)
+        if algo.normalize_reward:
+            r = rewards_B.double()
+            self.reward_stats.update(float(r.sum()), float((r * r).sum()), r.numel())
+            rewards_B = self.reward_stats.normalize(rewards_B)
+        if algo.reward_clip_range is not None:
+            rewards_B = rewards_B.clamp(*algo.reward_clip_range)
+        return rewards_B
+
+    def make(self, batch: Rollout) -> tuple[Experience, dict[str, float]]:
+        """Experience for the whole global batch (identical on every rank) and step metrics."""
+        B, T = batch.sequences_BT.shape
+        micro, seq, mask = self.cfg.batch.micro_rollout_batch_size, batch.sequences_BT, batch.attention_mask_BT
+        old = self._by_role(Role.ACTOR, lambda w: self.actor.logprobs(seq[w], mask[w], micro), (B, T - 1))
+        ref = None
+        if self.ref_model is not None or Role.REF in self.topology.plan:
+            temperature = self.cfg.rollout.temperature
+            ref = self._by_role(Role.REF, lambda w: batched_logprobs(self.ref_model, seq[w], mask[w], micro,
+                                                                     temperature, self.device), (B, T - 1))
+        values = None
+        if Role.CRITIC in self.topology.plan:
+            values = self._by_role(Role.CRITIC, lambda w: self.critic.values(seq[w], mask[w], micro), (B, T - 1))
+        raw_rewards, scores, extra = self._rewards(batch)
+        rewards = self._shape_rewards(raw_rewards, batch)
+        action = batch.action_mask_BT1
+        n = self.cfg.rollout.n_samples_per_prompt
+        if self.cfg.algo.dynamic_filtering:
+            keep = group_filter(scores.reshape(-1, n), *self.cfg.algo.dynamic_filtering_reward_range)
+            action = action * keep.repeat_interleave(n)[:, None].float()
+        kl = kl_estimate(old, ref, self.cfg.algo.kl_estimator) * action if ref is not None else None
+        advantages, returns = self._advantages(rewards, action, kl, values, n)
+        metrics = self._metrics(batch, raw_rewards, rewards, extra, kl, action)
+        if kl is not None:
+            self.kl_ctl.update(metrics["kl"], B)
+        exp = Experience(seq, mask, action, old, batch.rollout_logprobs_BT1, advantages, rewards, ref, values, returns)
+        return exp, metrics
+
+    def _advantages(self, rewards_B: torch.Tensor, action: torch.Tensor, kl: torch.Tensor | None,
+                    values: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        algo, est = self.cfg.algo, self.estimator
+        if est.group_step is not None:
+            rewards_B = est.group_step(rewards_B.reshape(-1, n)).reshape(-1)
+        kl_in_reward = None if algo.use_kl_loss else kl
+        per_token = token_rewards(rewards_B, action, kl_in_reward, self.kl_ctl.value)
+        gamma = 1.0 if est.gamma_one else algo.gamma
+        returns = None
+        if est.needs_critic:
+            advantages, returns = gae(per_token, values, action, gamma, algo.lambd)
+        else:
+            advantages = discounted_returns(per_token, action, gamma)
+        if est.whiten:
+            advantages = whiten(advantages, action, masked_moments(advantages, action),
+                                divide_std=not algo.no_advantage_std_norm)
+        return advantages, returns
+
+    def _metrics(self, batch: Rollout, raw: torch.Tensor, shaped: torch.Tensor, extra: dict[str, torch.Tensor],
+                 kl: torch.Tensor | None, action: torch.Tensor) -> dict[str, float]:
+        metrics = {
+            "reward_mean": float(raw.mean()),
+            "reward_shaped_mean": float(shaped.mean()),
+            "response_length": float(batch.response_lens_B.float().mean()),
+            "stop_ratio": sum(f == "stop" for f in batch.finish_reasons) / len(batch.finish_reasons),
+            "kept_ratio": float((action.sum(-1) > 0).float().mean()),
+            "kl_coef": self.kl_ctl.value,
+        }
+        if kl is not None:
+            per_seq = kl.sum(-1) / batch.action_mask_BT1.sum(-1).clamp(min=1)
+            metrics["kl"] = float(per_seq.mean())
+        metrics.update({f"reward_extra/{k}": float(v.mean()) for k, v in extra.items()})
+        return metrics
