@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# GRPO with a KL loss (k3) against a reference model and a rule-based reward_func, 4 CPU ranks, every
+# role colocated (the OpenRLHF docs' GRPO command, scaled down to the embedded tiny demo).
+# Usage: bash launch/examples/grpo_tiny_cpu.sh OUT_DIR [extra train_ppo flags...]
+set -euo pipefail
+out=${1:?usage: bash launch/examples/grpo_tiny_cpu.sh OUT_DIR [extra flags]}
+shift
+tiny=$(python -c 'from rlhf.assets import TINY_DIR; print(TINY_DIR)')
+port=$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec torchrun --nproc_per_node 4 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_ppo \
+  --pretrain "$tiny/policy" --remote_rm_url "$tiny/reward.py" \
+  --prompt_data "$tiny/prompts.jsonl" --input_key input --label_key label \
+  --colocate_all_models \
+  --advantage_estimator group_norm --use_kl_loss --kl_estimator k3 --init_kl_coef 0.001 \
+  --n_samples_per_prompt 8 --rollout_batch_size 16 --micro_rollout_batch_size 32 \
+  --train_batch_size 64 --micro_train_batch_size 16 \
+  --generate_max_len 8 --prompt_max_len 16 \
+  --actor_learning_rate 3e-3 --lr_warmup_ratio 0.05 \
+  --zero_stage 3 --num_episodes 8 --max_steps 80 --seed 1 \
+  --save_path "$out" --use_tensorboard "$out/tensorboard" \
+  "$@"

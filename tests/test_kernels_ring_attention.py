@@ -1,0 +1,262 @@
+"""Ring attention over 2 and 4 gloo ranks equals unsharded varlen attention: outputs and dq, dk, dv,
+for several sequence-length mixes (segments padded to a multiple of 2 * ring size), GQA and head strides;
+and a tiny Llama with `rlhf_ring` attention gives the unsharded model's log-probs and gradients.
+
+Shape legend: G global packed tokens, N local tokens, H/K query/kv heads, D head dim.
+"""
+
+import pytest
+import torch
+from rlhf.kernels import (
+    cu_seqlens_from_lengths,
+    next_token_targets,
+    pack_sequences,
+    ring_attention,
+    token_logprobs,
+    varlen_attention_reference,
+    zigzag_indices,
+    zigzag_local_cu_seqlens,
+    zigzag_shard,
+    zigzag_unshard,
+)
+from rlhf.kernels.packing import round_up
+
+from tests.distributed import run_on_ranks
+
+# (real lengths, query heads, kv heads, head_stride)
+CASES = [
+    ([16], 2, 2, None),
+    ([8, 24], 4, 2, None),
+    ([5, 11, 16], 4, 1, None),
+    ([5, 11, 16], 4, 2, 1),
+]
+
+
+def _case_inputs(lengths, ring_size, num_heads, num_kv_heads, seed):
+    """Global q, k, v [G, *, 8], output weights that ignore padding, and padded cu_seqlens."""
+    padded = [round_up(n, 2 * ring_size) for n in lengths]
+    cu_seqlens = cu_seqlens_from_lengths(padded)
+    G = sum(padded)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(G, num_heads, 8, generator=g)
+    k = torch.randn(G, num_kv_heads, 8, generator=g)
+    v = torch.randn(G, num_kv_heads, 8, generator=g)
+    real_G = torch.zeros(G, dtype=torch.bool)
+    for start, n in zip(cu_seqlens[:-1].tolist(), lengths):
+        real_G[start:start + n] = True
+    w = torch.randn(G, num_heads, 8, generator=g) * real_G[:, None, None]
+    return q, k, v, w, cu_seqlens, real_G
+
+
+def _ring_worker(ring_sizes: list[int]) -> dict:
+    """On every rank, for each ring size: split the world into rings of that size (explicit subgroups) and
+    run all CASES; returns {ring size: [local (out, dq, dk, dv) per case]}."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    results = {}
+    for ring_size in ring_sizes:
+        rings = [list(range(r0, r0 + ring_size)) for r0 in range(0, world, ring_size)]
+        groups = [dist.new_group(ranks) for ranks in rings]  # every rank creates every group, same order
+        results[ring_size] = _run_cases(groups[rank // ring_size], ring_size)
+    return results
+
+
+def _run_cases(group, ring_size_of_group: int) -> list:
+    import torch.distributed as dist
+
+    ring_rank = dist.get_rank(group)
+    results = []
+    for i, (lengths, num_heads, num_kv_heads, head_stride) in enumerate(CASES):
+        q, k, v, w, cu, _ = _case_inputs(lengths, ring_size_of_group, num_heads, num_kv_heads, seed=i)
+        q, k, v, w = (zigzag_shard(t, cu, ring_rank, ring_size_of_group) for t in (q, k, v, w))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = ring_attention(q, k, v, cu, group, causal=True, head_stride=head_stride)
+        (out * w).sum().backward()
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    return results
+
+
+def _check_against_reference(per_rank_results, ring_size):
+    for i, (lengths, num_heads, num_kv_heads, _) in enumerate(CASES):
+        q, k, v, w, cu, real_G = _case_inputs(lengths, ring_size, num_heads, num_kv_heads, seed=i)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        ref = varlen_attention_reference(q, k, v, cu, causal=True)
+        (ref * w).sum().backward()
+        got = [zigzag_unshard([rank_res[i][j] for rank_res in per_rank_results], cu) for j in range(4)]
+        torch.testing.assert_close(got[0][real_G], ref.detach()[real_G], atol=1e-5, rtol=1e-5)
+        for name, g, want in zip("qkv", got[1:], (q.grad, k.grad, v.grad)):
+            torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-5, msg=lambda m, n=name, c=i: f"d{n} case {c}: {m}")
+
+
+def test_zigzag_shard_round_trip():
+    cu = cu_seqlens_from_lengths([8, 16])
+    assert zigzag_indices(cu, 0, 2).tolist() == [0, 1, 6, 7, 8, 9, 10, 11, 20, 21, 22, 23]
+    assert zigzag_indices(cu, 1, 2).tolist() == [2, 3, 4, 5, 12, 13, 14, 15, 16, 17, 18, 19]
+    assert zigzag_local_cu_seqlens(cu, 2).tolist() == [0, 4, 12]
+    x = torch.randn(24, 3)
+    torch.testing.assert_close(zigzag_unshard([zigzag_shard(x, cu, r, 2) for r in range(2)], cu), x)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        zigzag_indices(cu_seqlens_from_lengths([8, 12]), 0, 4)
+
+
+def test_ring_size_one_is_plain_attention():
+    q, k, v, w, cu, _ = _case_inputs([5, 11], 1, 4, 2, seed=7)
+    out = ring_attention(q, k, v, cu, group=None)
+    torch.testing.assert_close(out, varlen_attention_reference(q, k, v, cu), atol=1e-5, rtol=1e-5)
+
+
+def test_ring_size_one_row_tiles_and_gradients(monkeypatch):
+    import importlib
+
+    ring_module = importlib.import_module("rlhf.kernels.ring_attention")  # the package attribute is the function
+    monkeypatch.setattr(ring_module, "ROWS_PER_TILE", 3)  # several score tiles per block, ragged last one
+    q, k, v, w, cu, _ = _case_inputs([5, 11, 16], 1, 4, 2, seed=8)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = ring_attention(q, k, v, cu, group=None, head_stride=1)
+    ref = varlen_attention_reference(q, k, v, cu)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    for got, want in zip(grads, torch.autograd.grad((ref * w).sum(), (q, k, v))):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_ring_attention_two_ranks():
+    results = run_on_ranks(2, _ring_worker, [2])
+    _check_against_reference([r[2] for r in results], ring_size=2)
+
+
+def test_ring_attention_four_ranks_and_two_rings_of_two():
+    results = run_on_ranks(4, _ring_worker, [4, 2])
+    _check_against_reference([r[4] for r in results], ring_size=4)
+    _check_against_reference([r[2] for r in results[:2]], ring_size=2)  # ring of ranks 0, 1
+    _check_against_reference([r[2] for r in results[2:]], ring_size=2)  # ring of ranks 2, 3
+
+
+# ---- CUDA / NCCL ---------------------------------------------------------------------------------
+
+
+def _nccl_entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
+    import os
+    import pickle
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
+    try:
+        result = fn(*args)
+        with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_on_nccl_ranks(world_size: int, fn, *args) -> list:
+    """Like tests.distributed.run_on_ranks, with NCCL and one GPU per rank."""
+    import os
+    import pickle
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from tests.distributed import free_port
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_nccl_entry, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size,
+                           start_method="spawn")
+        results = []
+        for r in range(world_size):
+            with open(os.path.join(out_dir, f"{r}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+
+def _nccl_ring_worker(ring_size: int, dtype_name: str) -> list:
+    """All CASES on CUDA over the default NCCL group; returns CPU copies of local (out, dq, dk, dv)."""
+    import torch.distributed as dist
+
+    rank, dtype = dist.get_rank(), getattr(torch, dtype_name)
+    results = []
+    for i, (lengths, num_heads, num_kv_heads, head_stride) in enumerate(CASES):
+        q, k, v, w, cu, _ = _case_inputs(lengths, ring_size, num_heads, num_kv_heads, seed=i)
+        q, k, v, w = (zigzag_shard(t, cu, rank, ring_size).cuda().to(dtype) for t in (q, k, v, w))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = ring_attention(q, k, v, cu.cuda(), None, causal=True, head_stride=head_stride)
+        (out.float() * w.float()).sum().backward()
+        results.append(tuple(t.detach().float().cpu() for t in (out, q.grad, k.grad, v.grad)))
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ring_size", [2, 4])
+def test_ring_attention_nccl(ring_size):
+    if torch.cuda.device_count() < ring_size:
+        pytest.skip(f"needs {ring_size} GPUs")
+    _check_against_reference(_run_on_nccl_ranks(ring_size, _nccl_ring_worker, ring_size, "float32"), ring_size)
+
+
+@pytest.mark.gpu
+def test_ring_attention_single_gpu_bf16():
+    q, k, v, w, cu, real_G = _case_inputs([5, 11, 16], 1, 4, 2, seed=3)
+    q, k, v = (t.cuda().bfloat16().requires_grad_() for t in (q, k, v))
+    out = ring_attention(q, k, v, cu.cuda(), group=None)
+    ref = varlen_attention_reference(q.float(), k.float(), v.float(), cu.cuda())
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+# ---- a tiny Llama with rlhf_ring attention == the same model unsharded ---------------------------
+
+LLAMA_LENGTHS = [5, 11, 16]
+
+
+def _llama_inputs(ring_size):
+    """Packed sequences (segments padded to 2W), next-token targets and loss weights on real targets."""
+    g = torch.Generator().manual_seed(11)
+    packed = pack_sequences([torch.randint(1, 64, (n,), generator=g) for n in LLAMA_LENGTHS],
+                            pad_to_multiple_of=2 * ring_size)
+    targets_1N = next_token_targets(packed)
+    weights_1N = torch.zeros(1, packed.num_tokens)
+    for start, n in zip(packed.cu_seqlens[:-1].tolist(), packed.seqlens):
+        weights_1N[0, start:start + n - 1] = torch.randn(n - 1, generator=g)
+    return packed, targets_1N, weights_1N
+
+
+def _ring_llama_worker(head_stride):
+    """Each rank: its shard's log-probs and the all-reduced parameter gradients of sum(w * logprobs)."""
+    import torch.distributed as dist
+
+    from rlhf.models.attention import register_ring_attention, ring_forward_kwargs
+    from tests.test_kernels_packing import _tiny_llama
+
+    group, ring_size, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    packed, targets_1N, weights_1N = _llama_inputs(ring_size)
+    model = _tiny_llama(register_ring_attention())
+    logits_1NV = model(**ring_forward_kwargs(packed, group, head_stride=head_stride)).logits
+    shard = [zigzag_shard(t, packed.cu_seqlens, rank, ring_size, dim=1) for t in (targets_1N, weights_1N)]
+    logprobs_1N = token_logprobs(logits_1NV, shard[0])
+    (logprobs_1N * shard[1]).sum().backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        dist.all_reduce(p.grad, group=group)  # tokens of one sequence live on every rank: sum their grads
+        grads[name] = p.grad
+    return logprobs_1N.detach(), grads
+
+
+@pytest.mark.parametrize("ring_size,head_stride", [(2, 1)])  # 4 ranks would import transformers 4 times: slow
+def test_ring_llama_equals_unsharded_varlen_llama(ring_size, head_stride):
+    from rlhf.models.attention import register_varlen_attention
+    from tests.test_kernels_packing import _tiny_llama
+
+    results = run_on_ranks(ring_size, _ring_llama_worker, head_stride)
+    packed, targets_1N, weights_1N = _llama_inputs(ring_size)
+    model = _tiny_llama(register_varlen_attention())
+    logprobs_1N = token_logprobs(model(**packed.forward_kwargs()).logits, targets_1N)
+    (logprobs_1N * weights_1N).sum().backward()
+    got_1N = zigzag_unshard([lp for lp, _ in results], packed.cu_seqlens, dim=1)
+    real_1N = weights_1N != 0
+    torch.testing.assert_close(got_1N[real_1N], logprobs_1N.detach()[real_1N], atol=1e-5, rtol=1e-5)
+    for name, p in model.named_parameters():
+        for _, grads in results:
+            torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
