@@ -6,7 +6,9 @@ calls while the ZeRO-3 optimizer sets up its partitions, which wait for ranks of
 cross-check that broadcasts from global rank 0, which is not a member of every role's group.
 (1) is scoped to the role's group while an engine is built. (2) is skipped: every rank of a role runs
 the same forwards in the same order by construction (the trainer's stages are SPMD), which is what
-the check verifies. `tests/test_deepspeed_compat.py` fails if DeepSpeed moves either call.
+the check verifies. Building a transformers model under ZeRO-3 on a subgroup needs two more scopes
+(`zero3_construction`). `tests/test_deepspeed_compat.py` fails if DeepSpeed or transformers move
+any of these.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
 import torch.distributed as dist
 
 
@@ -50,3 +53,55 @@ def install_subgroup_patches() -> None:
         raise RuntimeError("DeepSpeed no longer defines partitioned_param_coordinator.assert_ints_same_as_other_ranks;"
                            " revisit rlhf/engines/deepspeed_compat.py")
     coordinator.assert_ints_same_as_other_ranks = _skip_order_check
+
+
+class _RankInGroupDistributed:
+    """`torch.distributed` whose get_rank() answers the rank inside one group."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._group = group
+
+    def get_rank(self, group=None) -> int:
+        return dist.get_rank(self._group if group is None else group)
+
+    def __getattr__(self, name: str):
+        return getattr(dist, name)
+
+
+class _TorchWithGroupRank:
+    """The `torch` module as seen by transformers' ZeRO-3 weight loader during one construction."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.distributed = _RankInGroupDistributed(group)
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+@contextmanager
+def zero3_construction(config: dict, group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Build a transformers model under ZeRO-3 with its parameters partitioned over `group`.
+
+    (a) transformers opens its own `deepspeed.zero.Init` over the whole world; for a role on a subgroup
+    that broadcasts to ranks that are building other roles and deadlocks. We open the Init over the
+    role's group and mark transformers' ZeRO-3 state as entered so it opens no second one
+    (`modeling_utils.set_zero3_state`, a private helper). (b) transformers' ZeRO-3 loader reads the
+    checkpoint only where `torch.distributed.get_rank() == 0` (global rank), so on a group without
+    global rank 0 nobody would load; during construction its module sees the rank inside the group.
+    """
+    import deepspeed
+    import transformers.integrations.deepspeed as hf_deepspeed
+    from transformers import initialization
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.modeling_utils import set_zero3_state
+
+    keep_alive = HfDeepSpeedConfig(config)  # noqa: F841 - transformers reads it while loading weights
+    original_torch = hf_deepspeed.torch
+    if group is not None:
+        hf_deepspeed.torch = _TorchWithGroupRank(group)
+    try:
+        with initialization.no_init_weights(), \
+                deepspeed.zero.Init(config_dict_or_path=config, data_parallel_group=group), set_zero3_state():
+            yield
+    finally:
+        hf_deepspeed.torch = original_torch

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.config.schema import EngineConfig, OptimConfig
-from rlhf.engines.deepspeed_compat import barriers_scoped_to
+from rlhf.engines.deepspeed_compat import barriers_scoped_to, zero3_construction
 
 
 def ds_config(engine: EngineConfig, optim: OptimConfig, *, bf16: bool, micro_batch_size: int,
@@ -124,10 +124,8 @@ class DeepSpeedModel:
     def _build(self, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
         if self.zero_stage != 3:
             return build()
-        from transformers.integrations import HfDeepSpeedConfig
-
-        keep_alive = HfDeepSpeedConfig(self.config)  # noqa: F841 - must outlive from_pretrained
-        return build()
+        with zero3_construction(self.config, self.dp_group):
+            return build()
 
     @property
     def module(self) -> torch.nn.Module:

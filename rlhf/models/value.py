@@ -8,6 +8,7 @@ the head's output at every position. Knows nothing about DeepSpeed or RL.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -72,12 +73,22 @@ def load_scalar_head_model(path: str, head_prefix: str, dtype: torch.dtype, attn
                                      trust_remote_code=trust_remote_code, local_files_only=True)
     model = ScalarHeadModel(base, head_prefix)
     weight = _head_weight(path, f"{head_prefix}.weight")
-    with torch.no_grad():
-        if weight is not None:
-            model.head.weight.copy_(weight.reshape(1, -1).to(dtype))
-        else:
-            model.head.weight.normal_(0.0, 1.0 / (base.config.hidden_size + 1))
+    if weight is None:
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(1, base.config.hidden_size, generator=generator) / (base.config.hidden_size + 1)
+    with _full_param(model.head.weight), torch.no_grad():
+        model.head.weight.copy_(weight.reshape(1, -1).to(dtype))
     return model
+
+
+def _full_param(param: torch.nn.Parameter):
+    """A context in which `param` is whole: ZeRO-3 partitions parameters built under its Init, so the
+    head is gathered (and re-partitioned from rank 0's copy) around the assignment."""
+    if not hasattr(param, "ds_id"):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([param], modifier_rank=0)
 
 
 def save_scalar_head_model(state: dict[str, torch.Tensor], config, head_prefix: str, path: str,
