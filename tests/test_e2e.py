@@ -76,3 +76,45 @@ def test_quickstart_learns(tmp_path):
     print(f"reward_mean first fifth {first:.3f}, last fifth {last:.3f}")
     assert last > first + 0.3, (first, last)
     assert torch.isfinite(torch.tensor(rewards)).all()
+
+
+@pytest.mark.vllm
+def test_every_stabiliser_wired_through(tmp_path):
+    """RLOO + GSPO with KL loss, entropy bonus, ptx loss, ICEPOP correction, dynamic filtering, length
+    penalties, reward normalisation and clipping run together, and each reports its metric."""
+    pytest.importorskip("vllm")
+    from rlhf.assets import TINY_DIR
+
+    out = tmp_path / "run"
+    proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *SMALL, "--advantage_estimator", "rloo", "--use_kl_loss",
+                        "--kl_estimator", "k3", "--init_kl_coef", "0.01", "--policy_loss_type", "gspo",
+                        "--entropy_loss_coef", "0.01", "--ptx_coef", "0.1", "--pretrain_data",
+                        f"{TINY_DIR}/prompts.jsonl", "--enable_vllm_is_correction", "--use_icepop",
+                        "--dynamic_filtering", "--dynamic_filtering_reward_range", "-0.01", "0.99",
+                        "--overlong_buffer_len", "2", "--stop_properly_penalty_coef", "0.5", "--normalize_reward",
+                        "--reward_clip_range", "-2", "2", "--save_path", str(out))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    rows = check_outputs(out, 3)
+    for row in rows:
+        assert row["entropy"] > 0 and row["ptx_loss"] > 0 and row["kl"] >= 0
+        assert 0.0 <= row["kept_ratio"] <= 1.0
+        assert -2.0 <= row["reward_shaped_mean"] <= 2.0
+
+
+@pytest.mark.vllm
+def test_critic_warmup_freezes_the_actor_and_adaptive_kl_moves(tmp_path):
+    pytest.importorskip("vllm")
+    from rlhf.assets import TINY_DIR
+
+    out = tmp_path / "run"
+    proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *SMALL, "--advantage_estimator", "gae",
+                        "--n_samples_per_prompt", "1", "--rollout_batch_size", "8",
+                        "--reward_pretrain", f"{TINY_DIR}/reward_model", "--freezing_actor_steps", "2", "--value_clip", "0.2",
+                        "--dual_clip", "3", "--init_kl_coef", "0.05", "--kl_target", "0.001", "--kl_horizon", "100",
+                        "--save_path", str(out))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    rows = read_metrics(out)
+    assert [("policy_loss" in r) for r in rows] == [False, False, True]
+    assert all(r["value_loss"] > 0 for r in rows)
+    assert rows[0]["kl_coef"] == 0.05 and rows[2]["kl_coef"] != rows[1]["kl_coef"]
+    assert os.path.isfile(out / "critic" / "model.safetensors")

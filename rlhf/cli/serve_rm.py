@@ -51,6 +51,9 @@ def make_handler(source: RewardSource, tokenizer, max_len: int):
             except (ValueError, KeyError, TypeError) as err:
                 self._reply(400, {"error": f"expected JSON with 'query' (and 'prompts', 'labels'): {err}"})
                 return
+            if not queries:
+                self._reply(200, {"rewards": [], "scores": [], "extra_logs": {}})
+                return
             prompts = request.get("prompts") or [""] * len(queries)
             labels = request.get("labels") or [None] * len(queries)
             ids = mask = torch.zeros(len(queries), 1, dtype=torch.long)
@@ -63,6 +66,9 @@ def make_handler(source: RewardSource, tokenizer, max_len: int):
                     result = source.score(RewardInputs(queries, prompts, labels, ids, mask))
             except ValueError as err:
                 self._reply(422, {"error": str(err)})
+                return
+            except RuntimeError as err:  # e.g. a model failure: the client may retry
+                self._reply(500, {"error": str(err)})
                 return
             self._reply(200, {"rewards": result.rewards_B.tolist(), "scores": result.scores_B.tolist(),
                               "extra_logs": {k: v.tolist() for k, v in result.extra_logs.items()}})

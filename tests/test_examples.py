@@ -1,0 +1,28 @@
+"""The launch/examples scripts (4 CPU ranks each, a few minutes): the reward must clearly rise.
+Marked slow: run with `python -m pytest -m slow tests/test_examples.py`."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from tests.distributed import ROOT
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
+@pytest.mark.parametrize("script,min_gain", [("ppo_tiny_cpu.sh", 0.3), ("grpo_tiny_cpu.sh", 0.3),
+                                             ("reinforce_pp_tiny_cpu.sh", 0.3)])
+def test_example_reward_rises(tmp_path, script, min_gain):
+    out = tmp_path / "run"
+    proc = subprocess.run(["bash", f"launch/examples/{script}", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1500, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    with open(out / "metrics.jsonl") as f:
+        rewards = [json.loads(line)["reward_mean"] for line in f]
+    fifth = len(rewards) // 5
+    first, last = sum(rewards[:fifth]) / fifth, sum(rewards[-fifth:]) / fifth
+    print(f"{script}: reward_mean first fifth {first:.3f}, last fifth {last:.3f} over {len(rewards)} steps")
+    assert last > first + min_gain
