@@ -110,7 +110,8 @@ def test_critic_warmup_freezes_the_actor_and_adaptive_kl_moves(tmp_path):
     proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *SMALL, "--advantage_estimator", "gae",
                         "--n_samples_per_prompt", "1", "--rollout_batch_size", "8",
                         "--reward_pretrain", f"{TINY_DIR}/reward_model", "--freezing_actor_steps", "2",
-                        "--value_clip", "0.2", "--dual_clip", "3", "--init_kl_coef", "0.05", "--kl_target", "0.001", "--kl_horizon", "100",
+                        "--value_clip", "0.2", "--dual_clip", "3", "--init_kl_coef", "0.05",
+                        "--kl_target", "0.001", "--kl_horizon", "100",
                         "--save_path", str(out))
     assert proc.returncode == 0, proc.stderr[-6000:]
     rows = read_metrics(out)
