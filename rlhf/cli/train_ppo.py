@@ -99,9 +99,11 @@ def run(cfg: TrainPPOConfig) -> None:
     roles = build_roles(cfg, topology, device, steps, reward_source, tokenizer)
     logger = MetricsLogger(cfg.logging.save_path, cfg.logging.use_tensorboard, steps, enabled=is_writer)
     trainer = PPOTrainer(cfg, topology, roles, engine, sampler, tokenizer, logger, device)
+    start = trainer.resume()
+    logger.skip(start)
     trainer.sync_weights()
     try:
-        trainer.fit()
+        trainer.fit(start)
         save_models(cfg, roles, topology, tokenizer)
     finally:
         logger.close()

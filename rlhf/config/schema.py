@@ -264,6 +264,24 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Training checkpoints for exact resume."""
+
+    save_steps: int = opt(-1, "write a checkpoint every N steps (-1: never)")
+    ckpt_path: str = opt("./ckpt", "directory of training checkpoints")
+    load_checkpoint: bool = opt(False, "resume from the newest complete checkpoint under --ckpt_path, if any")
+    max_ckpt_num: int = opt(3, "keep at most this many checkpoints")
+    max_ckpt_mem: float = opt(1e8, "keep checkpoints within this many GiB (the newest is always kept)")
+    disable_ds_ckpt: bool = opt(False, "do not write optimizer states (the run then cannot resume exactly)")
+    save_hf_ckpt: bool = opt(False, "also write the actor in HF format into each checkpoint")
+
+    def __post_init__(self) -> None:
+        _require(self.save_steps == -1 or self.save_steps >= 1, "--save_steps must be -1 or >= 1")
+        _require(self.max_ckpt_num >= 1, "--max_ckpt_num must be >= 1")
+        _require(self.max_ckpt_mem > 0, "--max_ckpt_mem must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlacementConfig:
     """How roles map to ranks: colocated (hybrid engine) or disjoint ranges sized per role."""
 
@@ -305,6 +323,7 @@ class TrainPPOConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = opt(42, "random seed (every rank derives its streams from it)")
     full_determinism: bool = opt(False, "use deterministic torch algorithms")
 

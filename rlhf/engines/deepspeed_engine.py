@@ -96,6 +96,7 @@ class DeepSpeedModel:
                  num_optimizer_steps: int, device: torch.device, dp_group: dist.ProcessGroup | None = None,
                  mpu: GroupMPU | None = None, trainable: bool = True, gradient_checkpointing: bool = False) -> None:
         self.dp_group = dp_group
+        self.mpu_group = mpu.get_data_parallel_group() if mpu else None
         self.dp_size = dist.get_world_size(group=dp_group)
         self.zero_stage = engine_cfg.zero_stage
         self.trainable = trainable
@@ -106,7 +107,7 @@ class DeepSpeedModel:
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.scheduler = None
-        with barriers_scoped_to(mpu.get_data_parallel_group() if mpu else None):
+        with barriers_scoped_to(self.mpu_group):
             if trainable:
                 optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=tuple(optim_cfg.adam_betas),
                                               weight_decay=optim_cfg.l2)
@@ -174,6 +175,19 @@ class DeepSpeedModel:
             with gather:
                 copies = [(f"{module_name}.{n}" if module_name else n, p.detach().clone()) for n, p in params]
             yield from copies
+
+    def save_state(self, directory: str) -> None:
+        """Weights, optimizer and LR-schedule state (DeepSpeed format). Collective over the DP group."""
+        with barriers_scoped_to(self.mpu_group):
+            self.engine.save_checkpoint(directory, tag="state", save_latest=False)
+
+    def load_state(self, directory: str) -> None:
+        """Restore what `save_state` wrote. Collective over the DP group."""
+        with barriers_scoped_to(self.mpu_group):
+            path, _ = self.engine.load_checkpoint(directory, tag="state", load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
+        if path is None:
+            raise ValueError(f"no DeepSpeed state under {directory}/state")
 
     def save_hf(self, path: str, tokenizer, is_writer: bool) -> None:
         """Write the model in HF format (with the tokenizer). Collective: every DP rank calls it."""

@@ -8,6 +8,7 @@ actor's weights into every engine -> log. Per-role work lives in the role object
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 
@@ -24,6 +25,13 @@ from rlhf.engines.weight_sync import ParamSpec, broadcast_parameters
 from rlhf.trainers.actor import Actor
 from rlhf.trainers.critic import Critic
 from rlhf.trainers.experience import ExperienceMaker
+from rlhf.utils.checkpoint import (
+    CheckpointWriter,
+    complete_checkpoints,
+    load_rank_state,
+    load_trainer_state,
+    prune,
+)
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.timers import StageTimer
 
@@ -57,6 +65,7 @@ class PPOTrainer:
         self.timer = StageTimer()
 
     def fit(self, start_step: int = 0) -> None:
+        save_steps = self.cfg.checkpoint.save_steps
         for step in range(start_step, total_steps(self.cfg, self.sampler)):
             with self.timer.stage("step"):
                 metrics = self.step(step)
@@ -64,6 +73,51 @@ class PPOTrainer:
             if (step + 1) % self.cfg.logging.logging_steps == 0:
                 self.logger.log(step + 1, metrics)
             self.logger.advance(metrics)
+            if save_steps > 0 and (step + 1) % save_steps == 0:
+                self.save_checkpoint(step + 1)
+
+    def save_checkpoint(self, done_steps: int) -> str:
+        """Everything needed to continue after `done_steps` steps (collective over the world)."""
+        c, rank = self.cfg.checkpoint, self.topology.rank
+        writer = CheckpointWriter(c.ckpt_path, done_steps, is_writer=rank == 0)
+        tmp = writer.begin()
+        for name, role in (("actor", self.roles.actor), ("critic", self.roles.critic)):
+            if role is not None and not c.disable_ds_ckpt:
+                role.model.save_state(os.path.join(tmp, name))
+        if c.save_hf_ckpt and self.roles.actor is not None:
+            self.roles.actor.model.save_hf(os.path.join(tmp, "hf"), self.tokenizer,
+                                           self.topology.dp_rank(Role.ACTOR) == 0)
+        writer.save_rank_state(rank)
+        exp = self.roles.experience
+        writer.save_trainer_state({"step": done_steps, "world_size": self.topology.world_size,
+                                   "kl_ctl": exp.kl_ctl.state_dict(), "reward_stats": exp.reward_stats.state_dict(),
+                                   "has_engine_states": not c.disable_ds_ckpt})
+        final = writer.commit()
+        if rank == 0:
+            prune(c.ckpt_path, c.max_ckpt_num, c.max_ckpt_mem)
+        dist.barrier()
+        return final
+
+    def resume(self) -> int:
+        """Load the newest complete checkpoint when --load_checkpoint is set; returns the steps done."""
+        c = self.cfg.checkpoint
+        found = complete_checkpoints(c.ckpt_path) if c.load_checkpoint else []
+        if not found:
+            return 0
+        done, path = found[-1]
+        state = load_trainer_state(path)
+        if state["world_size"] != self.topology.world_size or not state["has_engine_states"]:
+            raise ValueError(f"checkpoint {path} cannot be resumed exactly: written by {state['world_size']} ranks "
+                             f"(now {self.topology.world_size}), engine states saved: {state['has_engine_states']}")
+        for name, role in (("actor", self.roles.actor), ("critic", self.roles.critic)):
+            if role is not None:
+                role.model.load_state(os.path.join(path, name))
+        self.roles.experience.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.roles.experience.reward_stats.load_state_dict(state["reward_stats"])
+        load_rank_state(path, self.topology.rank)
+        if self.topology.rank == 0:
+            print(f"resumed from {path} after {done} steps", flush=True)
+        return done
 
     def step(self, step: int) -> dict[str, float]:
         with self.timer.stage("generation"):

@@ -45,6 +45,11 @@ class MetricsLogger:
                                  step_s=f"{metrics.get('time/step', float('nan')):.2f}")
             self.bar.update(1)
 
+    def skip(self, steps: int) -> None:
+        """Advance the progress bar past steps done before a resume."""
+        if self.bar is not None and steps:
+            self.bar.update(steps)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

@@ -1,0 +1,96 @@
+"""Checkpoints: 4 steps straight == 2 steps, checkpoint, resume, 2 steps (weights and metrics); a process
+killed while writing a checkpoint leaves the previous one loadable and resume picks it; pruning."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf.assets import TINY_DIR
+from rlhf.utils.checkpoint import complete_checkpoints, prune
+from tests.distributed import ROOT, run_torchrun
+
+PPO = ["--pretrain", f"{TINY_DIR}/policy", "--reward_pretrain", f"{TINY_DIR}/reward_model",
+       "--prompt_data", f"{TINY_DIR}/prompts.jsonl", "--advantage_estimator", "gae", "--init_kl_coef", "0.01",
+       "--kl_target", "0.01", "--kl_horizon", "50", "--normalize_reward", "--n_samples_per_prompt", "1",
+       "--rollout_batch_size", "8", "--micro_rollout_batch_size", "4", "--train_batch_size", "4",
+       "--micro_train_batch_size", "2", "--max_epochs", "2", "--generate_max_len", "6", "--prompt_max_len", "16",
+       "--actor_learning_rate", "1e-3", "--critic_learning_rate", "1e-3", "--lr_warmup_ratio", "0.25",
+       "--max_steps", "4", "--seed", "5", "--zero_stage", "2"]
+COMPARED = ("reward_mean", "reward_shaped_mean", "kl", "kl_coef", "policy_loss", "value_loss", "grad_norm", "lr")
+
+
+def train(out, *extra):
+    proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *PPO, "--save_path", str(out), *extra)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    with open(out / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f], load_file(out / "model" / "model.safetensors")
+
+
+@pytest.mark.vllm
+def test_resume_equals_uninterrupted(tmp_path):
+    pytest.importorskip("vllm")
+    straight_metrics, straight = train(tmp_path / "straight")
+    ckpt = tmp_path / "ckpt"
+    saved_metrics, saved = train(tmp_path / "saving", "--save_steps", "2", "--ckpt_path", str(ckpt))
+    assert [s for s, _ in complete_checkpoints(str(ckpt))] == [2, 4]
+    shutil.rmtree(ckpt / "global_step4")  # as if the job died right after step 2's checkpoint
+    resumed_metrics, resumed = train(tmp_path / "resumed", "--load_checkpoint", "--ckpt_path", str(ckpt))
+    assert [m["step"] for m in resumed_metrics] == [3, 4]
+    for a, b, c in zip(straight_metrics[2:], saved_metrics[2:], resumed_metrics):
+        for key in COMPARED:
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), key
+            assert c[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), key
+    assert straight_metrics[3]["kl_coef"] != straight_metrics[0]["kl_coef"]  # the controller state mattered
+    for name, weight in straight.items():
+        torch.testing.assert_close(saved[name], weight, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(resumed[name], weight, rtol=0, atol=0, msg=name)
+
+
+KILLED_WRITER = """
+import os, signal, sys
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+from rlhf.utils.checkpoint import CheckpointWriter
+for step, die in ((2, False), (4, True)):
+    w = CheckpointWriter(sys.argv[1], step, is_writer=True)
+    tmp = w.begin()
+    with open(os.path.join(tmp, "weights.bin"), "wb") as f:
+        f.write(os.urandom(1 << 20))
+        f.flush()
+        if die:
+            os.kill(os.getpid(), signal.SIGKILL)
+    w.save_rank_state(0)
+    w.save_trainer_state({{"step": step}})
+    w.commit()
+"""
+
+
+def test_killed_while_writing_leaves_previous_checkpoint(tmp_path):
+    from tests.distributed import free_port
+
+    proc = subprocess.run([sys.executable, "-c", KILLED_WRITER.format(port=free_port()), str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert os.path.isdir(tmp_path / ".tmp-global_step4")
+    assert complete_checkpoints(str(tmp_path)) == [(2, str(tmp_path / "global_step2"))]
+    with open(tmp_path / "global_step2" / "trainer_state.json") as f:
+        assert json.load(f)["step"] == 2
+
+
+def test_prune_keeps_the_newest(tmp_path):
+    for step in (1, 2, 3, 4):
+        d = tmp_path / f"global_step{step}"
+        d.mkdir()
+        (d / "COMPLETE").write_text(str(step))
+        (d / "blob").write_bytes(b"x" * 1000)
+    prune(str(tmp_path), max_num=2, max_gb=1.0)
+    assert [s for s, _ in complete_checkpoints(str(tmp_path))] == [3, 4]
+    prune(str(tmp_path), max_num=5, max_gb=1e-9)
+    assert [s for s, _ in complete_checkpoints(str(tmp_path))] == [4]
