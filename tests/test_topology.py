@@ -70,3 +70,38 @@ def test_launch_env_slurm():
 
 def test_launch_env_single_process():
     assert read_launch_env({}).launcher == "single"
+
+
+SLURM_WORKER = """
+import json, torch, torch.distributed as dist
+from rlhf.distributed.launch import init_distributed, read_launch_env
+launch = read_launch_env()
+init_distributed(launch)
+value = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(value)
+print(json.dumps({"launcher": launch.launcher, "rank": dist.get_rank(), "world": dist.get_world_size(),
+                  "local_rank": launch.local_rank, "sum": float(value)}))
+dist.destroy_process_group()
+"""
+
+
+def test_slurm_variables_form_the_world_without_torchrun():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.distributed import ROOT, free_port
+
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                              "MASTER_PORT") and not k.startswith("TORCHELASTIC")}
+    procs = [subprocess.Popen([sys.executable, "-c", SLURM_WORKER], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              env={**base, "PYTHONPATH": ROOT, "SLURM_PROCID": str(r), "SLURM_NTASKS": "2",
+                                   "SLURM_LOCALID": str(r), "SLURM_JOB_NODELIST": "localhost",
+                                   "MASTER_PORT": str(port)})
+             for r in range(2)]
+    outs = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert [(o["launcher"], o["rank"], o["world"], o["local_rank"], o["sum"]) for o in outs] == [
+        ("slurm", 0, 2, 0, 3.0), ("slurm", 1, 2, 1, 3.0)]

@@ -24,6 +24,7 @@ from rlhf.rewards.base import RewardSource
 from rlhf.trainers.build import ROLE_NAMES, build_roles, placement_from_config
 from rlhf.trainers.ppo import PPOTrainer, Roles, total_steps
 from rlhf.utils.logging import MetricsLogger
+from rlhf.utils.preemption import PreemptionWatch
 from rlhf.utils.seeding import seed_everything
 
 
@@ -89,6 +90,7 @@ def run(cfg: TrainPPOConfig) -> None:
     tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code)
     sampler = PromptSampler(load_prompts(cfg.data, tokenizer), cfg.batch.rollout_batch_size, cfg.seed)
     device = init_distributed(launch)
+    preemption = PreemptionWatch()  # from here on SIGTERM/SIGUSR1 mean "checkpoint and stop"
     topology = Topology(plan, rollout_tp=cfg.rollout.vllm_tensor_parallel_size)
     is_writer = launch.rank == 0
     if is_writer and cfg.model.pretrain == TrainPPOConfig().model.pretrain:
@@ -103,8 +105,8 @@ def run(cfg: TrainPPOConfig) -> None:
     logger.skip(start)
     trainer.sync_weights()
     try:
-        trainer.fit(start)
-        save_models(cfg, roles, topology, tokenizer)
+        if trainer.fit(start, preemption):
+            save_models(cfg, roles, topology, tokenizer)
     finally:
         logger.close()
     dist.barrier()

@@ -78,6 +78,20 @@ def init_distributed(launch: LaunchEnv, timeout_minutes: int = 30) -> torch.devi
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, rank=launch.rank, world_size=launch.world_size,
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        dist.init_process_group(backend=backend, store=_store(launch, timeout), rank=launch.rank,
+                                world_size=launch.world_size, timeout=timeout)
     return device
+
+
+def _store(launch: LaunchEnv, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store, with keys prefixed by the restart attempt.
+
+    Under `torchrun --max-restarts` the agent keeps one store across attempts; without the prefix a
+    restarted worker would read its peers' addresses from the failed attempt and never connect.
+    Under torchrun the agent hosts the store; otherwise rank 0 does.
+    """
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
+                          is_master=not agent_hosts and launch.rank == 0, timeout=timeout)
+    return dist.PrefixStore(f"rlhf/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

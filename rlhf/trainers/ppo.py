@@ -33,6 +33,7 @@ from rlhf.utils.checkpoint import (
     prune,
 )
 from rlhf.utils.logging import MetricsLogger
+from rlhf.utils.preemption import PreemptionWatch
 from rlhf.utils.timers import StageTimer
 
 SHARE_METRICS = ("policy_loss", "clip_frac", "train_kl", "entropy", "ptx_loss", "value_loss")
@@ -64,7 +65,8 @@ class PPOTrainer:
         self.sampler, self.tokenizer, self.logger, self.device = sampler, tokenizer, logger, device
         self.timer = StageTimer()
 
-    def fit(self, start_step: int = 0) -> None:
+    def fit(self, start_step: int = 0, preemption: PreemptionWatch | None = None) -> bool:
+        """Run steps until the end (True) or until a preemption signal, after checkpointing (False)."""
         save_steps = self.cfg.checkpoint.save_steps
         for step in range(start_step, total_steps(self.cfg, self.sampler)):
             with self.timer.stage("step"):
@@ -73,8 +75,16 @@ class PPOTrainer:
             if (step + 1) % self.cfg.logging.logging_steps == 0:
                 self.logger.log(step + 1, metrics)
             self.logger.advance(metrics)
-            if save_steps > 0 and (step + 1) % save_steps == 0:
+            saved = save_steps > 0 and (step + 1) % save_steps == 0
+            if saved:
                 self.save_checkpoint(step + 1)
+            if preemption is not None and preemption.should_stop():
+                if not saved:
+                    self.save_checkpoint(step + 1)
+                if self.topology.rank == 0:
+                    print(f"preempted: checkpoint after step {step + 1} written, exiting", flush=True)
+                return False
+        return True
 
     def save_checkpoint(self, done_steps: int) -> str:
         """Everything needed to continue after `done_steps` steps (collective over the world)."""
@@ -101,7 +111,8 @@ class PPOTrainer:
     def resume(self) -> int:
         """Load the newest complete checkpoint when --load_checkpoint is set; returns the steps done."""
         c = self.cfg.checkpoint
-        found = complete_checkpoints(c.ckpt_path) if c.load_checkpoint else []
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        found = complete_checkpoints(c.ckpt_path) if c.load_checkpoint or restarted else []
         if not found:
             return 0
         done, path = found[-1]
