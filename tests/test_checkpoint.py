@@ -1,5 +1,7 @@
-"""Checkpoints: 4 steps straight == 2 steps, checkpoint, resume, 2 steps (weights and metrics); a process
-killed while writing a checkpoint leaves the previous one loadable and resume picks it; pruning."""
+"""Checkpoints: 4 steps straight == 2 steps, checkpoint, resume, 2 steps (weights and metrics), where the
+checkpointed and resumed runs also have every sleep/offload switch on (so the same comparison shows
+that sleep/offload leaves training unchanged); a process killed while writing a checkpoint leaves the
+previous one loadable and resume picks it; pruning."""
 
 import json
 import os
@@ -23,6 +25,7 @@ PPO = ["--pretrain", f"{TINY_DIR}/policy", "--reward_pretrain", f"{TINY_DIR}/rew
        "--micro_train_batch_size", "2", "--max_epochs", "2", "--generate_max_len", "6", "--prompt_max_len", "16",
        "--actor_learning_rate", "1e-3", "--critic_learning_rate", "1e-3", "--lr_warmup_ratio", "0.25",
        "--max_steps", "4", "--seed", "5", "--zero_stage", "2"]
+SLEEP = ["--deepspeed_enable_sleep", "--ref_reward_offload", "--vllm_enable_sleep"]
 COMPARED = ("reward_mean", "reward_shaped_mean", "kl", "kl_coef", "policy_loss", "value_loss", "grad_norm", "lr")
 
 
@@ -38,10 +41,10 @@ def test_resume_equals_uninterrupted(tmp_path):
     pytest.importorskip("vllm")
     straight_metrics, straight = train(tmp_path / "straight")
     ckpt = tmp_path / "ckpt"
-    saved_metrics, saved = train(tmp_path / "saving", "--save_steps", "2", "--ckpt_path", str(ckpt))
+    saved_metrics, saved = train(tmp_path / "saving", "--save_steps", "2", "--ckpt_path", str(ckpt), *SLEEP)
     assert [s for s, _ in complete_checkpoints(str(ckpt))] == [2, 4]
     shutil.rmtree(ckpt / "global_step4")  # as if the job died right after step 2's checkpoint
-    resumed_metrics, resumed = train(tmp_path / "resumed", "--load_checkpoint", "--ckpt_path", str(ckpt))
+    resumed_metrics, resumed = train(tmp_path / "resumed", "--load_checkpoint", "--ckpt_path", str(ckpt), *SLEEP)
     assert [m["step"] for m in resumed_metrics] == [3, 4]
     for a, b, c in zip(straight_metrics[2:], saved_metrics[2:], resumed_metrics):
         for key in COMPARED:

@@ -40,7 +40,7 @@ def build_rollout_engine(cfg: TrainPPOConfig, device: torch.device, tokenizer):
                           max_model_len=cfg.data.prompt_max_len + r.generate_max_len,
                           kv_cache_bytes=r.vllm_kv_cache_bytes, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                           enforce_eager=r.enforce_eager, enable_prefix_caching=r.enable_prefix_caching,
-                          enable_sleep=False, trust_remote_code=m.trust_remote_code)
+                          enable_sleep=r.vllm_enable_sleep, trust_remote_code=m.trust_remote_code)
     if r.rollout_engine == "auto":
         warnings.warn("vLLM is not installed: generating with transformers (slower); install the cpu or gpu "
                       "extra for vLLM", stacklevel=2)

@@ -28,7 +28,7 @@ IGNORED_FLAGS: dict[str, str] = {
 IGNORED_SWITCHES = {"vllm_sync_with_ray"}
 
 PENDING_FLAGS = (
-    "vllm_enable_sleep deepspeed_enable_sleep ref_reward_offload use_liger_kernel "
+    "use_liger_kernel "
     "ds_tensor_parallel_size ring_attn_size ring_head_stride packing_samples use_dynamic_batch "
     "train_max_tokens_per_gpu rollout_max_tokens_per_gpu lora_rank lora_alpha target_modules "
     "lora_dropout load_in_4bit max_len prompt_data_probs eval_dataset eval_split eval_temperature "

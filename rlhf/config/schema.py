@@ -82,6 +82,8 @@ class EngineConfig:
     zero_stage: int = opt(2, "DeepSpeed ZeRO stage (0-3)")
     adam_offload: bool = opt(False, "keep AdamW states on the host (ZeRO offload)")
     overlap_comm: bool = opt(False, "overlap gradient reduction with backward")
+    deepspeed_enable_sleep: bool = opt(False, "keep actor/critic optimizer states in host memory outside training")
+    ref_reward_offload: bool = opt(False, "keep reference/reward parameters in host memory outside experience")
     local_rank: int = opt(-1, "accepted for compatibility with deepspeed launchers; the environment wins")
 
     def __post_init__(self) -> None:
@@ -97,6 +99,7 @@ class RolloutConfig:
     vllm_kv_cache_bytes: int = opt(64 << 20, "KV-cache bytes per engine on CPU (vLLM needs an explicit size)")
     weight_sync_bucket_mb: int = opt(256, "MiB per broadcast bucket when pushing weights to ranks without the actor")
     enforce_eager: bool = opt(False, "disable CUDA graphs in vLLM")
+    vllm_enable_sleep: bool = opt(False, "vLLM releases its memory (sleep level 2) outside generation (CUDA)")
     enable_prefix_caching: bool = opt(False, "vLLM prefix caching")
     rollout_engine: str = opt("auto", "auto (vLLM if installed, else HF generate), vllm or hf")
     temperature: float = opt(1.0, "sampling temperature")

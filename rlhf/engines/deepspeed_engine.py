@@ -176,6 +176,21 @@ class DeepSpeedModel:
                 copies = [(f"{module_name}.{n}" if module_name else n, p.detach().clone()) for n, p in params]
             yield from copies
 
+    def offload(self) -> None:
+        """Move optimizer states and gradient buffers (trainable) or parameters (frozen, below ZeRO-3) to
+        host memory until `reload`. On a CPU job the tensors are still really moved to new buffers."""
+        if self.trainable and self.zero_stage > 0:
+            self.engine.offload_states(pin_memory=torch.cuda.is_available())
+        elif not self.trainable and self.zero_stage < 3:
+            self.engine.to("cpu")
+
+    def reload(self, device: torch.device) -> None:
+        """Bring back what `offload` moved."""
+        if self.trainable and self.zero_stage > 0:
+            self.engine.reload_states()
+        elif not self.trainable and self.zero_stage < 3:
+            self.engine.to(device)
+
     def save_state(self, directory: str) -> None:
         """Weights, optimizer and LR-schedule state (DeepSpeed format). Collective over the DP group."""
         with barriers_scoped_to(self.mpu_group):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -70,6 +71,8 @@ class VLLMEngine:
         num_threads = torch.get_num_threads()
         self.llm = LLM(**kwargs)
         self.sleep_enabled = on_cuda and enable_sleep
+        if enable_sleep and not on_cuda:
+            warnings.warn("--vllm_enable_sleep has no effect on CPU (vLLM has no sleep mode there)", stacklevel=2)
         # vLLM re-seeds global RNGs, replaces set_num_threads with a no-op and freezes the GC.
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(num_threads)

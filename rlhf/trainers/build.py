@@ -19,6 +19,7 @@ from rlhf.engines.weight_sync import meta_param_specs
 from rlhf.models.loading import load_causal_lm
 from rlhf.models.value import load_scalar_head_model
 from rlhf.rewards.base import RewardSource
+from rlhf.rewards.models import RewardModelEnsemble
 from rlhf.trainers.actor import Actor
 from rlhf.trainers.critic import Critic
 from rlhf.trainers.experience import ExperienceMaker
@@ -78,6 +79,7 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
         install_subgroup_patches()
     m, dtype = cfg.model, _dtype(cfg)
     actor = critic = ref_model = None
+    frozen: list[DeepSpeedModel] = []
     if topology.hosts(Role.ACTOR):
         model = _engine(_with_steps(cfg, total_steps), topology, Role.ACTOR,
                         lambda: load_causal_lm(m.pretrain, dtype, m.attn, m.trust_remote_code), device,
@@ -91,16 +93,20 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
                         trainable=True, learning_rate=cfg.optim.critic_learning_rate)
         critic = Critic(model, topology.group(Role.CRITIC), device, cfg.algo.value_clip)
     if Role.REF in topology.plan and topology.hosts(Role.REF):
-        ref_model = _engine(cfg, topology, Role.REF, lambda: load_causal_lm(m.pretrain, dtype, m.attn,
-                                                                            m.trust_remote_code),
-                            device, trainable=False).engine
+        frozen.append(_engine(cfg, topology, Role.REF, lambda: load_causal_lm(m.pretrain, dtype, m.attn,
+                                                                              m.trust_remote_code),
+                              device, trainable=False))
+        ref_model = frozen[-1].engine
     reward = reward_source
     if cfg.reward.reward_paths and topology.hosts(Role.REWARD):
-        reward = _reward_models(cfg, topology, device)
+        reward_models = _reward_models(cfg, topology, device)
+        frozen.extend(reward_models)
+        reward = RewardModelEnsemble([m.engine for m in reward_models], device, cfg.batch.micro_rollout_batch_size)
     experience = ExperienceMaker(cfg, topology, actor=actor, critic=critic, ref_model=ref_model, reward=reward,
                                  device=device)
     specs = meta_param_specs(m.pretrain, dtype, m.trust_remote_code)
-    return Roles(actor, critic, experience, specs, _ptx_batches(cfg, tokenizer) if actor is not None else None)
+    return Roles(actor, critic, experience, specs, _ptx_batches(cfg, tokenizer) if actor is not None else None,
+                 frozen)
 
 
 def _with_steps(cfg: TrainPPOConfig, total_steps: int) -> TrainPPOConfig:
@@ -110,15 +116,12 @@ def _with_steps(cfg: TrainPPOConfig, total_steps: int) -> TrainPPOConfig:
     return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, max_steps=total_steps))
 
 
-def _reward_models(cfg: TrainPPOConfig, topology: Topology, device: torch.device) -> RewardSource:
-    from rlhf.rewards.models import RewardModelEnsemble
-
+def _reward_models(cfg: TrainPPOConfig, topology: Topology, device: torch.device) -> list[DeepSpeedModel]:
     m, dtype = cfg.model, _dtype(cfg)
-    engines = [_engine(cfg, topology, Role.REWARD,
-                       lambda p=path: load_scalar_head_model(p, m.value_head_prefix, dtype, m.attn,
-                                                             m.trust_remote_code), device, trainable=False).engine
-               for path in cfg.reward.reward_paths]
-    return RewardModelEnsemble(engines, device, cfg.batch.micro_rollout_batch_size)
+    return [_engine(cfg, topology, Role.REWARD,
+                    lambda p=path: load_scalar_head_model(p, m.value_head_prefix, dtype, m.attn, m.trust_remote_code),
+                    device, trainable=False)
+            for path in cfg.reward.reward_paths]
 
 
 def _ptx_batches(cfg: TrainPPOConfig, tokenizer) -> list[tuple[torch.Tensor, torch.Tensor]] | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from rlhf.data.prompts import Prompt, PromptSampler
 from rlhf.data.records import Experience, Rollout
 from rlhf.distributed.collectives import all_gather_rollout, shard
 from rlhf.distributed.topology import Role, Topology
+from rlhf.engines.deepspeed_engine import DeepSpeedModel
 from rlhf.engines.rollout import RolloutEngine, SamplingSpec, to_rollout
 from rlhf.engines.weight_sync import ParamSpec, broadcast_parameters
 from rlhf.trainers.actor import Actor
@@ -54,6 +55,11 @@ class Roles:
     experience: ExperienceMaker
     actor_specs: list[ParamSpec]
     ptx: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    frozen: list[DeepSpeedModel] = field(default_factory=list)
+
+    @property
+    def trainable(self) -> list[DeepSpeedModel]:
+        return [r.model for r in (self.actor, self.critic) if r is not None]
 
 
 class PPOTrainer:
@@ -131,17 +137,29 @@ class PPOTrainer:
         return done
 
     def step(self, step: int) -> dict[str, float]:
+        """One RL step. Hybrid-engine transitions (sleep/offload) all happen here, around the stages."""
+        e = self.cfg.engine
         with self.timer.stage("generation"):
             local = self.generate(step)
+            self.engine.sleep()  # vLLM frees its memory until the next weight push
         with self.timer.stage("experience"):
+            self._move(self.roles.frozen, to_host=False, enabled=e.ref_reward_offload)
             experience, metrics = self.roles.experience.make(all_gather_rollout(local, self.tokenizer.pad_token_id))
+            self._move(self.roles.frozen, to_host=True, enabled=e.ref_reward_offload)
         train_actor = step >= self.cfg.algo.freezing_actor_steps
         with self.timer.stage("train"):
+            self._move(self.roles.trainable, to_host=False, enabled=e.deepspeed_enable_sleep and step > 0)
             metrics.update(self.train(experience, step, train_actor))
-        if train_actor:
-            with self.timer.stage("weight_sync"):
+            self._move(self.roles.trainable, to_host=True, enabled=e.deepspeed_enable_sleep)
+        with self.timer.stage("weight_sync"):
+            self.engine.wake_up()
+            if train_actor or self.cfg.rollout.vllm_enable_sleep:  # sleep level 2 dropped the weights
                 self.sync_weights()
         return metrics
+
+    def _move(self, models: list[DeepSpeedModel], to_host: bool, enabled: bool) -> None:
+        for model in models if enabled else []:
+            model.offload() if to_host else model.reload(self.device)
 
     def _engine_prompts(self, step: int) -> tuple[list[Prompt], int]:
         """Prompts for this rank's engine, and the index of this rank's share within them."""
@@ -157,9 +175,7 @@ class PPOTrainer:
         spec = SamplingSpec(n=r.n_samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
                             max_tokens=r.generate_max_len,
                             seed=(self.cfg.seed * 1_000_003 + step) * 4099 + self.topology.engine_index)
-        self.engine.wake_up()
         generations = self.engine.generate([list(p.token_ids) for p in prompts], spec)
-        self.engine.sleep()
         per_rank = len(prompts) // self.topology.rollout_tp
         keep = slice(share * per_rank, (share + 1) * per_rank)
         prompts, generations = prompts[keep], generations[keep]
