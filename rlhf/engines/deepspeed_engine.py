@@ -179,17 +179,30 @@ class DeepSpeedModel:
     def offload(self) -> None:
         """Move optimizer states and gradient buffers (trainable) or parameters (frozen, below ZeRO-3) to
         host memory until `reload`. On a CPU job the tensors are still really moved to new buffers."""
-        if self.trainable and self.zero_stage > 0:
-            self.engine.offload_states(pin_memory=torch.cuda.is_available())
+        if self.trainable and self.zero_stage == 3:
+            self._move_zero3_states(torch.device("cpu"))
+        elif self.trainable and self.zero_stage > 0:
+            self.engine.offload_states(pin_memory=True)  # on CPU too: copies into separate host buffers
         elif not self.trainable and self.zero_stage < 3:
             self.engine.to("cpu")
 
     def reload(self, device: torch.device) -> None:
         """Bring back what `offload` moved."""
-        if self.trainable and self.zero_stage > 0:
+        if self.trainable and self.zero_stage == 3:
+            self._move_zero3_states(device)
+        elif self.trainable and self.zero_stage > 0:
             self.engine.reload_states()
         elif not self.trainable and self.zero_stage < 3:
             self.engine.to(device)
+
+    def _move_zero3_states(self, device: torch.device) -> None:
+        """ZeRO-3's own offload_states needs DeepSpeed's CUDA FusedAdam; with a torch optimizer we move the
+        fp32 master partitions and the optimizer's moment tensors ourselves (always into new buffers)."""
+        zero = self.engine.optimizer
+        tensors = list(zero.fp32_partitioned_groups_flat)
+        tensors += [v for state in zero.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        for t in tensors:
+            t.data = t.data.to(device, copy=True)
 
     def save_state(self, directory: str) -> None:
         """Weights, optimizer and LR-schedule state (DeepSpeed format). Collective over the DP group."""
