@@ -6,6 +6,7 @@ the topology, the roles, the rollout engine and the reward source, and runs the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import warnings
@@ -23,7 +24,7 @@ from rlhf.models.value import save_scalar_head_model
 from rlhf.rewards.base import RewardSource
 from rlhf.trainers.build import ROLE_NAMES, build_roles, placement_from_config
 from rlhf.trainers.ppo import PPOTrainer, Roles, total_steps
-from rlhf.utils.logging import MetricsLogger
+from rlhf.utils.logging import MetricsLogger, WandbSettings
 from rlhf.utils.preemption import PreemptionWatch
 from rlhf.utils.seeding import seed_everything
 
@@ -99,7 +100,10 @@ def run(cfg: TrainPPOConfig) -> None:
     seed_everything(cfg.seed + launch.rank, cfg.full_determinism)  # vLLM re-seeds globally
     steps = total_steps(cfg, sampler)
     roles = build_roles(cfg, topology, device, steps, reward_source, tokenizer)
-    logger = MetricsLogger(cfg.logging.save_path, cfg.logging.use_tensorboard, steps, enabled=is_writer)
+    log = cfg.logging
+    wandb = WandbSettings(log.use_wandb, log.wandb_project, log.wandb_group, log.wandb_run_name,
+                          dataclasses.asdict(cfg)) if log.use_wandb else None
+    logger = MetricsLogger(log.save_path, log.use_tensorboard, steps, enabled=is_writer, wandb=wandb)
     trainer = PPOTrainer(cfg, topology, roles, engine, sampler, tokenizer, logger, device)
     start = trainer.resume()
     logger.skip(start)

@@ -260,6 +260,10 @@ class LoggingConfig:
 
     save_path: str = opt("./out", "output directory: metrics.jsonl and the final model")
     use_tensorboard: str | None = opt(None, "TensorBoard log directory")
+    use_wandb: str | None = opt(None, "log to Weights & Biases (value: API key, or 'True' for an existing login)")
+    wandb_project: str = opt("spmd-rlhf", "wandb project")
+    wandb_group: str | None = opt(None, "wandb group")
+    wandb_run_name: str | None = opt(None, "wandb run name")
     logging_steps: int = opt(1, "log every N steps")
 
     def __post_init__(self) -> None:

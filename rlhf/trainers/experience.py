@@ -109,6 +109,9 @@ class ExperienceMaker:
         kl = kl_estimate(old, ref, self.cfg.algo.kl_estimator) * action if ref is not None else None
         advantages, returns = self._advantages(rewards, action, kl, values, n)
         metrics = self._metrics(batch, raw_rewards, rewards, extra, kl, action)
+        target = returns if returns is not None else advantages
+        metrics["return_mean"] = float((target * action).sum() / action.sum().clamp(min=1))
+        metrics["advantage_mean"] = float((advantages * action).sum() / action.sum().clamp(min=1))
         if kl is not None:
             self.kl_ctl.update(metrics["kl"], B)
         exp = Experience(seq, mask, action, old, batch.rollout_logprobs_BT1, advantages, rewards, ref, values, returns)

@@ -5,17 +5,42 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass, field
+
+
+@dataclass
+class WandbSettings:
+    """What `--use_wandb` and friends ask for; `start()` logs in and opens the run (rank 0 only)."""
+
+    key: str
+    project: str
+    group: str | None = None
+    run_name: str | None = None
+    config: dict = field(default_factory=dict)
+
+    def start(self):
+        try:
+            import wandb
+        except ImportError as err:
+            raise ValueError("--use_wandb needs the wandb package: pip install wandb") from err
+        if self.key.lower() != "true":
+            wandb.login(key=self.key)
+        return wandb.init(project=self.project, group=self.group, name=self.run_name, config=self.config)
 
 
 class MetricsLogger:
     """Writes metrics on the writer rank only; other ranks hold a no-op logger."""
 
-    def __init__(self, out_dir: str, tensorboard_dir: str | None, total_steps: int, enabled: bool) -> None:
+    def __init__(self, out_dir: str, tensorboard_dir: str | None, total_steps: int, enabled: bool,
+                 wandb: WandbSettings | None = None) -> None:
         self.enabled = enabled
         self.writer = None
         self.bar = None
+        self.wandb = None
         if not enabled:
             return
+        if wandb is not None:
+            self.wandb = wandb.start()
         os.makedirs(out_dir, exist_ok=True)
         self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
         if tensorboard_dir:
@@ -38,6 +63,8 @@ class MetricsLogger:
                 if isinstance(value, (int, float)):
                     self.writer.add_scalar(key, value, step)
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
 
     def advance(self, metrics: dict[str, float]) -> None:
         if self.bar is not None:
@@ -55,3 +82,5 @@ class MetricsLogger:
             self.bar.close()
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
