@@ -86,7 +86,7 @@ class Actor:
                  sum(float((e.action_mask_BT1.sum(-1) > 0).sum()) for e in micro_batches)]
         num_tokens, num_seqs = (max(v, 1.0) for v in global_sum(local, self.group))
         num_micro = len(micro_batches) * dist.get_world_size(self.group)
-        stats = {"policy_loss": 0.0, "clip_frac": 0.0, "train_kl": 0.0, "entropy": 0.0, "ptx_loss": 0.0}
+        stats = {"policy_loss": 0.0, "clip_frac": 0.0}  # optional terms appear only when they apply
         for i, exp in enumerate(micro_batches):
             action = exp.action_mask_BT1.to(self.device)
             out = policy_forward(self.model.engine, exp.sequences_BT.to(self.device),
@@ -99,18 +99,18 @@ class Actor:
             if exp.ref_logprobs_BT1 is not None:
                 kl = kl_estimate(out.logprobs_BT1, exp.ref_logprobs_BT1.to(self.device), self.algo.kl_estimator)
                 kl_mean = token_sum_over_global_count(kl, action, num_tokens)
-                stats["train_kl"] += float(kl_mean.detach())
+                stats["train_kl"] = stats.get("train_kl", 0.0) + float(kl_mean.detach())
                 if self.algo.use_kl_loss:
                     loss = loss + kl_coef * kl_mean
             if out.entropy_BT1 is not None:
                 entropy = token_sum_over_global_count(out.entropy_BT1, action, num_tokens)
-                stats["entropy"] += float(entropy.detach())
+                stats["entropy"] = stats.get("entropy", 0.0) + float(entropy.detach())
                 loss = loss - self.algo.entropy_loss_coef * entropy
             if out.aux_loss is not None and self.algo.aux_loss_coef:
                 loss = loss + self.algo.aux_loss_coef * out.aux_loss / num_micro
             if ptx_batches:
                 ptx = self._ptx_loss(*ptx_batches[i % len(ptx_batches)])
-                stats["ptx_loss"] += float(ptx.detach()) / num_micro
+                stats["ptx_loss"] = stats.get("ptx_loss", 0.0) + float(ptx.detach()) / num_micro
                 loss = loss + self.algo.ptx_coef * ptx / num_micro
             self.model.backward(loss)
             self.model.step()
