@@ -185,6 +185,7 @@ class AlgoConfig:
         _require(self.policy_loss_type in ("ppo", "gspo"), "--policy_loss_type: choose ppo or gspo")
         _require(self.kl_estimator in ("k1", "k2", "k3"), "--kl_estimator: choose k1, k2 or k3")
         _require(self.init_kl_coef >= 0, "--init_kl_coef must be >= 0")
+        _require(self.ptx_coef >= 0 and self.entropy_loss_coef >= 0, "--ptx_coef and --entropy_loss_coef must be >= 0")
         _require(self.kl_target is None or self.kl_target > 0, "--kl_target must be > 0")
         _require(0 <= self.gamma <= 1 and 0 <= self.lambd <= 1, "--gamma and --lambd must lie in [0, 1]")
         if self.stop_properly_penalty_coef is not None and self.stop_properly_penalty_coef >= 0:
@@ -353,8 +354,6 @@ class TrainPPOConfig:
         if algo.advantage_estimator == "gae":
             _require(bool(self.reward.reward_paths) or bool(self.reward.source),
                      "--advantage_estimator gae needs rewards: give --reward_pretrain or --remote_rm_url")
-        _require(algo.ptx_coef == 0 or self.data.pretrain_data is None or algo.ptx_coef > 0,
-                 "--ptx_coef must be >= 0")
 
     @property
     def uses_critic(self) -> bool:
