@@ -3,11 +3,9 @@
 # role colocated (the OpenRLHF docs' GRPO command, scaled down to the embedded tiny demo).
 # Usage: bash launch/examples/grpo_tiny_cpu.sh OUT_DIR [extra train_ppo flags...]
 set -euo pipefail
-out=${1:?usage: bash launch/examples/grpo_tiny_cpu.sh OUT_DIR [extra flags]}
+# shellcheck source=launch/examples/common.sh
+source "$(dirname "$0")/common.sh"
 shift
-tiny=$(python -c 'from rlhf.assets import TINY_DIR; print(TINY_DIR)')
-port=$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec torchrun --nproc_per_node 4 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_ppo \
   --pretrain "$tiny/policy" --remote_rm_url "$tiny/reward.py" \
   --prompt_data "$tiny/prompts.jsonl" --input_key input --label_key label \
