@@ -43,8 +43,8 @@ def test_unknown_flag_suggests_the_close_one(capsys):
 
 def test_pending_flag_is_refused_not_ignored(capsys):
     with pytest.raises(SystemExit):
-        parse("--packing_samples")
-    assert "--packing_samples is an OpenRLHF flag whose feature is not implemented yet" in capsys.readouterr().err
+        parse("--lora_rank", "8")
+    assert "--lora_rank is an OpenRLHF flag whose feature is not implemented yet" in capsys.readouterr().err
 
 
 def test_ignored_flag_warns_and_consumes_its_value():

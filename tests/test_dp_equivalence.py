@@ -36,22 +36,31 @@ def synthetic_experiences(vocab: int):
     return Experience(seq, attn, action, old_offset, torch.zeros_like(old_offset), adv, torch.zeros(GLOBAL_BATCH))
 
 
-def build_actor(zero_stage: int, lr: float, grad_accum_steps: int):
-    """A DeepSpeed actor on the embedded tiny policy over the whole world."""
+def build_actor(zero_stage: int, lr: float, grad_accum_steps: int, layout=None, max_tokens: int | None = None,
+                algo=None):
+    """A DeepSpeed actor on the embedded tiny policy over the whole world (`layout`: padded by default;
+    `max_tokens`: dynamic batching with that per-rank budget)."""
     import torch.distributed as dist
 
     from rlhf.assets import EMBEDDED_MODEL_DIR
     from rlhf.config.schema import AlgoConfig, EngineConfig, OptimConfig
     from rlhf.engines.deepspeed_engine import DeepSpeedModel
+    from rlhf.models.layout import PADDED
     from rlhf.models.loading import load_causal_lm
+    from rlhf.models.micro_batches import MicroBatcher
     from rlhf.trainers.actor import Actor
 
-    model = DeepSpeedModel(lambda: load_causal_lm(EMBEDDED_MODEL_DIR, torch.float32, "sdpa"),
+    layout = layout or PADDED
+    model = DeepSpeedModel(lambda: load_causal_lm(EMBEDDED_MODEL_DIR, torch.float32,
+                                                  layout.attn_implementation("sdpa")),
                            EngineConfig(zero_stage=zero_stage),
                            OptimConfig(lr_warmup_ratio=0.0, lr_scheduler="constant"), learning_rate=lr, bf16=False,
                            micro_batch_size=MICRO, grad_accum_steps=grad_accum_steps, num_optimizer_steps=1,
                            device=torch.device("cpu"), dp_group=dist.group.WORLD)
-    return Actor(model, dist.group.WORLD, torch.device("cpu"), temperature=1.0, algo=AlgoConfig())
+    infer = MicroBatcher(16, max_tokens, dist.group.WORLD, layout, "--rollout_max_tokens_per_gpu")
+    train = MicroBatcher(MICRO, max_tokens, dist.group.WORLD, layout)
+    return Actor(model, dist.group.WORLD, torch.device("cpu"), temperature=1.0, algo=algo or AlgoConfig(),
+                 infer_batcher=infer, train_batcher=train)
 
 
 def one_step(zero_stage: int) -> dict:
@@ -62,7 +71,7 @@ def one_step(zero_stage: int) -> dict:
     actor = build_actor(zero_stage, 1e-2, GLOBAL_BATCH // (MICRO * dp))
     model = actor.model
     exp = synthetic_experiences(model.module.config.vocab_size)
-    current = actor.logprobs(exp.sequences_BT, exp.attention_mask_BT, micro_batch_size=GLOBAL_BATCH)
+    current = actor.logprobs(exp.sequences_BT, exp.attention_mask_BT)
     exp.old_logprobs_BT1 = (current + exp.old_logprobs_BT1) * exp.action_mask_BT1
     per_rank = GLOBAL_BATCH // dp
     mine = exp.slice(rank * per_rank, (rank + 1) * per_rank)

@@ -12,7 +12,7 @@ def _two_steps(zero_stage: int, offload: bool) -> dict:
     torch.manual_seed(0)
     actor = build_actor(zero_stage, 1e-2, GLOBAL_BATCH // MICRO)
     exp = synthetic_experiences(actor.model.module.config.vocab_size)
-    exp.old_logprobs_BT1 = actor.logprobs(exp.sequences_BT, exp.attention_mask_BT, GLOBAL_BATCH)
+    exp.old_logprobs_BT1 = actor.logprobs(exp.sequences_BT, exp.attention_mask_BT)
     micro = [exp.slice(s, s + MICRO) for s in range(0, GLOBAL_BATCH, MICRO)]
     moved = None
     for step in range(2):

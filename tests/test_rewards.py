@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from rlhf.assets import TINY_DIR
+from rlhf.models.layout import SequenceLayout
 from rlhf.models.loading import load_tokenizer
+from rlhf.models.micro_batches import MicroBatcher
 from rlhf.models.value import last_token_values, load_scalar_head_model
 from rlhf.rewards import RemoteRewardClient, RewardInputs, RewardModelEnsemble
 from tests.distributed import ROOT, free_port
@@ -29,12 +31,25 @@ def batch(tok):
 def test_reward_model_scores_the_copy_task_and_ensembles_sum():
     tok = load_tokenizer(f"{TINY_DIR}/reward_model")
     model = load_scalar_head_model(f"{TINY_DIR}/reward_model", "score", torch.float32, "sdpa").eval()
-    one = RewardModelEnsemble([model], torch.device("cpu"), micro_batch_size=2).score(batch(tok))
+    one = RewardModelEnsemble([model], torch.device("cpu"), MicroBatcher(2)).score(batch(tok))
     # the shipped reward model learned the rule reward: 1.0, 0.0, 0.5
     torch.testing.assert_close(one.rewards_B, torch.tensor([1.0, 0.0, 0.5]), atol=0.15, rtol=0)
-    two = RewardModelEnsemble([model, model], torch.device("cpu"), micro_batch_size=3).score(batch(tok))
+    two = RewardModelEnsemble([model, model], torch.device("cpu"), MicroBatcher(3)).score(batch(tok))
     torch.testing.assert_close(two.rewards_B, 2 * one.rewards_B)
     torch.testing.assert_close(two.extra_logs["rm1"], one.rewards_B)
+
+
+def test_packed_reward_scores_match_padded():
+    tok = load_tokenizer(f"{TINY_DIR}/reward_model")
+    padded_model = load_scalar_head_model(f"{TINY_DIR}/reward_model", "score", torch.float32, "sdpa").eval()
+    packed_layout = SequenceLayout(packing=True)
+    packed_model = load_scalar_head_model(f"{TINY_DIR}/reward_model", "score", torch.float32,
+                                          packed_layout.attn_implementation("sdpa")).eval()
+    padded = RewardModelEnsemble([padded_model], torch.device("cpu"), MicroBatcher(3)).score(batch(tok))
+    # dynamic batching: a 15-token budget packs the three queries (7, 8, 7 tokens) into two forwards
+    packed = RewardModelEnsemble([packed_model], torch.device("cpu"),
+                                 MicroBatcher(3, max_tokens=15, layout=packed_layout)).score(batch(tok))
+    torch.testing.assert_close(packed.rewards_B, padded.rewards_B, atol=1e-5, rtol=1e-5)
 
 
 def test_saved_reward_model_loads_as_sequence_classification():
@@ -75,7 +90,7 @@ def rm_server():
 def test_remote_server_matches_local_reward_model(rm_server):
     tok = load_tokenizer(f"{TINY_DIR}/reward_model")
     model = load_scalar_head_model(f"{TINY_DIR}/reward_model", "score", torch.float32, "sdpa").eval()
-    local = RewardModelEnsemble([model], torch.device("cpu"), 4).score(batch(tok))
+    local = RewardModelEnsemble([model], torch.device("cpu"), MicroBatcher(4)).score(batch(tok))
     remote = RemoteRewardClient(rm_server, timeout_s=10, retries=2).score(batch(tok))
     torch.testing.assert_close(remote.rewards_B, local.rewards_B, atol=1e-5, rtol=1e-5)
 

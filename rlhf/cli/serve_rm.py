@@ -23,13 +23,14 @@ def build_source(args: argparse.Namespace) -> tuple[RewardSource, object | None]
         return RewardFuncFile(args.remote_rm_url), None
     from rlhf.models.loading import load_tokenizer
     from rlhf.models.value import load_scalar_head_model
+    from rlhf.models.micro_batches import MicroBatcher
     from rlhf.rewards.models import RewardModelEnsemble
 
     paths = [p for p in args.reward_pretrain.split(",") if p]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     models = [load_scalar_head_model(p, args.value_head_prefix, dtype, "sdpa").to(device).eval() for p in paths]
-    return RewardModelEnsemble(models, device, args.batch_size), load_tokenizer(paths[0])
+    return RewardModelEnsemble(models, device, MicroBatcher(args.batch_size)), load_tokenizer(paths[0])
 
 
 def make_handler(source: RewardSource, tokenizer, max_len: int):

@@ -72,10 +72,10 @@ def save_models(cfg: TrainPPOConfig, roles: Roles, topology: Topology, tokenizer
     """Final HF-format models under --save_path: the actor (with tokenizer) and the critic."""
     out = cfg.logging.save_path
     if roles.actor is not None:
-        roles.actor.model.save_hf(os.path.join(out, "model"), tokenizer, topology.dp_rank(Role.ACTOR) == 0)
+        roles.actor.model.save_hf(os.path.join(out, "model"), tokenizer, topology.leads(Role.ACTOR))
     if roles.critic is not None:
         state = dict(roles.critic.model.full_parameters())
-        if topology.dp_rank(Role.CRITIC) == 0:
+        if topology.leads(Role.CRITIC):
             module = roles.critic.model.module
             save_scalar_head_model(state, module.config, module.head_prefix, os.path.join(out, "critic"), tokenizer)
 
@@ -92,7 +92,7 @@ def run(cfg: TrainPPOConfig) -> None:
     sampler = PromptSampler(load_prompts(cfg.data, tokenizer), cfg.batch.rollout_batch_size, cfg.seed)
     device = init_distributed(launch)
     preemption = PreemptionWatch()  # from here on SIGTERM/SIGUSR1 mean "checkpoint and stop"
-    topology = Topology(plan, rollout_tp=cfg.rollout.vllm_tensor_parallel_size)
+    topology = Topology(plan, rollout_tp=cfg.rollout.vllm_tensor_parallel_size, ring_size=cfg.engine.ring_attn_size)
     is_writer = launch.rank == 0
     if is_writer and cfg.model.pretrain == TrainPPOConfig().model.pretrain:
         print("no --pretrain given: training the embedded tiny demo policy", flush=True)

@@ -28,9 +28,7 @@ IGNORED_FLAGS: dict[str, str] = {
 IGNORED_SWITCHES = {"vllm_sync_with_ray"}
 
 PENDING_FLAGS = (
-    "use_liger_kernel "
-    "ds_tensor_parallel_size ring_attn_size ring_head_stride packing_samples use_dynamic_batch "
-    "train_max_tokens_per_gpu rollout_max_tokens_per_gpu lora_rank lora_alpha target_modules "
+    "ds_tensor_parallel_size lora_rank lora_alpha target_modules "
     "lora_dropout load_in_4bit max_len prompt_data_probs eval_dataset eval_split eval_temperature "
     "eval_n_samples_per_prompt eval_steps async_train async_queue_size agent_func_path "
     "save_value_network vllm_generate_batch_size param_dtype"

@@ -85,9 +85,30 @@ class EngineConfig:
     deepspeed_enable_sleep: bool = opt(False, "keep actor/critic optimizer states in host memory outside training")
     ref_reward_offload: bool = opt(False, "keep reference/reward parameters in host memory outside experience")
     local_rank: int = opt(-1, "accepted for compatibility with deepspeed launchers; the environment wins")
+    packing_samples: bool = opt(False, "pack each micro-batch's sequences into one padding-free row (varlen "
+                                "attention: flash-attn on CUDA, exact per-sequence SDPA on CPU)")
+    use_dynamic_batch: bool = opt(False, "cut micro-batches by token budget instead of sample count")
+    train_max_tokens_per_gpu: int = opt(16384, "token budget of a training micro-batch per rank "
+                                        "(--use_dynamic_batch)")
+    rollout_max_tokens_per_gpu: int | None = opt(None, "token budget of an experience forward per rank "
+                                                 "(--use_dynamic_batch; default: --train_max_tokens_per_gpu)")
+    ring_attn_size: int = opt(1, "ranks per ring-attention (sequence-parallel) group; > 1 needs --packing_samples")
+    ring_head_stride: int = opt(1, "kv heads per ring pass (more heads per pass: fewer, larger messages)")
+    use_liger_kernel: bool = opt(False, "patch models with Liger's fused kernels (RMSNorm, RoPE, SwiGLU; CUDA only)")
 
     def __post_init__(self) -> None:
         _require(self.zero_stage in (0, 1, 2, 3), f"--zero_stage {self.zero_stage}: choose 0, 1, 2 or 3")
+        _require(self.ring_attn_size >= 1, "--ring_attn_size must be >= 1")
+        _require(self.ring_head_stride >= 1, "--ring_head_stride must be >= 1")
+        _require(self.ring_attn_size == 1 or self.packing_samples,
+                 "--ring_attn_size > 1 shards packed sequences: add --packing_samples")
+        _require(self.train_max_tokens_per_gpu >= 1, "--train_max_tokens_per_gpu must be >= 1")
+        _require(self.rollout_max_tokens_per_gpu is None or self.rollout_max_tokens_per_gpu >= 1,
+                 "--rollout_max_tokens_per_gpu must be >= 1")
+
+    @property
+    def rollout_tokens_per_gpu(self) -> int:
+        return self.rollout_max_tokens_per_gpu or self.train_max_tokens_per_gpu
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -377,11 +398,15 @@ class TrainPPOConfig:
                      f"each engine's {per_engine} prompts must split evenly over its {tp} ranks "
                      "(samples of one prompt stay on one rank)")
 
-    def check_role_sizes(self, dp_sizes: dict[str, int], trainable: tuple[str, ...]) -> None:
-        """Every role's ranks must split the step's samples evenly; trainable ones also its batches."""
-        b = self.batch
+    def check_role_sizes(self, rank_counts: dict[str, int], trainable: tuple[str, ...]) -> None:
+        """Every role's data-parallel replicas (ranks / --ring_attn_size) must split the step's samples
+        evenly; trainable ones also its batches."""
+        b, ring = self.batch, self.engine.ring_attn_size
         samples = b.rollout_batch_size * self.rollout.n_samples_per_prompt
-        for role, dp in dp_sizes.items():
+        for role, count in rank_counts.items():
+            _require(count % ring == 0, f"the {count} {role} ranks do not split into rings of --ring_attn_size "
+                                        f"{ring}; change the role's rank count or the ring size")
+            dp = count // ring
             _require(samples % dp == 0, f"the {samples} samples of a step do not split over the {dp} {role} ranks; "
                                         "change --rollout_batch_size or the role's rank count")
             if role in trainable:

@@ -73,7 +73,11 @@ class Experience:
 
     def slice(self, start: int, stop: int) -> Experience:
         """Samples [start, stop), trimmed to the longest real sequence among them."""
-        part = self.select(slice(start, stop))
+        return self.select(slice(start, stop)).trimmed()
+
+    def trimmed(self) -> Experience:
+        """The same samples without the columns that are padding in every row."""
+        part = self
         length = int(part.attention_mask_BT.sum(-1).max())
         width = part.sequences_BT.shape[1]
 

@@ -89,12 +89,16 @@ def plan_ranks(placement: Placement, world_size: int) -> dict[Role, tuple[int, .
 class Topology:
     """Process groups of one job. Construct on every rank with identical arguments.
 
-    Creates, in this order: one data-parallel group per role in `plan` (Role order), one group per
-    rollout engine (`rollout_tp` consecutive ranks each), and, when some role runs on a subgroup,
-    one single-rank group per rank.
+    Creates, in this order: one group per role in `plan` (Role order; DeepSpeed reduces gradients
+    over it), one group per rollout engine (`rollout_tp` consecutive ranks each), when some role
+    runs on a subgroup one single-rank group per rank, and with `ring_size` > 1 the ring-attention
+    (sequence-parallel) groups: `ring_size` consecutive ranks of each role's ranks.
+
+    With ring attention the ranks of one ring hold the same samples (each a shard of their tokens),
+    so a role's data-parallel size is its rank count / `ring_size`.
     """
 
-    def __init__(self, plan: dict[Role, tuple[int, ...]], rollout_tp: int = 1) -> None:
+    def __init__(self, plan: dict[Role, tuple[int, ...]], rollout_tp: int = 1, ring_size: int = 1) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         if self.world_size % rollout_tp:
@@ -111,6 +115,19 @@ class Topology:
         # DeepSpeed's mpu needs a model-parallel group of one rank when a role runs on a subgroup.
         self.has_subgroups = any(len(r) != self.world_size for r in self.plan.values())
         self._self_groups = [dist.new_group([r]) for r in range(self.world_size)] if self.has_subgroups else []
+        self.ring_size = ring_size
+        self._ring_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        if ring_size > 1:
+            for role in Role:
+                if role in self.plan and role is not Role.ROLLOUT:
+                    ranks = self.plan[role]
+                    if len(ranks) % ring_size:
+                        raise ValueError(f"the {len(ranks)} {role.value} ranks do not split into rings of "
+                                         f"--ring_attn_size {ring_size}; change the role's rank count or the ring size")
+                    for start in range(0, len(ranks), ring_size):
+                        ring = ranks[start:start + ring_size]
+                        if ring not in self._ring_groups:
+                            self._ring_groups[ring] = dist.new_group(list(ring))
 
     @property
     def self_group(self) -> dist.ProcessGroup | None:
@@ -124,14 +141,30 @@ class Topology:
         return self.plan[role]
 
     def group(self, role: Role) -> dist.ProcessGroup:
-        """The data-parallel group of `role` (only meaningful on ranks that host it)."""
+        """All ranks of `role` (only meaningful on ranks that host it): DeepSpeed's gradient group."""
         return self._groups[role]
 
     def dp_size(self, role: Role) -> int:
-        return len(self.plan[role])
+        """Data-parallel replicas of `role`: its ranks / ring size (the ranks of a ring share samples)."""
+        return len(self.plan[role]) // self.ring_size
 
     def dp_rank(self, role: Role) -> int:
-        return self.plan[role].index(self.rank)
+        return self.plan[role].index(self.rank) // self.ring_size
+
+    def ring_rank(self, role: Role) -> int:
+        """This rank's position in its ring of `role` (0 without ring attention)."""
+        return self.plan[role].index(self.rank) % self.ring_size
+
+    def ring_group(self, role: Role) -> dist.ProcessGroup | None:
+        """This rank's ring-attention group for `role`; None without ring attention."""
+        if self.ring_size == 1:
+            return None
+        start = self.plan[role].index(self.rank) // self.ring_size * self.ring_size
+        return self._ring_groups[self.plan[role][start:start + self.ring_size]]
+
+    def leads(self, role: Role) -> bool:
+        """Whether this is the first rank of `role` (the one that writes its files and reports its norms)."""
+        return self.hosts(role) and self.plan[role][0] == self.rank
 
     @property
     def num_engines(self) -> int:

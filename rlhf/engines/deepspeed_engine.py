@@ -139,12 +139,15 @@ class DeepSpeedModel:
     def eval(self) -> None:
         self.engine.eval()
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
         """Backward of a loss already divided by the global token count of the optimizer step.
 
         DeepSpeed averages gradients over DP ranks; multiplying by the DP size turns that average
         back into the sum over ranks. Gradient-accumulation scaling is switched off for the same reason.
+        The caller says which micro-batch ends the optimizer step (their number may change from step to
+        step with dynamic batching), so DeepSpeed's own micro-step count is never relied on.
         """
+        self.engine.set_gradient_accumulation_boundary(last_micro_batch)
         self.engine.backward(loss * self.dp_size, scale_wrt_gas=False)
 
     def step(self) -> None:

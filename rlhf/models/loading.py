@@ -40,3 +40,20 @@ def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str, trus
     )
     model.config.use_cache = False
     return model
+
+
+def apply_liger_kernel(model: torch.nn.Module) -> torch.nn.Module:
+    """Patch a loaded model in place with Liger's fused Triton kernels where its architecture has them
+    (RMSNorm, RoPE, SwiGLU MLP). The output layer is left alone: the trainer needs per-token log-probs
+    (from `rlhf.kernels`), not Liger's fused cross-entropy loss. CUDA only (`--use_liger_kernel`)."""
+    if not torch.cuda.is_available():
+        raise ValueError("--use_liger_kernel needs CUDA: Liger's kernels are GPU Triton kernels; drop the flag "
+                         "on CPU")
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError as err:
+        raise ValueError("--use_liger_kernel needs the liger-kernel package: pip install liger-kernel "
+                         "(bash launch/install.sh gpu installs it)") from err
+    base = getattr(model, "base", model)  # a ScalarHeadModel patches its transformer
+    _apply_liger_kernel_to_instance(model=base, cross_entropy=False, fused_linear_cross_entropy=False)
+    return model

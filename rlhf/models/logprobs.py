@@ -1,5 +1,5 @@
-"""Per-token log-probs (and optionally entropy) of a causal LM on right-padded sequences.
-Shape legend: rlhf.data.records."""
+"""Per-token log-probs (and optionally entropy) of a causal LM on right-padded sequences, in any
+`SequenceLayout` (padded, packed, ring). Shape legend: rlhf.data.records."""
 
 from __future__ import annotations
 
@@ -7,38 +7,51 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf.algorithms.losses import entropy_from_logits_BT
-from rlhf.kernels import token_logprobs
-
-
-def position_ids_for(attention_mask_BT: torch.Tensor) -> torch.Tensor:
-    """Positions 0.. over real tokens (right padding: padding gets clamped positions)."""
-    return (attention_mask_BT.long().cumsum(-1) - 1).clamp(min=0)
+from rlhf.kernels import chunked_logprobs_entropy, token_logprobs
+from rlhf.models.layout import PADDED, SequenceLayout
 
 
 @dataclass
 class PolicyOutput:
-    """logprobs_BT1: float32 [B, T-1]; entropy_BT1: float32 [B, T-1] or None; aux_loss: MoE loss or None."""
+    """logprobs_BT1: float32 [B, T-1]; entropy_BT1: float32 [B, T-1] or None; aux_loss: MoE loss or None.
+    Positions from a row's last real token on are meaningless (0 in packed layouts): mask them."""
 
     logprobs_BT1: torch.Tensor
     entropy_BT1: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
 
 
+def logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 log-prob of each target and entropy of each position, never materialising a float32
+    log-softmax: the fused Triton kernel on CUDA, the chunked PyTorch path elsewhere."""
+    if logits.is_cuda:
+        from rlhf.kernels.logprobs_triton import triton
+
+        if triton is not None:
+            from rlhf.kernels import fused_logprobs_entropy
+
+            return fused_logprobs_entropy(logits, targets)
+    return chunked_logprobs_entropy(logits, targets)
+
+
 def policy_forward(model: torch.nn.Module, sequences_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
-                   temperature: float = 1.0, with_entropy: bool = False) -> PolicyOutput:
+                   temperature: float = 1.0, with_entropy: bool = False,
+                   layout: SequenceLayout = PADDED) -> PolicyOutput:
     """Log-probs of sequences[:, t+1] given sequences[:, :t+1] under logits / temperature."""
-    out = model(input_ids=sequences_BT, attention_mask=attention_mask_BT,
-                position_ids=position_ids_for(attention_mask_BT), use_cache=False)
-    logits_BTV = out.logits[:, :-1]
+    laid = layout.lay_out(sequences_BT, attention_mask_BT)
+    out = model(**laid.kwargs)
+    logits = out.logits
     if temperature != 1.0:
-        logits_BTV = logits_BTV / temperature
-    return PolicyOutput(token_logprobs(logits_BTV, sequences_BT[:, 1:]),
-                        entropy_from_logits_BT(logits_BTV) if with_entropy else None,
-                        getattr(out, "aux_loss", None))
+        logits = logits / temperature
+    if with_entropy:
+        logprobs, entropy = logprobs_entropy(logits, laid.targets)
+        entropy_BT1 = laid.to_padded(entropy)[:, :-1]
+    else:
+        logprobs, entropy_BT1 = token_logprobs(logits, laid.targets), None
+    return PolicyOutput(laid.to_padded(logprobs)[:, :-1], entropy_BT1, getattr(out, "aux_loss", None))
 
 
 def sequence_logprobs(model: torch.nn.Module, sequences_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
-                      temperature: float = 1.0) -> torch.Tensor:
+                      temperature: float = 1.0, layout: SequenceLayout = PADDED) -> torch.Tensor:
     """float32 [B, T-1]: log p(sequences[:, t+1] | sequences[:, :t+1]) under logits / temperature."""
-    return policy_forward(model, sequences_BT, attention_mask_BT, temperature).logprobs_BT1
+    return policy_forward(model, sequences_BT, attention_mask_BT, temperature, layout=layout).logprobs_BT1

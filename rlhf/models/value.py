@@ -15,8 +15,8 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
+from rlhf.models.layout import PADDED, SequenceLayout, position_ids_for
 from rlhf.models.loading import check_local_model
-from rlhf.models.logprobs import position_ids_for
 
 
 class ScalarHeadModel(torch.nn.Module):
@@ -38,13 +38,26 @@ class ScalarHeadModel(torch.nn.Module):
     def head(self) -> torch.nn.Linear:
         return getattr(self, self.head_prefix)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.base(input_ids=input_ids, attention_mask=attention_mask,
-                           position_ids=position_ids_for(attention_mask), use_cache=False).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Per-token values, float32 with the leading shape of `input_ids`. Extra kwargs (packed or ring
+        boundaries, see `SequenceLayout`) go to the base model."""
+        if position_ids is None and attention_mask is not None:
+            position_ids = position_ids_for(attention_mask)
+        kwargs.setdefault("use_cache", False)
+        hidden = self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           **kwargs).last_hidden_state
         return self.head(hidden).squeeze(-1).float()
 
     def gradient_checkpointing_enable(self, **kwargs) -> None:
         self.base.gradient_checkpointing_enable(**kwargs)
+
+
+def token_values(model: torch.nn.Module, sequences_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
+                 layout: SequenceLayout = PADDED) -> torch.Tensor:
+    """float32 [B, T]: a scalar-head model's value at every position, in any layout (padding: 0 when packed)."""
+    laid = layout.lay_out(sequences_BT, attention_mask_BT)
+    return laid.to_padded(model(**laid.kwargs))
 
 
 def last_token_values(values_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:

@@ -7,24 +7,21 @@ from collections.abc import Sequence
 
 import torch
 
-from rlhf.models.value import last_token_values
+from rlhf.models.micro_batches import MicroBatcher, forward_in_micro_batches
+from rlhf.models.value import last_token_values, token_values
 from rlhf.rewards.base import RewardInputs, RewardResult
 
 
 class RewardModelEnsemble:
-    """A `RewardSource` over reward models given as callables values_BT = model(ids, mask)."""
+    """A `RewardSource` over scalar-head reward models, run in `batcher`'s micro-batches and layout."""
 
-    def __init__(self, models: Sequence[torch.nn.Module], device: torch.device, micro_batch_size: int) -> None:
-        self.models, self.device, self.micro_batch_size = list(models), device, micro_batch_size
+    def __init__(self, models: Sequence[torch.nn.Module], device: torch.device, batcher: MicroBatcher) -> None:
+        self.models, self.device, self.batcher = list(models), device, batcher
 
-    @torch.no_grad()
     def _score_one(self, model: torch.nn.Module, batch: RewardInputs) -> torch.Tensor:
-        out = []
-        for start in range(0, batch.sequences_BT.shape[0], self.micro_batch_size):
-            ids = batch.sequences_BT[start:start + self.micro_batch_size].to(self.device)
-            mask = batch.attention_mask_BT[start:start + self.micro_batch_size].to(self.device)
-            out.append(last_token_values(model(ids, mask), mask).float().cpu())
-        return torch.cat(out)
+        return forward_in_micro_batches(
+            lambda ids, mask: last_token_values(token_values(model, ids, mask, self.batcher.layout), mask),
+            batch.sequences_BT, batch.attention_mask_BT, self.batcher, self.device)
 
     def score(self, batch: RewardInputs) -> RewardResult:
         per_model = [self._score_one(m, batch) for m in self.models]

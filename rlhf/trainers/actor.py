@@ -22,18 +22,15 @@ from rlhf.config.schema import AlgoConfig
 from rlhf.data.records import Experience
 from rlhf.engines.deepspeed_engine import DeepSpeedModel
 from rlhf.models.logprobs import policy_forward
+from rlhf.models.micro_batches import MicroBatcher, forward_in_micro_batches
 
 
-@torch.no_grad()
 def batched_logprobs(model: torch.nn.Module, sequences_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
-                     micro_batch_size: int, temperature: float, device: torch.device) -> torch.Tensor:
-    """float32 [B, T-1] log-probs, `micro_batch_size` samples per forward (results on the CPU)."""
-    chunks = []
-    for start in range(0, sequences_BT.shape[0], micro_batch_size):
-        seq = sequences_BT[start:start + micro_batch_size].to(device)
-        mask = attention_mask_BT[start:start + micro_batch_size].to(device)
-        chunks.append(policy_forward(model, seq, mask, temperature).logprobs_BT1.float().cpu())
-    return torch.cat(chunks)
+                     batcher: MicroBatcher, temperature: float, device: torch.device) -> torch.Tensor:
+    """float32 [B, T-1] log-probs (on the CPU), one forward per micro-batch of `batcher`."""
+    return forward_in_micro_batches(
+        lambda ids, mask: policy_forward(model, ids, mask, temperature, layout=batcher.layout).logprobs_BT1,
+        sequences_BT, attention_mask_BT, batcher, device, width=sequences_BT.shape[1] - 1)
 
 
 def global_sum(values: list[float], group: dist.ProcessGroup) -> list[float]:
@@ -43,20 +40,27 @@ def global_sum(values: list[float], group: dist.ProcessGroup) -> list[float]:
 
 
 class Actor:
-    """Policy being trained. All ranks of `group` call every method the same number of times."""
+    """Policy being trained. All ranks of `group` call every method the same number of times.
+
+    `infer_batcher` and `train_batcher` cut experience-time and training batches into micro-batches; both carry the
+    model's `SequenceLayout`. With ring attention the ranks of a ring hold the same samples: token
+    counts summed over `group` are divided by the ring size.
+    """
 
     def __init__(self, model: DeepSpeedModel, group: dist.ProcessGroup, device: torch.device, *,
-                 temperature: float, algo: AlgoConfig) -> None:
+                 temperature: float, algo: AlgoConfig, infer_batcher: MicroBatcher,
+                 train_batcher: MicroBatcher) -> None:
         self.model, self.group, self.device = model, group, device
         self.temperature = temperature
         self.algo = algo
         self.clip_low, self.clip_high = algo.clip_range
+        self.infer_batcher, self.train_batcher = infer_batcher, train_batcher
+        self.layout = train_batcher.layout
 
-    def logprobs(self, sequences_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
-                 micro_batch_size: int) -> torch.Tensor:
+    def logprobs(self, sequences_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
         """float32 [B, T-1] log-probs under the current weights."""
         self.model.eval()
-        return batched_logprobs(self.model.engine, sequences_BT, attention_mask_BT, micro_batch_size,
+        return batched_logprobs(self.model.engine, sequences_BT, attention_mask_BT, self.infer_batcher,
                                 self.temperature, self.device)
 
     def _policy_term(self, exp: Experience, logprobs: torch.Tensor, action: torch.Tensor, num_tokens: float,
@@ -82,16 +86,18 @@ class Actor:
         Returns this rank's share of each loss term (sum over ranks = the global value) and the grad norm.
         """
         self.model.train()
+        ring = self.layout.ring_size
         local = [sum(float(e.action_mask_BT1.sum()) for e in micro_batches),
                  sum(float((e.action_mask_BT1.sum(-1) > 0).sum()) for e in micro_batches)]
-        num_tokens, num_seqs = (max(v, 1.0) for v in global_sum(local, self.group))
-        num_micro = len(micro_batches) * dist.get_world_size(self.group)
+        num_tokens, num_seqs = (max(v / ring, 1.0) for v in global_sum(local, self.group))
+        num_micro = len(micro_batches) * dist.get_world_size(self.group)  # aux loss: per rank's own tokens
+        num_replica_micro = num_micro // ring  # ptx: one loss per ring
         stats = {"policy_loss": 0.0, "clip_frac": 0.0}  # optional terms appear only when they apply
         for i, exp in enumerate(micro_batches):
             action = exp.action_mask_BT1.to(self.device)
             out = policy_forward(self.model.engine, exp.sequences_BT.to(self.device),
                                  exp.attention_mask_BT.to(self.device), self.temperature,
-                                 with_entropy=self.algo.entropy_loss_coef != 0)
+                                 with_entropy=self.algo.entropy_loss_coef != 0, layout=self.layout)
             policy_loss, clipped = self._policy_term(exp, out.logprobs_BT1, action, num_tokens, num_seqs)
             loss = policy_loss
             stats["policy_loss"] += float(policy_loss.detach())
@@ -110,17 +116,17 @@ class Actor:
                 loss = loss + self.algo.aux_loss_coef * out.aux_loss / num_micro
             if ptx_batches:
                 ptx = self._ptx_loss(*ptx_batches[i % len(ptx_batches)])
-                stats["ptx_loss"] = stats.get("ptx_loss", 0.0) + float(ptx.detach()) / num_micro
-                loss = loss + self.algo.ptx_coef * ptx / num_micro
-            self.model.backward(loss)
+                stats["ptx_loss"] = stats.get("ptx_loss", 0.0) + float(ptx.detach()) / num_replica_micro
+                loss = loss + self.algo.ptx_coef * ptx / num_replica_micro
+            self.model.backward(loss, last_micro_batch=i == len(micro_batches) - 1)
             self.model.step()
         stats["grad_norm"] = self.model.grad_norm()
         stats["lr"] = self.model.learning_rate()
         return stats
 
     def _ptx_loss(self, ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-        """Mean next-token NLL of a pretraining micro-batch."""
+        """Mean next-token NLL of a pretraining micro-batch (the SFT loss), in the model's layout."""
         ids, mask = ids_BT.to(self.device), mask_BT.to(self.device)
-        logprobs = policy_forward(self.model.engine, ids, mask).logprobs_BT1
+        logprobs = policy_forward(self.model.engine, ids, mask, layout=self.layout).logprobs_BT1
         target_mask = mask[:, 1:].float()
         return -(logprobs * target_mask).sum() / target_mask.sum().clamp(min=1)

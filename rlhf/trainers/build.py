@@ -7,6 +7,7 @@ construction (DeepSpeed engines are built only over their role's group).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -16,7 +17,9 @@ from rlhf.distributed.topology import Placement, Role, Topology
 from rlhf.engines.deepspeed_compat import install_subgroup_patches
 from rlhf.engines.deepspeed_engine import DeepSpeedModel, GroupMPU
 from rlhf.engines.weight_sync import meta_param_specs
-from rlhf.models.loading import load_causal_lm
+from rlhf.models.layout import SequenceLayout
+from rlhf.models.loading import apply_liger_kernel, load_causal_lm
+from rlhf.models.micro_batches import MicroBatcher
 from rlhf.models.value import load_scalar_head_model
 from rlhf.rewards.base import RewardSource
 from rlhf.rewards.models import RewardModelEnsemble
@@ -72,38 +75,74 @@ def _engine(cfg: TrainPPOConfig, topology: Topology, role: Role, build, device: 
         gradient_checkpointing=cfg.model.gradient_checkpointing and trainable)
 
 
+def layout_for(cfg: TrainPPOConfig, topology: Topology, role: Role) -> SequenceLayout:
+    """How `role`'s model sees its micro-batches: padded, packed, or packed over its ring."""
+    e = cfg.engine
+    return SequenceLayout(packing=e.packing_samples, ring_group=topology.ring_group(role),
+                          ring_head_stride=e.ring_head_stride)
+
+
+def batchers_for(cfg: TrainPPOConfig, topology: Topology, role: Role) -> tuple[MicroBatcher, MicroBatcher]:
+    """(experience-time, training) micro-batchers of `role`, sample-count or token-budget based."""
+    e, b, layout, group = cfg.engine, cfg.batch, layout_for(cfg, topology, role), topology.group(role)
+    dynamic = e.use_dynamic_batch
+    infer = MicroBatcher(b.micro_rollout_batch_size, e.rollout_tokens_per_gpu if dynamic else None, group, layout,
+                         "--rollout_max_tokens_per_gpu" if e.rollout_max_tokens_per_gpu else
+                         "--train_max_tokens_per_gpu")
+    train = MicroBatcher(b.micro_train_batch_size, e.train_max_tokens_per_gpu if dynamic else None, group, layout,
+                         "--train_max_tokens_per_gpu")
+    return infer, train
+
+
+def _model_builder(cfg: TrainPPOConfig, layout: SequenceLayout, load: Callable[[str], torch.nn.Module]):
+    """A `build()` for DeepSpeedModel: `load(attn_implementation)`, then Liger when asked."""
+    def build() -> torch.nn.Module:
+        model = load(layout.attn_implementation(cfg.model.attn))
+        return apply_liger_kernel(model) if cfg.engine.use_liger_kernel else model
+    return build
+
+
 def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, total_steps: int,
                 reward_source: RewardSource | None, tokenizer) -> Roles:
     """Role objects for this rank (None where it does not host the role)."""
     if topology.has_subgroups:
         install_subgroup_patches()
     m, dtype = cfg.model, _dtype(cfg)
-    actor = critic = ref_model = None
+    actor = critic = ref_model = ref_batcher = None
     frozen: list[DeepSpeedModel] = []
+
+    def causal_lm(attn: str) -> torch.nn.Module:
+        return load_causal_lm(m.pretrain, dtype, attn, m.trust_remote_code)
+
     if topology.hosts(Role.ACTOR):
-        model = _engine(_with_steps(cfg, total_steps), topology, Role.ACTOR,
-                        lambda: load_causal_lm(m.pretrain, dtype, m.attn, m.trust_remote_code), device,
-                        trainable=True, learning_rate=cfg.optim.actor_learning_rate)
-        actor = Actor(model, topology.group(Role.ACTOR), device, temperature=cfg.rollout.temperature, algo=cfg.algo)
+        infer, train = batchers_for(cfg, topology, Role.ACTOR)
+        model = _engine(_with_steps(cfg, total_steps), topology, Role.ACTOR, _model_builder(cfg, train.layout,
+                                                                                           causal_lm),
+                        device, trainable=True, learning_rate=cfg.optim.actor_learning_rate)
+        actor = Actor(model, topology.group(Role.ACTOR), device, temperature=cfg.rollout.temperature, algo=cfg.algo,
+                      infer_batcher=infer, train_batcher=train)
     if Role.CRITIC in topology.plan and topology.hosts(Role.CRITIC):
         path = m.critic_pretrain or (cfg.reward.reward_paths or [m.pretrain])[0]
-        model = _engine(_with_steps(cfg, total_steps), topology, Role.CRITIC,
-                        lambda: load_scalar_head_model(path, m.value_head_prefix, dtype, m.attn, m.trust_remote_code,
-                                                       "--critic_pretrain"), device,
-                        trainable=True, learning_rate=cfg.optim.critic_learning_rate)
-        critic = Critic(model, topology.group(Role.CRITIC), device, cfg.algo.value_clip)
+        infer, train = batchers_for(cfg, topology, Role.CRITIC)
+        model = _engine(_with_steps(cfg, total_steps), topology, Role.CRITIC, _model_builder(
+            cfg, train.layout, lambda attn: load_scalar_head_model(path, m.value_head_prefix, dtype, attn,
+                                                                   m.trust_remote_code, "--critic_pretrain")),
+                        device, trainable=True, learning_rate=cfg.optim.critic_learning_rate)
+        critic = Critic(model, topology.group(Role.CRITIC), device, cfg.algo.value_clip, infer_batcher=infer,
+                        train_batcher=train)
     if Role.REF in topology.plan and topology.hosts(Role.REF):
-        frozen.append(_engine(cfg, topology, Role.REF, lambda: load_causal_lm(m.pretrain, dtype, m.attn,
-                                                                              m.trust_remote_code),
-                              device, trainable=False))
+        ref_batcher, _ = batchers_for(cfg, topology, Role.REF)
+        frozen.append(_engine(cfg, topology, Role.REF, _model_builder(cfg, ref_batcher.layout, causal_lm), device,
+                              trainable=False))
         ref_model = frozen[-1].engine
     reward = reward_source
     if cfg.reward.reward_paths and topology.hosts(Role.REWARD):
-        reward_models = _reward_models(cfg, topology, device)
+        reward_batcher, _ = batchers_for(cfg, topology, Role.REWARD)
+        reward_models = _reward_models(cfg, topology, device, reward_batcher.layout)
         frozen.extend(reward_models)
-        reward = RewardModelEnsemble([m.engine for m in reward_models], device, cfg.batch.micro_rollout_batch_size)
+        reward = RewardModelEnsemble([m.engine for m in reward_models], device, reward_batcher)
     experience = ExperienceMaker(cfg, topology, actor=actor, critic=critic, ref_model=ref_model, reward=reward,
-                                 device=device)
+                                 device=device, ref_batcher=ref_batcher)
     specs = meta_param_specs(m.pretrain, dtype, m.trust_remote_code)
     return Roles(actor, critic, experience, specs, _ptx_batches(cfg, tokenizer) if actor is not None else None,
                  frozen)
@@ -116,11 +155,12 @@ def _with_steps(cfg: TrainPPOConfig, total_steps: int) -> TrainPPOConfig:
     return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, max_steps=total_steps))
 
 
-def _reward_models(cfg: TrainPPOConfig, topology: Topology, device: torch.device) -> list[DeepSpeedModel]:
+def _reward_models(cfg: TrainPPOConfig, topology: Topology, device: torch.device,
+                   layout: SequenceLayout) -> list[DeepSpeedModel]:
     m, dtype = cfg.model, _dtype(cfg)
-    return [_engine(cfg, topology, Role.REWARD,
-                    lambda p=path: load_scalar_head_model(p, m.value_head_prefix, dtype, m.attn, m.trust_remote_code),
-                    device, trainable=False)
+    return [_engine(cfg, topology, Role.REWARD, _model_builder(
+        cfg, layout, lambda attn, p=path: load_scalar_head_model(p, m.value_head_prefix, dtype, attn,
+                                                                 m.trust_remote_code)), device, trainable=False)
             for path in cfg.reward.reward_paths]
 
 
@@ -134,7 +174,7 @@ def _ptx_batches(cfg: TrainPPOConfig, tokenizer) -> list[tuple[torch.Tensor, tor
     size = cfg.batch.micro_train_batch_size
     out = []
     for start in range(0, len(texts) - size + 1, size):
-        enc = tokenizer(texts[start:start + size], padding=True, truncation=True,
+        enc = tokenizer(texts[start:start + size], padding=True, truncation=True, padding_side="right",
                         max_length=cfg.data.prompt_max_len + cfg.rollout.generate_max_len, return_tensors="pt")
         out.append((enc["input_ids"], enc["attention_mask"]))
     if not out:

@@ -30,6 +30,7 @@ from rlhf.config.schema import TrainPPOConfig
 from rlhf.data.records import Experience, Rollout
 from rlhf.distributed.collectives import assemble, broadcast_keys, shard
 from rlhf.distributed.topology import Role, Topology
+from rlhf.models.micro_batches import MicroBatcher
 from rlhf.rewards.base import RewardInputs, RewardSource
 from rlhf.trainers.actor import Actor, batched_logprobs
 from rlhf.trainers.critic import Critic
@@ -39,20 +40,23 @@ class ExperienceMaker:
     """Built on every rank; roles the rank does not host are None."""
 
     def __init__(self, cfg: TrainPPOConfig, topology: Topology, *, actor: Actor | None, critic: Critic | None,
-                 ref_model: torch.nn.Module | None, reward: RewardSource | None, device: torch.device) -> None:
+                 ref_model: torch.nn.Module | None, reward: RewardSource | None, device: torch.device,
+                 ref_batcher: MicroBatcher | None = None) -> None:
         self.cfg, self.topology, self.device = cfg, topology, device
         self.actor, self.critic, self.ref_model, self.reward = actor, critic, ref_model, reward
+        self.ref_batcher = ref_batcher
         self.estimator = ESTIMATORS[cfg.algo.advantage_estimator]
         algo = cfg.algo
         self.kl_ctl = KLController(algo.init_kl_coef, algo.kl_target, algo.kl_horizon)
         self.reward_stats = RunningMoments()
 
     def _by_role(self, role: Role, compute: Callable[[slice], torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
-        """Rows computed by `role`'s ranks on their shards, assembled on every rank (collective: world)."""
-        where = shard(shape[0], self.topology.dp_size(role), self.topology.dp_rank(role)) \
-            if self.topology.hosts(role) else slice(0, 0)
-        part = compute(where) if self.topology.hosts(role) else None
-        return assemble(part, where, shape)
+        """Rows computed by `role`'s ranks on their shards, assembled on every rank (collective: world).
+        The ranks of a ring compute the same rows together; only the ring's first rank contributes them."""
+        hosts = self.topology.hosts(role)
+        where = shard(shape[0], self.topology.dp_size(role), self.topology.dp_rank(role)) if hosts else slice(0, 0)
+        part = compute(where) if hosts else None
+        return assemble(part if hosts and self.topology.ring_rank(role) == 0 else None, where, shape)
 
     def _rewards(self, batch: Rollout) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         B = batch.num_samples
@@ -89,16 +93,16 @@ class ExperienceMaker:
     def make(self, batch: Rollout) -> tuple[Experience, dict[str, float]]:
         """Experience for the whole global batch (identical on every rank) and step metrics."""
         B, T = batch.sequences_BT.shape
-        micro, seq, mask = self.cfg.batch.micro_rollout_batch_size, batch.sequences_BT, batch.attention_mask_BT
-        old = self._by_role(Role.ACTOR, lambda w: self.actor.logprobs(seq[w], mask[w], micro), (B, T - 1))
+        seq, mask = batch.sequences_BT, batch.attention_mask_BT
+        old = self._by_role(Role.ACTOR, lambda w: self.actor.logprobs(seq[w], mask[w]), (B, T - 1))
         ref = None
         if self.ref_model is not None or Role.REF in self.topology.plan:
             temperature = self.cfg.rollout.temperature
-            ref = self._by_role(Role.REF, lambda w: batched_logprobs(self.ref_model, seq[w], mask[w], micro,
+            ref = self._by_role(Role.REF, lambda w: batched_logprobs(self.ref_model, seq[w], mask[w], self.ref_batcher,
                                                                      temperature, self.device), (B, T - 1))
         values = None
         if Role.CRITIC in self.topology.plan:
-            values = self._by_role(Role.CRITIC, lambda w: self.critic.values(seq[w], mask[w], micro), (B, T - 1))
+            values = self._by_role(Role.CRITIC, lambda w: self.critic.values(seq[w], mask[w]), (B, T - 1))
         raw_rewards, scores, extra = self._rewards(batch)
         rewards = self._shape_rewards(raw_rewards, batch)
         action = batch.action_mask_BT1

@@ -23,6 +23,7 @@ from rlhf.distributed.topology import Role, Topology
 from rlhf.engines.deepspeed_engine import DeepSpeedModel
 from rlhf.engines.rollout import RolloutEngine, SamplingSpec, to_rollout
 from rlhf.engines.weight_sync import ParamSpec, broadcast_parameters
+from rlhf.models.micro_batches import MicroBatcher
 from rlhf.trainers.actor import Actor
 from rlhf.trainers.critic import Critic
 from rlhf.trainers.experience import ExperienceMaker
@@ -102,7 +103,7 @@ class PPOTrainer:
                 role.model.save_state(os.path.join(tmp, name))
         if c.save_hf_ckpt and self.roles.actor is not None:
             self.roles.actor.model.save_hf(os.path.join(tmp, "hf"), self.tokenizer,
-                                           self.topology.dp_rank(Role.ACTOR) == 0)
+                                           self.topology.leads(Role.ACTOR))
         writer.save_rank_state(rank)
         exp = self.roles.experience
         writer.save_trainer_state({"step": done_steps, "world_size": self.topology.world_size,
@@ -182,31 +183,33 @@ class PPOTrainer:
         return to_rollout([list(p.token_ids) for p in prompts], generations, self.tokenizer.pad_token_id,
                           self.tokenizer, [p.text for p in prompts], [p.label for p in prompts])
 
-    def _optimizer_batches(self, exp: Experience, role: Role, step: int, epoch: int) -> list[list[Experience]]:
-        """This rank's shard, shuffled, cut into optimizer steps of micro-batches."""
-        b = self.cfg.batch
+    def _optimizer_batches(self, exp: Experience, role: Role, batcher: MicroBatcher, step: int,
+                           epoch: int) -> list[list[Experience]]:
+        """This replica's shard, shuffled, cut into optimizer steps of micro-batches (the ranks of a ring
+        get the same ones: the shuffle seed is the data-parallel rank)."""
         dp, rank = self.topology.dp_size(role), self.topology.dp_rank(role)
         mine = exp.select(shard(exp.num_samples, dp, rank))
         order = list(range(mine.num_samples))
         random.Random(((self.cfg.seed * 100_003 + step) * 101 + epoch) * 4099 + rank).shuffle(order)
         mine = mine.select(torch.tensor(order))
-        per_step = b.train_batch_size // dp
-        return [[mine.slice(s, s + b.micro_train_batch_size) for s in range(start, start + per_step,
-                                                                             b.micro_train_batch_size)]
-                for start in range(0, mine.num_samples, per_step)]
+        per_step = self.cfg.batch.train_batch_size // dp
+        steps = [mine.slice(start, start + per_step) for start in range(0, mine.num_samples, per_step)]
+        return [[part.select(torch.tensor(rows)).trimmed() for rows in batcher.split(part.attention_mask_BT)]
+                for part in steps]
 
     def train(self, exp: Experience, step: int, train_actor: bool) -> dict[str, float]:
         """max_epochs passes; actor and critic each on their own ranks. Metrics are global."""
         actor_stats: dict[str, float] = {}
         critic_stats: dict[str, float] = {}
         for epoch in range(self.cfg.batch.max_epochs):
-            if self.roles.actor is not None and train_actor:
-                for micro in self._optimizer_batches(exp, Role.ACTOR, step, epoch):
-                    _accumulate(actor_stats, self.roles.actor.train_batch(
-                        micro, self.roles.experience.kl_ctl.value, self.roles.ptx))
-            if self.roles.critic is not None:
-                for micro in self._optimizer_batches(exp, Role.CRITIC, step, epoch):
-                    _accumulate(critic_stats, self.roles.critic.train_batch(micro))
+            actor, critic = self.roles.actor, self.roles.critic
+            if actor is not None and train_actor:
+                for micro in self._optimizer_batches(exp, Role.ACTOR, actor.train_batcher, step, epoch):
+                    _accumulate(actor_stats, actor.train_batch(micro, self.roles.experience.kl_ctl.value,
+                                                               self.roles.ptx))
+            if critic is not None:
+                for micro in self._optimizer_batches(exp, Role.CRITIC, critic.train_batcher, step, epoch):
+                    _accumulate(critic_stats, critic.train_batch(micro))
         return self._global_train_metrics(actor_stats, critic_stats)
 
     def _global_train_metrics(self, actor: dict[str, float], critic: dict[str, float]) -> dict[str, float]:
@@ -216,8 +219,10 @@ class PPOTrainer:
         for role, stats in ((Role.ACTOR, actor), (Role.CRITIC, critic)):
             if stats:
                 updates = stats.pop("_updates")
-                first = self.topology.dp_rank(role) == 0
-                contrib.update({k: v / updates for k, v in stats.items() if k in SHARE_METRICS or first})
+                first = self.topology.leads(role)
+                shares = self.topology.ring_rank(role) == 0  # the ranks of a ring report the same loss
+                contrib.update({k: v / updates for k, v in stats.items()
+                                if (k in SHARE_METRICS and shares) or first})
         values = torch.tensor([contrib.get(k, 0.0) for k in TRAIN_METRICS]
                               + [float(k in contrib) for k in TRAIN_METRICS], dtype=torch.float64)
         dist.all_reduce(values)
@@ -227,7 +232,7 @@ class PPOTrainer:
     def sync_weights(self) -> None:
         """Push the actor's weights into every rank's engine (collective over the world)."""
         actor = self.roles.actor
-        if self.topology.dp_size(Role.ACTOR) == self.topology.world_size:
+        if len(self.topology.ranks(Role.ACTOR)) == self.topology.world_size:
             self.engine.load_weights(actor.model.full_parameters())
             return
         local = actor.model.full_parameters() if actor is not None else None

@@ -29,7 +29,7 @@ def main(out_path: str, zero_stage: int, tp: int) -> None:
     actor = build_actor(zero_stage, 5e-2, grad_accum_steps=1)
     model = actor.model
     exp = synthetic_experiences(model.module.config.vocab_size)
-    exp.old_logprobs_BT1 = actor.logprobs(exp.sequences_BT, exp.attention_mask_BT, 4)
+    exp.old_logprobs_BT1 = actor.logprobs(exp.sequences_BT, exp.attention_mask_BT)
     rank = dist.get_rank()
     actor.train_batch([exp.slice(2 * rank, 2 * rank + 2)], kl_coef=0.0)
     engine.load_weights(model.full_parameters())
@@ -39,7 +39,7 @@ def main(out_path: str, zero_stage: int, tp: int) -> None:
     prompt_ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     gens = engine.generate(prompt_ids, SamplingSpec(n=4, temperature=1.0, top_p=1.0, max_tokens=12, seed=5))
     rollout = to_rollout(prompt_ids, gens, tok.pad_token_id, tok, texts, [None] * 3)
-    actor_lp = actor.logprobs(rollout.sequences_BT, rollout.attention_mask_BT, 16)
+    actor_lp = actor.logprobs(rollout.sequences_BT, rollout.attention_mask_BT)
     mask = rollout.action_mask_BT1
     diff = float(((actor_lp - rollout.rollout_logprobs_BT1).abs() * mask).max())
     original = load_causal_lm(EMBEDDED_MODEL_DIR, torch.float32, "sdpa")

@@ -1,0 +1,74 @@
+"""Cutting a role's share of a batch into micro-batches: a fixed number of samples each, or
+(`--use_dynamic_batch`) as many samples as fit a per-rank token budget, with the same number of
+micro-batches on every rank of the role so collective forwards and backwards stay matched.
+
+Losses divide by the global token (or sequence) count of the optimizer step, so the gradient does not
+depend on how the step is cut; `Actor.train_batch` and `Critic.train_batch` do that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from rlhf.kernels import count_micro_batches, split_into_micro_batches
+from rlhf.models.layout import PADDED, SequenceLayout
+
+
+@dataclass(frozen=True)
+class MicroBatcher:
+    """size: samples per micro-batch; max_tokens: the per-rank token budget (dynamic batching when set);
+    group: the ranks that must run the same number of micro-batches; flag: named in budget errors."""
+
+    size: int
+    max_tokens: int | None = None
+    group: dist.ProcessGroup | None = None
+    layout: SequenceLayout = PADDED
+    flag: str = "--train_max_tokens_per_gpu"
+
+    def split(self, attention_mask_BT: torch.Tensor) -> list[list[int]]:
+        """Row indices of each micro-batch (collective over `group` with dynamic batching)."""
+        B = attention_mask_BT.shape[0]
+        if self.max_tokens is None:
+            return [list(range(s, min(s + self.size, B))) for s in range(0, B, self.size)]
+        lengths = [self.layout.token_cost(int(n)) for n in attention_mask_BT.sum(-1)]
+        longest = max(lengths, default=0)
+        if longest > self.max_tokens:
+            raise ValueError(f"{self.flag} {self.max_tokens} is below a sample of {longest} tokens per rank; "
+                             f"raise it to at least {longest} (prompt + response, / --ring_attn_size)")
+        count = torch.tensor([count_micro_batches(lengths, self.max_tokens)])
+        if self.group is not None:
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
+        bins = split_into_micro_batches(lengths, self.max_tokens, int(count))
+        if any(not b for b in bins):
+            raise RuntimeError(f"{B} samples cannot fill {int(count)} micro-batches on this rank: the ranks of one "
+                               "role must hold the same number of samples")
+        return bins
+
+
+def trimmed(sequences_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop the columns that are padding in every row."""
+    width = int(attention_mask_BT.sum(-1).max()) if attention_mask_BT.numel() else 0
+    return sequences_BT[:, :width], attention_mask_BT[:, :width]
+
+
+@torch.no_grad()
+def forward_in_micro_batches(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], sequences_BT: torch.Tensor,
+                             attention_mask_BT: torch.Tensor, batcher: MicroBatcher, device: torch.device,
+                             width: int | None = None) -> torch.Tensor:
+    """`fn(ids, mask)` over each micro-batch (trimmed to its longest row, on `device`), put back in row
+    order as float32 on the CPU: [B] when `width` is None, else [B, width] with per-token outputs
+    [b, w <= width] zero-padded on the right."""
+    B = sequences_BT.shape[0]
+    out = torch.zeros(B) if width is None else torch.zeros(B, width)
+    for rows in batcher.split(attention_mask_BT):
+        ids, mask = trimmed(sequences_BT[rows], attention_mask_BT[rows])
+        part = fn(ids.to(device), mask.to(device)).float().cpu()
+        if width is None:
+            out[rows] = part
+        else:
+            out[rows, :part.shape[1]] = part
+    return out
