@@ -22,8 +22,8 @@ def build_source(args: argparse.Namespace) -> tuple[RewardSource, object | None]
 
         return RewardFuncFile(args.remote_rm_url), None
     from rlhf.models.loading import load_tokenizer
-    from rlhf.models.value import load_scalar_head_model
     from rlhf.models.micro_batches import MicroBatcher
+    from rlhf.models.value import load_scalar_head_model
     from rlhf.rewards.models import RewardModelEnsemble
 
     paths = [p for p in args.reward_pretrain.split(",") if p]

@@ -19,10 +19,10 @@ from rlhf.config.schema import TrainPPOConfig
 from rlhf.data.prompts import PromptSampler, load_prompts
 from rlhf.distributed.launch import init_distributed, read_launch_env
 from rlhf.distributed.topology import Role, Topology, plan_ranks
-from rlhf.models.loading import load_tokenizer
+from rlhf.models.loading import check_liger_kernel, load_tokenizer
 from rlhf.models.value import save_scalar_head_model
 from rlhf.rewards.base import RewardSource
-from rlhf.trainers.build import ROLE_NAMES, build_roles, placement_from_config
+from rlhf.trainers.build import ROLE_NAMES, build_roles, describe_layout, placement_from_config
 from rlhf.trainers.ppo import PPOTrainer, Roles, total_steps
 from rlhf.utils.logging import MetricsLogger, WandbSettings
 from rlhf.utils.preemption import PreemptionWatch
@@ -87,6 +87,8 @@ def run(cfg: TrainPPOConfig) -> None:
     cfg.check_role_sizes({ROLE_NAMES[r]: len(ranks) for r, ranks in plan.items() if r is not Role.ROLLOUT},
                          trainable=("actor", "critic"))
     # Validate the user's inputs before any engine starts (engines take minutes on real models).
+    if cfg.engine.use_liger_kernel:
+        check_liger_kernel()
     reward_source = build_reward_source(cfg)
     tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code)
     sampler = PromptSampler(load_prompts(cfg.data, tokenizer), cfg.batch.rollout_batch_size, cfg.seed)
@@ -96,6 +98,8 @@ def run(cfg: TrainPPOConfig) -> None:
     is_writer = launch.rank == 0
     if is_writer and cfg.model.pretrain == TrainPPOConfig().model.pretrain:
         print("no --pretrain given: training the embedded tiny demo policy", flush=True)
+    if is_writer:
+        print(describe_layout(cfg, topology), flush=True)
     engine = build_rollout_engine(cfg, device, tokenizer)
     seed_everything(cfg.seed + launch.rank, cfg.full_determinism)  # vLLM re-seeds globally
     steps = total_steps(cfg, sampler)

@@ -42,18 +42,25 @@ def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str, trus
     return model
 
 
-def apply_liger_kernel(model: torch.nn.Module) -> torch.nn.Module:
-    """Patch a loaded model in place with Liger's fused Triton kernels where its architecture has them
-    (RMSNorm, RoPE, SwiGLU MLP). The output layer is left alone: the trainer needs per-token log-probs
-    (from `rlhf.kernels`), not Liger's fused cross-entropy loss. CUDA only (`--use_liger_kernel`)."""
+def check_liger_kernel() -> None:
+    """ValueError naming --use_liger_kernel unless Liger can run here (CUDA and the package)."""
     if not torch.cuda.is_available():
         raise ValueError("--use_liger_kernel needs CUDA: Liger's kernels are GPU Triton kernels; drop the flag "
                          "on CPU")
     try:
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+        import liger_kernel.transformers  # noqa: F401
     except ImportError as err:
         raise ValueError("--use_liger_kernel needs the liger-kernel package: pip install liger-kernel "
                          "(bash launch/install.sh gpu installs it)") from err
+
+
+def apply_liger_kernel(model: torch.nn.Module) -> torch.nn.Module:
+    """Patch a loaded model in place with Liger's fused Triton kernels where its architecture has them
+    (RMSNorm, RoPE, SwiGLU MLP). The output layer is left alone: the trainer needs per-token log-probs
+    (from `rlhf.kernels`), not Liger's fused cross-entropy loss. CUDA only (`--use_liger_kernel`)."""
+    check_liger_kernel()
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
     base = getattr(model, "base", model)  # a ScalarHeadModel patches its transformer
     _apply_liger_kernel_to_instance(model=base, cross_entropy=False, fused_linear_cross_entropy=False)
     return model

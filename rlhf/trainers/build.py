@@ -94,6 +94,22 @@ def batchers_for(cfg: TrainPPOConfig, topology: Topology, role: Role) -> tuple[M
     return infer, train
 
 
+def describe_layout(cfg: TrainPPOConfig, topology: Topology) -> str:
+    """One line saying how the models see their batches and how many data-parallel replicas each role has."""
+    e, b = cfg.engine, cfg.batch
+    parts = ["packed samples (varlen attention)" if e.packing_samples else "padded rows"]
+    if e.ring_attn_size > 1:
+        parts.append(f"ring attention over {e.ring_attn_size} ranks (head stride {e.ring_head_stride})")
+    if e.use_dynamic_batch:
+        parts.append(f"dynamic micro-batches of <= {e.train_max_tokens_per_gpu} tokens per rank in training, "
+                     f"<= {e.rollout_tokens_per_gpu} in experience forwards")
+    else:
+        parts.append(f"micro-batches of {b.micro_train_batch_size} samples in training, "
+                     f"{b.micro_rollout_batch_size} in experience forwards")
+    replicas = ", ".join(f"{ROLE_NAMES[r]} {topology.dp_size(r)}" for r in ROLE_NAMES if r in topology.plan)
+    return f"layout: {'; '.join(parts)}; data-parallel replicas: {replicas}"
+
+
 def _model_builder(cfg: TrainPPOConfig, layout: SequenceLayout, load: Callable[[str], torch.nn.Module]):
     """A `build()` for DeepSpeedModel: `load(attn_implementation)`, then Liger when asked."""
     def build() -> torch.nn.Module:
