@@ -1,7 +1,7 @@
 """The actor's experience-time log-probs and its optimizer step do not depend on how a batch is laid out
 or cut: packed (`--packing_samples`), token-budget micro-batches (`--use_dynamic_batch`) and ring
 attention (`--ring_attn_size`) all equal the padded, fixed-micro-batch step on one rank, on the same
-global batch: same log-probs, loss, entropy, KL, gradient norm and updated weights."""
+global batch: same log-probs, loss, entropy, KL, ptx (SFT) loss, gradient norm and updated weights."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _one_variant(name: str, zero_stage: int) -> dict:
     layout = SequenceLayout(packing=packing, ring_group=topology.ring_group(Role.ACTOR),
                             ring_head_stride=1 if ring > 1 else None)
     dp, dp_rank = topology.dp_size(Role.ACTOR), topology.dp_rank(Role.ACTOR)
-    algo = AlgoConfig(use_kl_loss=True, init_kl_coef=0.05, kl_estimator="k3", entropy_loss_coef=0.01)
+    algo = AlgoConfig(use_kl_loss=True, init_kl_coef=0.05, kl_estimator="k3", entropy_loss_coef=0.01, ptx_coef=0.5)
     actor = build_actor(zero_stage, LR, GLOBAL_BATCH // (MICRO * dp), layout=layout, max_tokens=budget, algo=algo)
     exp = synthetic_experiences(actor.model.module.config.vocab_size)
     current = actor.logprobs(exp.sequences_BT, exp.attention_mask_BT)
@@ -45,14 +45,16 @@ def _one_variant(name: str, zero_stage: int) -> dict:
     per_replica = GLOBAL_BATCH // dp
     mine = exp.slice(dp_rank * per_replica, (dp_rank + 1) * per_replica)
     micro = [mine.select(torch.tensor(rows)).trimmed() for rows in actor.train_batcher.split(mine.attention_mask_BT)]
-    stats = actor.train_batch(micro, kl_coef=0.05)
+    # one SFT (ptx) batch, used by every micro-batch: its loss term does not depend on the cut
+    ptx = exp.slice(0, 3)
+    stats = actor.train_batch(micro, kl_coef=0.05, ptx_batches=[(ptx.sequences_BT, ptx.attention_mask_BT)])
     share = topology.ring_rank(Role.ACTOR) == 0  # the ranks of a ring report the same loss
-    terms = torch.tensor([stats[k] if share else 0.0 for k in ("policy_loss", "entropy", "train_kl")],
+    terms = torch.tensor([stats[k] if share else 0.0 for k in ("policy_loss", "entropy", "train_kl", "ptx_loss")],
                          dtype=torch.float64)
     dist.all_reduce(terms)
     weights = dict(actor.model.full_parameters())
     return {"logprobs": current * exp.action_mask_BT1, "policy_loss": float(terms[0]), "entropy": float(terms[1]),
-            "kl": float(terms[2]), "grad_norm": stats["grad_norm"], "weights": weights,
+            "kl": float(terms[2]), "ptx": float(terms[3]), "grad_norm": stats["grad_norm"], "weights": weights,
             "micro_sizes": [len(rows) for rows in actor.train_batcher.split(mine.attention_mask_BT)]}
 
 
@@ -62,7 +64,7 @@ def run_variants(names: list[str], zero_stage: int) -> dict:
 
 def _assert_same_step(got: dict, ref: dict, what: str) -> None:
     torch.testing.assert_close(got["logprobs"], ref["logprobs"], atol=2e-5, rtol=0, msg=f"{what}: log-probs")
-    for key in ("policy_loss", "entropy", "kl"):
+    for key in ("policy_loss", "entropy", "kl", "ptx"):
         assert got[key] == pytest.approx(ref[key], abs=2e-6), f"{what}: {key}"
     assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), f"{what}: grad norm"
     worst = max(float((got["weights"][n] - w).abs().max()) for n, w in ref["weights"].items())
@@ -78,7 +80,7 @@ def one_rank() -> dict:
 
 def test_single_rank_layouts_match_padded(one_rank):
     ref = one_rank["padded"]
-    assert ref["policy_loss"] != 0 and ref["entropy"] > 0 and ref["kl"] > 0
+    assert ref["policy_loss"] != 0 and ref["entropy"] > 0 and ref["kl"] > 0 and ref["ptx"] > 0
     assert one_rank["packed_dynamic"]["micro_sizes"] != ref["micro_sizes"], "the budget must change the cut"
     for name in ("packed", "packed_dynamic", "dynamic"):
         _assert_same_step(one_rank[name], ref, name)
@@ -121,7 +123,7 @@ def test_packed_policy_forward_matches_padded_with_and_without_checkpointing(che
             model.train()
         out = policy_forward(model, ids, mask, temperature=0.8, with_entropy=True, layout=layout)
         ((out.logprobs_BT1 + 0.5 * out.entropy_BT1) * mask[:, 1:]).sum().backward()
-        results.append((out.logprobs_BT1 * mask[:, 1:], out.entropy_BT1 * mask[:, 1:],
+        results.append((out.logprobs_BT1.detach() * mask[:, 1:], out.entropy_BT1.detach() * mask[:, 1:],
                         {n: p.grad for n, p in model.named_parameters()}))
     (lp, ent, grads), (lp_packed, ent_packed, grads_packed) = results
     torch.testing.assert_close(lp_packed, lp, atol=1e-5, rtol=0)
