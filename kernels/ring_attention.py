@@ -305,13 +305,15 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor, cu_seqlens: torch.Tensor,
                    group: dist.ProcessGroup | None, causal: bool = True, scale: float | None = None,
-                   head_stride: int | None = None) -> torch.Tensor:
+                   head_stride: int | None = None, layout_cache: dict | None = None) -> torch.Tensor:
     """Attention of this rank's zigzag shard against the whole packed row; returns the local [N, H, D].
 
     q/k/v: this rank's shard (`zigzag_shard` of the global packed tensors). cu_seqlens: the GLOBAL
     int32 [S + 1] boundaries, every segment a multiple of 2W. group: the sequence-parallel group (None =
     default group); every rank of it must call this with the same cu_seqlens, in the same order.
-    head_stride: kv heads per ring pass (None = all at once). Differentiable in q, k, v.
+    head_stride: kv heads per ring pass (None = all at once). layout_cache: a dict kept for the duration
+    of one model forward (all its layers share the same boundaries): the zigzag block plan is built once
+    and reused from it. Differentiable in q, k, v.
     """
     ring_size = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -322,6 +324,11 @@ def ring_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor
                          f"{tuple(k_NKD.shape)}, {tuple(v_NKD.shape)}")
     if H % k_NKD.shape[1]:
         raise ValueError(f"{H} query heads are not a multiple of {k_NKD.shape[1]} kv heads")
-    layout = _RingLayout.build(cu_seqlens, rank, ring_size, causal, q_NHD.device)
+    key = (causal, str(q_NHD.device), rank, ring_size)
+    layout = layout_cache.get(key) if layout_cache is not None else None
+    if layout is None:
+        layout = _RingLayout.build(cu_seqlens, rank, ring_size, causal, q_NHD.device)
+        if layout_cache is not None:
+            layout_cache[key] = layout
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     return _RingAttention.apply(q_NHD, k_NKD, v_NKD, layout, group, scale, head_stride)

@@ -1,6 +1,7 @@
 """OpenRLHF-style flags parse into the typed config tree; bad flags and values fail with clear messages."""
 
 import pytest
+import torch
 
 from rlhf.config.flags import IGNORED_FLAGS, PENDING_FLAGS, flag_specs, parse_config
 from rlhf.config.schema import TrainPPOConfig
@@ -106,3 +107,56 @@ def test_role_sizes_must_split_the_batch():
         cfg.check_role_sizes({"actor": 2, "reward": 3}, trainable=("actor",))
     with pytest.raises(ValueError, match="multiple of --micro_train_batch_size 2 x 8 actor ranks"):
         cfg.check_role_sizes({"actor": 8}, trainable=("actor",))
+
+
+def test_ring_attention_flags():
+    with pytest.raises(ValueError, match="--ring_attn_size > 1 shards packed sequences: add --packing_samples"):
+        parse("--ring_attn_size", "2")
+    cfg = parse("--rollout_batch_size", "4", "--n_samples_per_prompt", "2", "--train_batch_size", "8",
+                "--micro_train_batch_size", "2", "--packing_samples", "--ring_attn_size", "2")
+    # 8 ranks in rings of 2: 4 data-parallel replicas of 2 samples each
+    cfg.check_role_sizes({"actor": 8}, trainable=("actor",))
+    with pytest.raises(ValueError, match="the 3 reward ranks do not split into rings of --ring_attn_size 2"):
+        cfg.check_role_sizes({"actor": 2, "reward": 3}, trainable=("actor",))
+    with pytest.raises(ValueError, match="multiple of --micro_train_batch_size 2 x 8 actor ranks"):
+        cfg.check_role_sizes({"actor": 16}, trainable=("actor",))
+    with pytest.raises(ValueError, match="--ring_attn_size must be >= 1"):
+        parse("--ring_attn_size", "0", "--packing_samples")
+
+
+def test_dynamic_batch_needs_packing_and_a_budget_that_holds_one_sample():
+    with pytest.raises(ValueError, match="--use_dynamic_batch budgets packed tokens: add --packing_samples"):
+        parse("--use_dynamic_batch")
+    short = ("--prompt_max_len", "100", "--generate_max_len", "60", "--packing_samples", "--use_dynamic_batch")
+    with pytest.raises(ValueError, match="--train_max_tokens_per_gpu 150 cannot hold one sample of up to 160 tokens"):
+        parse(*short, "--train_max_tokens_per_gpu", "150")
+    with pytest.raises(ValueError, match="--rollout_max_tokens_per_gpu 100 cannot hold one sample of up to 160 "
+                                         "tokens .* raise it to at least 160"):
+        parse(*short, "--rollout_max_tokens_per_gpu", "100")
+    # a ring of 2 pads 160 tokens to a multiple of 4 and gives each rank half: 80 per rank
+    parse(*short, "--train_max_tokens_per_gpu", "80", "--ring_attn_size", "2")
+    with pytest.raises(ValueError, match="79 cannot hold one sample of up to 160 tokens .*, 80 per rank"):
+        parse(*short, "--train_max_tokens_per_gpu", "79", "--ring_attn_size", "2")
+
+
+def test_ring_head_stride_must_divide_the_kv_heads():
+    from rlhf.assets import EMBEDDED_MODEL_DIR
+    from rlhf.trainers.build import check_ring_head_stride
+
+    check_ring_head_stride(parse("--packing_samples", "--ring_attn_size", "2", "--ring_head_stride", "2"))
+    with pytest.raises(ValueError, match=f"--ring_head_stride 3 must divide the 2 key/value heads of "
+                                         f"--pretrain {EMBEDDED_MODEL_DIR}"):
+        check_ring_head_stride(parse("--packing_samples", "--ring_attn_size", "2", "--ring_head_stride", "3"))
+
+
+def test_dynamic_batch_budget_errors_name_the_flag():
+    from rlhf.models.micro_batches import MicroBatcher
+
+    mask = torch.tensor([[1] * 9 + [0], [1] * 10])
+    batcher = MicroBatcher(4, max_tokens=8, flag="--rollout_max_tokens_per_gpu")
+    with pytest.raises(ValueError, match="--rollout_max_tokens_per_gpu 8 is below a sample of 10 tokens per rank; "
+                                         "raise it to at least 10"):
+        batcher.split(mask)
+    assert MicroBatcher(4, max_tokens=10).split(mask) == [[0], [1]]
+    assert MicroBatcher(4, max_tokens=19).split(mask) == [[0, 1]]
+    assert MicroBatcher(1).split(mask) == [[0], [1]]

@@ -28,7 +28,7 @@ def _two_steps(zero_stage: int, offload: bool) -> dict:
     return {"moved": moved, "weights": dict(actor.model.full_parameters())}
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
+@pytest.mark.parametrize("zero_stage", [pytest.param(2, marks=pytest.mark.slow), 3])  # ZeRO-2: slow set
 def test_offload_moves_state_and_changes_nothing(zero_stage):
     plain = run_on_ranks(1, _two_steps, zero_stage, False)[0]
     offloaded = run_on_ranks(1, _two_steps, zero_stage, True)[0]

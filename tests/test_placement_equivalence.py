@@ -41,7 +41,7 @@ def run(out, zero_stage, placement):
         load_file(os.path.join(out, "critic", "model.safetensors"))
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
+@pytest.mark.parametrize("zero_stage", [pytest.param(2, marks=pytest.mark.slow), 3])  # ZeRO-2: slow set
 def test_split_placement_equals_colocated(tmp_path, zero_stage):
     colo_metrics, colo_actor, colo_critic = run(tmp_path / "colocated", zero_stage, ["--colocate_all_models"])
     split_metrics, split_actor, split_critic = run(tmp_path / "split", zero_stage, SPLIT)

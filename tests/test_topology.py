@@ -38,8 +38,16 @@ def _topology_facts(tp):
     dist.all_reduce(value, group=topo.engine_group)
     actor_sum = torch.tensor([1.0])
     dist.all_reduce(actor_sum, group=topo.group(Role.ACTOR))
+    ring = Topology(plan_ranks(Placement.colocated((Role.ACTOR, Role.REF, Role.ROLLOUT)), dist.get_world_size()),
+                    tp, ring_size=2)
+    ring_sum = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(ring_sum, group=ring.ring_group(Role.ACTOR))
     return {"engine": topo.engine_index, "engine_rank": topo.engine_rank, "engine_sum": float(value),
-            "actor_sum": float(actor_sum), "dp_rank": topo.dp_rank(Role.ACTOR)}
+            "actor_sum": float(actor_sum), "dp_rank": topo.dp_rank(Role.ACTOR),
+            "ring": {"dp_size": ring.dp_size(Role.ACTOR), "dp_rank": ring.dp_rank(Role.ACTOR),
+                     "ring_rank": ring.ring_rank(Role.ACTOR), "sum": float(ring_sum), "leads": ring.leads(Role.ACTOR),
+                     "same_group_for_ref": ring.ring_group(Role.REF) is ring.ring_group(Role.ACTOR),
+                     "no_ring": topo.ring_group(Role.ACTOR) is None and topo.ring_rank(Role.ACTOR) == 0}}
 
 
 def test_topology_groups_on_four_ranks():
@@ -49,6 +57,13 @@ def test_topology_groups_on_four_ranks():
     assert [f["engine_sum"] for f in facts] == [3.0, 3.0, 7.0, 7.0]
     assert all(f["actor_sum"] == 4.0 for f in facts)
     assert [f["dp_rank"] for f in facts] == [0, 1, 2, 3]
+    rings = [f["ring"] for f in facts]
+    assert [r["dp_size"] for r in rings] == [2, 2, 2, 2]
+    assert [r["dp_rank"] for r in rings] == [0, 0, 1, 1]
+    assert [r["ring_rank"] for r in rings] == [0, 1, 0, 1]
+    assert [r["sum"] for r in rings] == [3.0, 3.0, 7.0, 7.0]
+    assert [r["leads"] for r in rings] == [True, False, False, False]
+    assert all(r["same_group_for_ref"] and r["no_ring"] for r in rings)
 
 
 def test_launch_env_torchrun():

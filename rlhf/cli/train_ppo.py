@@ -22,7 +22,13 @@ from rlhf.distributed.topology import Role, Topology, plan_ranks
 from rlhf.models.loading import check_liger_kernel, load_tokenizer
 from rlhf.models.value import save_scalar_head_model
 from rlhf.rewards.base import RewardSource
-from rlhf.trainers.build import ROLE_NAMES, build_roles, describe_layout, placement_from_config
+from rlhf.trainers.build import (
+    ROLE_NAMES,
+    build_roles,
+    check_ring_head_stride,
+    describe_layout,
+    placement_from_config,
+)
 from rlhf.trainers.ppo import PPOTrainer, Roles, total_steps
 from rlhf.utils.logging import MetricsLogger, WandbSettings
 from rlhf.utils.preemption import PreemptionWatch
@@ -89,6 +95,7 @@ def run(cfg: TrainPPOConfig) -> None:
     # Validate the user's inputs before any engine starts (engines take minutes on real models).
     if cfg.engine.use_liger_kernel:
         check_liger_kernel()
+    check_ring_head_stride(cfg)
     reward_source = build_reward_source(cfg)
     tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code)
     sampler = PromptSampler(load_prompts(cfg.data, tokenizer), cfg.batch.rollout_batch_size, cfg.seed)

@@ -102,6 +102,9 @@ class EngineConfig:
         _require(self.ring_head_stride >= 1, "--ring_head_stride must be >= 1")
         _require(self.ring_attn_size == 1 or self.packing_samples,
                  "--ring_attn_size > 1 shards packed sequences: add --packing_samples")
+        _require(not self.use_dynamic_batch or self.packing_samples,
+                 "--use_dynamic_batch budgets packed tokens: add --packing_samples (padded rows would cost "
+                 "rows x longest row, not the budget)")
         _require(self.train_max_tokens_per_gpu >= 1, "--train_max_tokens_per_gpu must be >= 1")
         _require(self.rollout_max_tokens_per_gpu is None or self.rollout_max_tokens_per_gpu >= 1,
                  "--rollout_max_tokens_per_gpu must be >= 1")
@@ -375,6 +378,16 @@ class TrainPPOConfig:
         if algo.advantage_estimator == "gae":
             _require(bool(self.reward.reward_paths) or bool(self.reward.source),
                      "--advantage_estimator gae needs rewards: give --reward_pretrain or --remote_rm_url")
+        e = self.engine
+        if e.use_dynamic_batch:
+            longest = self.data.prompt_max_len + self.rollout.generate_max_len
+            ring = e.ring_attn_size
+            per_rank = -(-longest // (2 * ring)) * 2 if ring > 1 else longest  # a ring pads to 2R, then shards
+            for flag, budget in (("--train_max_tokens_per_gpu", e.train_max_tokens_per_gpu),
+                                 ("--rollout_max_tokens_per_gpu", e.rollout_tokens_per_gpu)):
+                _require(budget >= per_rank, f"{flag} {budget} cannot hold one sample of up to {longest} tokens "
+                                             f"(--prompt_max_len + --generate_max_len), {per_rank} per rank with "
+                                             f"--ring_attn_size {ring}: raise it to at least {per_rank}")
 
     @property
     def uses_critic(self) -> bool:

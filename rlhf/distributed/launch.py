@@ -60,7 +60,8 @@ def read_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
 
 
 def init_distributed(launch: LaunchEnv, timeout_minutes: int = 30) -> torch.device:
-    """Initialise the default group (NCCL on CUDA, gloo on CPU) and return this rank's device.
+    """Initialise the default group (NCCL for CUDA tensors plus gloo for CPU tensors on a GPU machine,
+    gloo on CPU) and return this rank's device.
 
     Exports RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* so libraries that read them (vLLM's external
     launcher, DeepSpeed) agree with us. Called once by every rank.
@@ -73,7 +74,7 @@ def init_distributed(launch: LaunchEnv, timeout_minutes: int = 30) -> torch.devi
     if torch.cuda.is_available():
         device = torch.device("cuda", launch.local_rank)
         torch.cuda.set_device(device)
-        backend = "nccl"
+        backend = "cuda:nccl,cpu:gloo"  # NCCL for device tensors; small host-side bookkeeping goes over gloo
     else:
         device = torch.device("cpu")
         backend = "gloo"

@@ -102,7 +102,8 @@ class DeepSpeedModel:
         self.trainable = trainable
         self.config = ds_config(engine_cfg, optim_cfg, bf16=bf16, micro_batch_size=micro_batch_size,
                                 grad_accum_steps=grad_accum_steps)
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+        deepspeed.init_distributed(dist_backend="nccl" if "nccl" in dist.get_backend() else "gloo",
+                                   auto_mpi_discovery=False)
         model = self._build(build)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

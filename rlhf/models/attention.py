@@ -85,7 +85,7 @@ def ring_attention_forward(module: torch.nn.Module, query_BHND: torch.Tensor, ke
     q_NHD, k_NKD, v_NKD = (t[0].transpose(0, 1) for t in (query_BHND, key_BKND, value_BKND))
     out_NHD = ring_attention(q_NHD, k_NKD, v_NKD, cu_seqlens, kwargs["ring_group"],
                              causal=getattr(module, "is_causal", True), scale=scaling,
-                             head_stride=kwargs.get("ring_head_stride"))
+                             head_stride=kwargs.get("ring_head_stride"), layout_cache=kwargs.get("ring_layout_cache"))
     return out_NHD[None], None
 
 
@@ -104,4 +104,4 @@ def ring_forward_kwargs(packed: PackedBatch, group: dist.ProcessGroup | None,
                                      for t in (packed.input_ids_1N, packed.position_ids_1N))
     return {"input_ids": input_ids_1N, "position_ids": position_ids_1N, "attention_mask": None, "use_cache": False,
             "cu_seq_lens_q": packed.cu_seqlens, "cu_seq_lens_k": packed.cu_seqlens, "ring_group": group,
-            "ring_head_stride": head_stride}
+            "ring_head_stride": head_stride, "ring_layout_cache": {}}

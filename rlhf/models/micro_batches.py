@@ -36,17 +36,20 @@ class MicroBatcher:
             return [list(range(s, min(s + self.size, B))) for s in range(0, B, self.size)]
         lengths = [self.layout.token_cost(int(n)) for n in attention_mask_BT.sum(-1)]
         longest = max(lengths, default=0)
+        # [micro-batches needed, longest sample, fewest samples (negated)], agreed over the group BEFORE
+        # any rank may raise, so an error stops every rank instead of leaving the others in a collective
+        need = count_micro_batches(lengths, self.max_tokens) if longest <= self.max_tokens else 1
+        agreed = torch.tensor([need, longest, -B])
+        if self.group is not None:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+        count, longest, fewest = int(agreed[0]), int(agreed[1]), -int(agreed[2])
         if longest > self.max_tokens:
             raise ValueError(f"{self.flag} {self.max_tokens} is below a sample of {longest} tokens per rank; "
                              f"raise it to at least {longest} (prompt + response, / --ring_attn_size)")
-        count = torch.tensor([count_micro_batches(lengths, self.max_tokens)])
-        if self.group is not None:
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
-        bins = split_into_micro_batches(lengths, self.max_tokens, int(count))
-        if any(not b for b in bins):
-            raise RuntimeError(f"{B} samples cannot fill {int(count)} micro-batches on this rank: the ranks of one "
-                               "role must hold the same number of samples")
-        return bins
+        if fewest < count:
+            raise RuntimeError(f"a rank holds {fewest} samples but the group runs {count} micro-batches: the ranks "
+                               "of one role must hold the same number of samples")
+        return split_into_micro_batches(lengths, self.max_tokens, count)
 
 
 def trimmed(sequences_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

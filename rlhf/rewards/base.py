@@ -33,8 +33,11 @@ class RewardResult:
 
 
 class RewardSource(Protocol):
+    """Scores samples. A source whose `score` runs collectives (a sharded or ring-attention model) sets
+    `collective = True`: then every rank of a ring calls it; otherwise only the ring's first rank does."""
+
     def score(self, batch: RewardInputs) -> RewardResult:
-        """Score each sample. Called by every rank of the reward role, each with its own shard."""
+        """Score each sample. Called by the reward role's ranks, each data-parallel replica with its shard."""
         ...
 
 

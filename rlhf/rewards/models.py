@@ -15,6 +15,8 @@ from rlhf.rewards.base import RewardInputs, RewardResult
 class RewardModelEnsemble:
     """A `RewardSource` over scalar-head reward models, run in `batcher`'s micro-batches and layout."""
 
+    collective = True  # ZeRO-3 gathers, ring attention and dynamic micro-batch counts span the role's ranks
+
     def __init__(self, models: Sequence[torch.nn.Module], device: torch.device, batcher: MicroBatcher) -> None:
         self.models, self.device, self.batcher = list(models), device, batcher
 

@@ -94,6 +94,24 @@ def batchers_for(cfg: TrainPPOConfig, topology: Topology, role: Role) -> tuple[M
     return infer, train
 
 
+def check_ring_head_stride(cfg: TrainPPOConfig) -> None:
+    """--ring_head_stride must divide the key/value heads of every model that runs ring attention."""
+    e, m = cfg.engine, cfg.model
+    if e.ring_attn_size == 1:
+        return
+    from transformers import AutoConfig
+
+    paths = [("--pretrain", m.pretrain)] + [("--reward_pretrain", p) for p in cfg.reward.reward_paths]
+    if cfg.uses_critic and m.critic_pretrain:
+        paths.append(("--critic_pretrain", m.critic_pretrain))
+    for flag, path in paths:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code, local_files_only=True)
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        if kv_heads % e.ring_head_stride:
+            raise ValueError(f"--ring_head_stride {e.ring_head_stride} must divide the {kv_heads} key/value heads "
+                             f"of {flag} {path}")
+
+
 def describe_layout(cfg: TrainPPOConfig, topology: Topology) -> str:
     """One line saying how the models see their batches and how many data-parallel replicas each role has."""
     e, b = cfg.engine, cfg.batch

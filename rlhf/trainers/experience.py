@@ -50,13 +50,16 @@ class ExperienceMaker:
         self.kl_ctl = KLController(algo.init_kl_coef, algo.kl_target, algo.kl_horizon)
         self.reward_stats = RunningMoments()
 
-    def _by_role(self, role: Role, compute: Callable[[slice], torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    def _by_role(self, role: Role, compute: Callable[[slice], torch.Tensor], shape: tuple[int, ...],
+                 collective: bool = True) -> torch.Tensor:
         """Rows computed by `role`'s ranks on their shards, assembled on every rank (collective: world).
-        The ranks of a ring compute the same rows together; only the ring's first rank contributes them."""
+        The ranks of a ring hold the same rows: all of them run a `collective` computation (a model
+        forward), only the first runs any other (an HTTP call, a reward function); the first contributes."""
         hosts = self.topology.hosts(role)
+        first_of_ring = hosts and self.topology.ring_rank(role) == 0
         where = shard(shape[0], self.topology.dp_size(role), self.topology.dp_rank(role)) if hosts else slice(0, 0)
-        part = compute(where) if hosts else None
-        return assemble(part if hosts and self.topology.ring_rank(role) == 0 else None, where, shape)
+        part = compute(where) if first_of_ring or (hosts and collective) else None
+        return assemble(part if first_of_ring else None, where, shape)
 
     def _rewards(self, batch: Rollout) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         B = batch.num_samples
@@ -69,9 +72,10 @@ class ExperienceMaker:
             results["extra"] = out.extra_logs
             return torch.stack([out.rewards_B, out.scores_B], dim=1)
 
-        both = self._by_role(Role.REWARD, score, (B, 2))
+        collective = getattr(self.reward, "collective", False)
+        both = self._by_role(Role.REWARD, score, (B, 2), collective)
         keys = broadcast_keys(sorted(results.get("extra", {})), src=self.topology.ranks(Role.REWARD)[0])
-        extra = {k: self._by_role(Role.REWARD, lambda w, k=k: results["extra"][k], (B,)) for k in keys}
+        extra = {k: self._by_role(Role.REWARD, lambda w, k=k: results["extra"][k], (B,), collective) for k in keys}
         return both[:, 0], both[:, 1], extra
 
     def _shape_rewards(self, rewards_B: torch.Tensor, batch: Rollout) -> torch.Tensor:
