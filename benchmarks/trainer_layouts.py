@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
-from packing_throughput import build_model, make_lengths
+from packing_throughput import build_model, make_lengths, timed
 
 from rlhf.config.schema import AlgoConfig, EngineConfig, OptimConfig
 from rlhf.data.records import Experience
@@ -53,20 +52,12 @@ def build_actor(name: str, args, device: torch.device) -> Actor:
                  train_batcher=MicroBatcher(args.micro_batch, budget, dist.group.WORLD, layout))
 
 
-def timed(fn, device: torch.device) -> float:
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
 def measure(actor: Actor, exp: Experience, repeats: int, device: torch.device) -> tuple[float, float, int]:
     """(best seconds of Actor.logprobs over the batch, of one Actor.train_batch over it, micro-batches)."""
     micro = [exp.select(torch.tensor(rows)).trimmed() for rows in actor.train_batcher.split(exp.attention_mask_BT)]
-    infer = min(timed(lambda: actor.logprobs(exp.sequences_BT, exp.attention_mask_BT), device)
+    infer = min(timed(lambda: actor.logprobs(exp.sequences_BT, exp.attention_mask_BT), device.type)
                 for _ in range(repeats))
-    train = min(timed(lambda: actor.train_batch(micro, kl_coef=0.0), device) for _ in range(repeats))
+    train = min(timed(lambda: actor.train_batch(micro, kl_coef=0.0), device.type) for _ in range(repeats))
     return infer, train, len(micro)
 
 

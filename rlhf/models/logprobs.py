@@ -43,11 +43,13 @@ def policy_forward(model: torch.nn.Module, sequences_BT: torch.Tensor, attention
     logits = out.logits
     if temperature != 1.0:
         logits = logits / temperature
-    if with_entropy:
+    entropy_BT1 = None
+    if with_entropy or torch.is_grad_enabled():  # the fused/chunked backward never holds fp32 logits either
         logprobs, entropy = logprobs_entropy(logits, laid.targets)
-        entropy_BT1 = laid.to_padded(entropy)[:, :-1]
+        if with_entropy:
+            entropy_BT1 = laid.to_padded(entropy)[:, :-1]
     else:
-        logprobs, entropy_BT1 = token_logprobs(logits, laid.targets), None
+        logprobs = token_logprobs(logits, laid.targets)
     return PolicyOutput(laid.to_padded(logprobs)[:, :-1], entropy_BT1, getattr(out, "aux_loss", None))
 
 
