@@ -205,9 +205,10 @@ def test_importance_weights_tis_and_icepop():
 
 
 def test_entropy_and_sequence_mean():
-    from rlhf.algorithms.losses import entropy_from_logits_BT, sequence_mean_over_global_count
+    from rlhf.algorithms.losses import sequence_mean_over_global_count
+    from rlhf.models.logprobs import logprobs_entropy
 
-    ent = entropy_from_logits_BT(torch.zeros(1, 2, 4))
+    _, ent = logprobs_entropy(torch.zeros(1, 2, 4), torch.zeros(1, 2, dtype=torch.long))
     torch.testing.assert_close(ent, torch.full((1, 2), math.log(4)))
     values = torch.tensor([[1.0, 3.0, 0.0], [2.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])

@@ -45,7 +45,7 @@ def test_liger_kernel_flag_is_refused_without_cuda():
     from rlhf.models.loading import apply_liger_kernel, check_liger_kernel
 
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: tests/test_gpu_paths.py covers Liger")
+        pytest.skip("this machine has CUDA: tests/test_gpu_trainer.py covers Liger")
     with pytest.raises(ValueError, match="--use_liger_kernel needs CUDA"):
         check_liger_kernel()
     with pytest.raises(ValueError, match="--use_liger_kernel needs CUDA"):

@@ -63,12 +63,6 @@ def importance_weights_BT1(old_logprobs_BT1: torch.Tensor, rollout_logprobs_BT1:
     return w.clamp(low, high)
 
 
-def entropy_from_logits_BT(logits_BTV: torch.Tensor) -> torch.Tensor:
-    """float32 [B, T] entropy of softmax(logits)."""
-    logp = logits_BTV.float().log_softmax(-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 def token_sum_over_global_count(values_BT1: torch.Tensor, mask_BT1: torch.Tensor,
                                 global_num_tokens: float) -> torch.Tensor:
     """Sum of masked per-token values divided by the global token count of the optimizer step."""

@@ -16,13 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.kernels import next_token_targets, pack_padded, unpack_to_padded, zigzag_shard, zigzag_unshard
-from rlhf.models.attention import (
-    RING_ATTENTION,
-    VARLEN_ATTENTION,
-    register_ring_attention,
-    register_varlen_attention,
-    ring_forward_kwargs,
-)
+from rlhf.models.attention import register_ring_attention, register_varlen_attention, ring_forward_kwargs
 
 
 def position_ids_for(attention_mask_BT: torch.Tensor) -> torch.Tensor:
@@ -128,4 +122,3 @@ class SequenceLayout:
 
 
 PADDED = SequenceLayout()
-ATTENTION_NAMES = (VARLEN_ATTENTION, RING_ATTENTION)

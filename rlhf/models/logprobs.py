@@ -54,6 +54,6 @@ def policy_forward(model: torch.nn.Module, sequences_BT: torch.Tensor, attention
 
 
 def sequence_logprobs(model: torch.nn.Module, sequences_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
-                      temperature: float = 1.0, layout: SequenceLayout = PADDED) -> torch.Tensor:
+                      temperature: float = 1.0) -> torch.Tensor:
     """float32 [B, T-1]: log p(sequences[:, t+1] | sequences[:, :t+1]) under logits / temperature."""
-    return policy_forward(model, sequences_BT, attention_mask_BT, temperature, layout=layout).logprobs_BT1
+    return policy_forward(model, sequences_BT, attention_mask_BT, temperature).logprobs_BT1
