@@ -9,7 +9,8 @@ port=$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); pr
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec torchrun --nproc_per_node "$nproc" --master_addr 127.0.0.1 --master_port "$port" \
   -m rlhf.cli.train_ppo \
-  --advantage_estimator group_norm \
+  --param_dtype fp32 --attn_implementation sdpa \
+  --advantage_estimator group_norm --init_kl_coef 0 \
   --n_samples_per_prompt 8 \
   --rollout_batch_size 16 \
   --micro_rollout_batch_size 64 \

@@ -17,8 +17,9 @@ from safetensors.torch import load_file
 from rlhf.assets import TINY_DIR
 from rlhf.utils.checkpoint import complete_checkpoints, prune
 from tests.distributed import ROOT, run_torchrun
+from tests.test_e2e import CPU
 
-PPO = ["--pretrain", f"{TINY_DIR}/policy", "--reward_pretrain", f"{TINY_DIR}/reward_model",
+PPO = [*CPU, "--pretrain", f"{TINY_DIR}/policy", "--reward_pretrain", f"{TINY_DIR}/reward_model",
        "--prompt_data", f"{TINY_DIR}/prompts.jsonl", "--advantage_estimator", "gae", "--init_kl_coef", "0.01",
        "--kl_target", "0.01", "--kl_horizon", "50", "--normalize_reward", "--n_samples_per_prompt", "1",
        "--rollout_batch_size", "8", "--micro_rollout_batch_size", "4", "--train_batch_size", "4",

@@ -100,3 +100,52 @@ def test_two_ranks_match_one_rank(zero_stage):
     for name, w in single["weights"].items():
         for r in range(2):
             torch.testing.assert_close(double[r]["weights"][name], w, atol=2e-6, rtol=1e-5, msg=name)
+
+
+def one_critic_step(zero_stage: int) -> dict:
+    """One critic optimizer step over the synthetic batch, split over however many ranks run it."""
+    import torch.distributed as dist
+
+    from rlhf.assets import EMBEDDED_REWARD_MODEL_DIR
+    from rlhf.config.schema import EngineConfig, OptimConfig
+    from rlhf.engines.deepspeed_engine import DeepSpeedModel
+    from rlhf.models.layout import PADDED
+    from rlhf.models.micro_batches import MicroBatcher
+    from rlhf.models.value import load_scalar_head_model
+    from rlhf.trainers.critic import Critic
+
+    torch.manual_seed(0)
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    model = DeepSpeedModel(lambda: load_scalar_head_model(EMBEDDED_REWARD_MODEL_DIR, "score", torch.float32, "sdpa"),
+                           EngineConfig(zero_stage=zero_stage),
+                           OptimConfig(lr_warmup_ratio=0.0, lr_scheduler="constant"), learning_rate=1e-2,
+                           bf16=False, micro_batch_size=MICRO, grad_accum_steps=GLOBAL_BATCH // (MICRO * dp),
+                           num_optimizer_steps=1, device=torch.device("cpu"), dp_group=dist.group.WORLD)
+    critic = Critic(model, dist.group.WORLD, torch.device("cpu"), value_clip=0.2,
+                    infer_batcher=MicroBatcher(16, None, dist.group.WORLD, PADDED),
+                    train_batcher=MicroBatcher(MICRO, None, dist.group.WORLD, PADDED))
+    exp = synthetic_experiences(model.module.config.vocab_size)
+    values = critic.values(exp.sequences_BT, exp.attention_mask_BT)
+    g = torch.Generator().manual_seed(11)
+    exp.values_BT1 = (values + 0.1 * torch.randn(values.shape, generator=g)) * exp.action_mask_BT1
+    exp.returns_BT1 = torch.randn(values.shape, generator=g) * exp.action_mask_BT1
+    per_rank = GLOBAL_BATCH // dp
+    mine = exp.slice(rank * per_rank, (rank + 1) * per_rank)
+    stats = critic.train_batch([mine.slice(s, s + MICRO) for s in range(0, per_rank, MICRO)])
+    loss = torch.tensor([stats["value_loss"]], dtype=torch.float64)
+    dist.all_reduce(loss)
+    return {"loss": float(loss), "grad_norm": stats["critic_grad_norm"],
+            "weights": dict(model.full_parameters())}
+
+
+@pytest.mark.parametrize("zero_stage", [2])
+def test_critic_two_ranks_match_one_rank(zero_stage):
+    single = run_on_ranks(1, one_critic_step, zero_stage)[0]
+    double = run_on_ranks(2, one_critic_step, zero_stage)
+    assert abs(single["loss"]) > 1e-4
+    for r in range(2):
+        assert double[r]["loss"] == pytest.approx(single["loss"], rel=1e-5)
+        assert double[r]["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-5)
+    for name, w in single["weights"].items():
+        for r in range(2):
+            torch.testing.assert_close(double[r]["weights"][name], w, atol=2e-6, rtol=1e-5, msg=name)

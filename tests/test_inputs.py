@@ -136,7 +136,8 @@ def test_embedded_reward_scores_the_copy_task():
 def test_run_fails_before_engines_start(tmp_path, monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
         monkeypatch.delenv(key, raising=False)
-    cfg = parse_config(TrainPPOConfig, ["--prompt_data", str(tmp_path / "missing.jsonl"), "--train_batch_size", "8"])
+    cfg = parse_config(TrainPPOConfig, ["--prompt_data", str(tmp_path / "missing.jsonl"), "--train_batch_size", "8",
+                                        "--verbose"])  # --verbose: leave this process's library loggers alone
     with pytest.raises(ValueError, match="no such file or directory"):
         run(cfg)
 

@@ -13,11 +13,13 @@ import pytest
 from rlhf.assets import TINY_DIR
 from rlhf.utils.checkpoint import complete_checkpoints
 from tests.distributed import ROOT, free_port
+from tests.test_e2e import CPU
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-GRPO = ["--pretrain", f"{TINY_DIR}/policy", "--remote_rm_url", f"{TINY_DIR}/reward.py",
+GRPO = [*CPU, "--init_kl_coef", "0", "--advantage_estimator", "group_norm",
+        "--pretrain", f"{TINY_DIR}/policy", "--remote_rm_url", f"{TINY_DIR}/reward.py",
         "--prompt_data", f"{TINY_DIR}/prompts.jsonl", "--label_key", "label", "--n_samples_per_prompt", "4",
         "--rollout_batch_size", "4", "--train_batch_size", "16", "--micro_train_batch_size", "4",
         "--generate_max_len", "6", "--prompt_max_len", "16", "--actor_learning_rate", "1e-3", "--seed", "2"]

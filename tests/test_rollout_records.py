@@ -42,9 +42,9 @@ def test_hf_engine_logprobs_match_actor_and_weights_load():
             p.add_(0.05 * torch.randn_like(p))
     engine.load_weights(actor.named_parameters())
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in ["copy 1 :", "a b copy 2 :"]]
-    spec = SamplingSpec(n=3, temperature=0.7, top_p=1.0, max_tokens=10, seed=3)
-    gens = engine.generate(prompts, spec)
-    assert gens == engine.generate(prompts, spec)  # seeded
+    spec = SamplingSpec(n=3, temperature=0.7, top_p=1.0, max_tokens=10)
+    gens = engine.generate(prompts, spec, [3, 4])
+    assert gens == engine.generate(prompts, spec, [3, 4])  # seeded
     r = to_rollout(prompts, gens, tok.pad_token_id, tok, ["x", "y"], [None, None])
     with torch.no_grad():
         lp = sequence_logprobs(actor, r.sequences_BT, r.attention_mask_BT, temperature=0.7)

@@ -7,6 +7,7 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 shift
 exec torchrun --nproc_per_node 4 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_ppo \
+  --param_dtype fp32 --attn_implementation sdpa \
   --pretrain "$tiny/policy" \
   --reward_pretrain "$tiny/reward_model" \
   --actor_num_nodes 1 --actor_num_gpus_per_node 2 \

@@ -8,28 +8,31 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import warnings
 
 import torch
 import torch.distributed as dist
 
+from rlhf.config.errors import UsageError, usage_errors_exit
 from rlhf.config.flags import parse_config
 from rlhf.config.schema import TrainPPOConfig
 from rlhf.data.prompts import PromptSampler, load_prompts
 from rlhf.distributed.launch import init_distributed, read_launch_env
 from rlhf.distributed.topology import Role, Topology, plan_ranks
-from rlhf.models.loading import check_liger_kernel, load_tokenizer
+from rlhf.models.loading import check_liger_kernel, load_tokenizer, resolve_attention
 from rlhf.models.value import save_scalar_head_model
 from rlhf.rewards.base import RewardSource
 from rlhf.trainers.build import (
     ROLE_NAMES,
     build_roles,
+    check_model_lengths,
     check_ring_head_stride,
+    describe_algorithm,
     describe_layout,
     placement_from_config,
 )
 from rlhf.trainers.ppo import PPOTrainer, Roles, total_steps
+from rlhf.utils.console import route_library_output
 from rlhf.utils.logging import MetricsLogger, WandbSettings
 from rlhf.utils.preemption import PreemptionWatch
 from rlhf.utils.seeding import seed_everything
@@ -40,7 +43,7 @@ def build_rollout_engine(cfg: TrainPPOConfig, device: torch.device, tokenizer):
     from rlhf.engines.vllm_engine import VLLMEngine, vllm_available
 
     r, m = cfg.rollout, cfg.model
-    dtype = torch.bfloat16 if m.bf16 else torch.float32
+    dtype = m.dtype
     use_vllm = r.rollout_engine == "vllm" or (r.rollout_engine == "auto" and vllm_available())
     if use_vllm:
         return VLLMEngine(m.pretrain, dtype=dtype, tp_size=r.vllm_tensor_parallel_size, seed=cfg.seed,
@@ -80,14 +83,34 @@ def save_models(cfg: TrainPPOConfig, roles: Roles, topology: Topology, tokenizer
     if roles.actor is not None:
         roles.actor.model.save_hf(os.path.join(out, "model"), tokenizer, topology.leads(Role.ACTOR))
     if roles.critic is not None:
-        state = dict(roles.critic.model.full_parameters())
-        if topology.leads(Role.CRITIC):
+        is_writer = topology.leads(Role.CRITIC)
+        state = roles.critic.model.gathered_state_dict(is_writer)
+        if is_writer:
             module = roles.critic.model.module
             save_scalar_head_model(state, module.config, module.head_prefix, os.path.join(out, "critic"), tokenizer)
 
 
+def for_this_machine(cfg: TrainPPOConfig) -> TrainPPOConfig:
+    """The config with what this machine decides: fp16 needs CUDA (DeepSpeed's loss scaling);
+    flash_attention_2 without CUDA and flash-attn runs SDPA, with a warning."""
+    m = cfg.model
+    if m.param_dtype == "fp16" and not torch.cuda.is_available():
+        raise UsageError("--param_dtype fp16 needs CUDA (DeepSpeed's fp16 loss scaling); on CPU pass "
+                         "--param_dtype bf16 or --param_dtype fp32")
+    flag = "--flash_attn" if m.flash_attn else f"--attn_implementation {m.attn_implementation}"
+    if m.attn == "flash_attention_2" and m.attn_implementation == "flash_attention_2" and not m.flash_attn:
+        flag += " (the default)"
+    attn = resolve_attention(m.attn, flag)
+    if attn == m.attn:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(m, attn_implementation=attn, flash_attn=False))
+
+
 def run(cfg: TrainPPOConfig) -> None:
     launch = read_launch_env()
+    route_library_output(cfg.logging, launch.rank)  # library warnings: once on the console, all in a file
+    demo = cfg.model.pretrain is None
+    cfg = for_this_machine(cfg.with_demo_defaults())
     cfg.check_world(launch.world_size)
     plan = plan_ranks(placement_from_config(cfg), launch.world_size)
     cfg.check_role_sizes({ROLE_NAMES[r]: len(ranks) for r, ranks in plan.items() if r is not Role.ROLLOUT},
@@ -96,6 +119,7 @@ def run(cfg: TrainPPOConfig) -> None:
     if cfg.engine.use_liger_kernel:
         check_liger_kernel()
     check_ring_head_stride(cfg)
+    check_model_lengths(cfg)
     reward_source = build_reward_source(cfg)
     tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code)
     sampler = PromptSampler(load_prompts(cfg.data, tokenizer), cfg.batch.rollout_batch_size, cfg.seed)
@@ -103,9 +127,10 @@ def run(cfg: TrainPPOConfig) -> None:
     preemption = PreemptionWatch()  # from here on SIGTERM/SIGUSR1 mean "checkpoint and stop"
     topology = Topology(plan, rollout_tp=cfg.rollout.vllm_tensor_parallel_size, ring_size=cfg.engine.ring_attn_size)
     is_writer = launch.rank == 0
-    if is_writer and cfg.model.pretrain == TrainPPOConfig().model.pretrain:
+    if is_writer and demo:
         print("no --pretrain given: training the embedded tiny demo policy", flush=True)
     if is_writer:
+        print(describe_algorithm(cfg, topology), flush=True)
         print(describe_layout(cfg, topology), flush=True)
     engine = build_rollout_engine(cfg, device, tokenizer)
     seed_everything(cfg.seed + launch.rank, cfg.full_determinism)  # vLLM re-seeds globally
@@ -128,11 +153,10 @@ def run(cfg: TrainPPOConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
+    """Flag and input mistakes exit 2 with one `error:` line from rank 0 (see `rlhf.config.errors`);
+    failures after torch.distributed is initialised keep their traceback."""
+    with usage_errors_exit(started=dist.is_initialized):
         run(parse_config(TrainPPOConfig, argv, prog="python -m rlhf.cli.train_ppo"))
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 The parser is generated from the field metadata of the config dataclasses (`rlhf.config.schema`).
 Flags of OpenRLHF that have no meaning here are accepted with a warning; flags of features this
 build does not have yet are refused with a message saying so; anything else unknown is an error with
-a "did you mean" hint. This module owns parsing only; it never reads the parsed values itself.
+a "did you mean" hint. Flag errors are reported the `rlhf.config.errors` way: one short line per
+problem from rank 0, exit status 2, no usage dump (`--help` prints the full usage). This module owns
+parsing only; it never reads the parsed values itself.
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import re
 import sys
 import types
 import typing
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
+
+from rlhf.config.errors import exit_usage
 
 IGNORED_FLAGS: dict[str, str] = {
     "vllm_sync_with_ray": "weights move in-process here; there is no Ray",
@@ -30,8 +35,8 @@ IGNORED_SWITCHES = {"vllm_sync_with_ray"}
 PENDING_FLAGS = (
     "ds_tensor_parallel_size lora_rank lora_alpha target_modules "
     "lora_dropout load_in_4bit max_len prompt_data_probs eval_dataset eval_split eval_temperature "
-    "eval_n_samples_per_prompt eval_steps async_train async_queue_size agent_func_path "
-    "save_value_network vllm_generate_batch_size param_dtype"
+    "eval_n_samples_per_prompt async_train async_queue_size agent_func_path "
+    "save_value_network vllm_generate_batch_size"
 ).split()
 """OpenRLHF train_ppo flags whose features are not built yet: refused, never silently ignored."""
 
@@ -85,9 +90,35 @@ def flag_specs(config_cls: type, prefix: tuple[str, ...] = ()) -> list[FlagSpec]
     return specs
 
 
+_VALUE_KINDS = {"int": "an integer", "float": "a number"}
+
+
+class _FlagParser(argparse.ArgumentParser):
+    """argparse, with its errors rephrased as `--flag: problem; fix` and reported by `exit_usage`."""
+
+    def error(self, message: str) -> NoReturn:
+        exit_usage(self._rephrase(message))
+
+    def _rephrase(self, message: str) -> str:
+        match = re.fullmatch(r"argument (--\w+)(?:/\S+)?: (.*)", message)
+        if match is None:
+            return message
+        flag, problem = match.groups()
+        default = self.get_default(flag[2:])
+        example = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        e_g = f", e.g. {flag} {example}" if example not in (None, "", False, True) else ""
+        if m := re.fullmatch(r"invalid (\w+) value: (.*)", problem):
+            return f"{flag} {m.group(2)} is not {_VALUE_KINDS.get(m.group(1), 'a ' + m.group(1))}; give one{e_g}"
+        if m := re.fullmatch(r"expected (one|\d+) arguments?", problem):
+            return f"{flag} takes {'a value' if m.group(1) == 'one' else m.group(1) + ' values'}{e_g}"
+        if problem.startswith("ignored explicit argument"):
+            return f"{flag} is a switch and takes no value: write {flag} alone"
+        return f"{flag}: {problem}"
+
+
 def build_parser(config_cls: type, prog: str) -> tuple[argparse.ArgumentParser, list[FlagSpec]]:
     """An argparse parser whose destinations are the flags of `config_cls`."""
-    parser = argparse.ArgumentParser(
+    parser = _FlagParser(
         prog=prog, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Flags follow OpenRLHF's names. Ignored for compatibility: "
         + ", ".join(f"--{k}" for k in sorted(IGNORED_FLAGS))
@@ -119,7 +150,8 @@ def _strip_ignored(argv: Sequence[str]) -> list[str]:
     return kept
 
 
-def _explain_unknown(unknown: list[str], known_flags: list[str]) -> str:
+def _explain_unknown(unknown: list[str], known_flags: list[str]) -> list[str]:
+    """One line per unknown flag or stray value, each with its fix."""
     lines = []
     for i, token in enumerate(unknown):
         if not token.startswith("--"):
@@ -131,8 +163,8 @@ def _explain_unknown(unknown: list[str], known_flags: list[str]) -> str:
             lines.append(f"--{name} is an OpenRLHF flag whose feature is not implemented yet in this build")
             continue
         hint = difflib.get_close_matches(name, known_flags, n=1)
-        lines.append(f"unknown flag --{name}" + (f"; did you mean --{hint[0]}?" if hint else ""))
-    return "; ".join(lines)
+        lines.append(f"unknown flag --{name}" + (f"; did you mean --{hint[0]}?" if hint else "; see --help"))
+    return lines
 
 
 def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
@@ -158,14 +190,15 @@ def _instantiate(config_cls: type, values: dict) -> Any:
 def parse_config(config_cls: type, argv: Sequence[str] | None = None, prog: str = "train") -> Any:
     """Parse OpenRLHF-style flags into an instance of `config_cls`.
 
-    Raises SystemExit (argparse convention) with a readable message on unknown flags, and
-    ValueError from the config's own validation on bad values.
+    Raises SystemExit(2) (argparse convention) after printing one `error:` line per unknown flag or
+    unreadable value (rank 0 only, see `rlhf.config.errors`), and `UsageError` (a ValueError) from the
+    config's own validation on bad values.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, specs = build_parser(config_cls, prog)
     namespace, unknown = parser.parse_known_args(_strip_ignored(argv))
     if unknown:
-        parser.error(_explain_unknown(unknown, [s.flag for s in specs]))
+        exit_usage(_explain_unknown(unknown, [s.flag for s in specs]))
     values: dict = {}
     for spec in specs:
         _set(values, spec.path, getattr(namespace, spec.flag))

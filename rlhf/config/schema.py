@@ -8,10 +8,15 @@ drift apart. Components receive only their own sub-config. This module knows not
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_PROMPTS, EMBEDDED_REWARD
+from rlhf.config.errors import UsageError
+
+PARAM_DTYPES = ("bf16", "fp16", "fp32")
 
 ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
@@ -27,24 +32,32 @@ def opt(default: Any, help: str, flag: str | None = None, nargs: str | int | Non
 
 def _require(cond: bool, message: str) -> None:
     if not cond:
-        raise ValueError(message)
+        raise UsageError(message)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Which policy to load and how to run it."""
 
-    pretrain: str = opt(EMBEDDED_MODEL_DIR, "HF model directory of the policy (default: embedded tiny demo)")
+    pretrain: str | None = opt(None, "HF model directory of the policy (not given: the embedded tiny demo, with its "
+                               "prompts and reward unless --prompt_data / a reward flag are given)")
     critic_pretrain: str | None = opt(None, "critic initialisation (default: the first reward model, else --pretrain)")
     value_head_prefix: str = opt("score", "attribute name of the scalar head of critic and reward models")
-    bf16: bool = opt(False, "train and generate in bfloat16 instead of float32")
-    attn_implementation: str = opt("sdpa", "transformers attention implementation (eager, sdpa, flash_attention_2)")
-    flash_attn: bool = opt(False, "shorthand for --attn_implementation flash_attention_2")
+    param_dtype: str = opt("bf16", "parameter dtype of every model: bf16, fp16 (CUDA) or fp32")
+    bf16: bool = opt(False, "same as --param_dtype bf16 (older OpenRLHF scripts)")
+    attn_implementation: str = opt("flash_attention_2", "transformers attention implementation (eager, sdpa, "
+                                   "flash_attention_2, flex_attention); flash_attention_2 without CUDA and "
+                                   "flash-attn: SDPA, with a warning")
+    flash_attn: bool = opt(False, "same as --attn_implementation flash_attention_2 (older OpenRLHF scripts)")
     gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
     trust_remote_code: bool = opt(False, "allow model/tokenizer code shipped inside the model directory")
 
     def __post_init__(self) -> None:
-        _require(bool(self.pretrain), "--pretrain must name a local HF model directory")
+        _require(self.pretrain is None or bool(self.pretrain), "--pretrain must name a local HF model directory")
+        _require(self.param_dtype in PARAM_DTYPES, f"--param_dtype {self.param_dtype!r}: choose bf16, fp16 or fp32")
+        _require(not (self.bf16 and self.param_dtype != "bf16"),
+                 f"--bf16 contradicts --param_dtype {self.param_dtype}: "
+                 "give one of them")
         _require(
             self.attn_implementation in ("eager", "sdpa", "flash_attention_2", "flex_attention"),
             f"--attn_implementation {self.attn_implementation!r}: choose eager, sdpa, flash_attention_2 "
@@ -54,6 +67,11 @@ class ModelConfig:
     @property
     def attn(self) -> str:
         return "flash_attention_2" if self.flash_attn else self.attn_implementation
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """torch dtype of parameters (and of vLLM's weights)."""
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.param_dtype]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,7 +106,7 @@ class EngineConfig:
     packing_samples: bool = opt(False, "pack each micro-batch's sequences into one padding-free row (varlen "
                                 "attention: flash-attn on CUDA, exact per-sequence SDPA on CPU)")
     use_dynamic_batch: bool = opt(False, "cut micro-batches by token budget instead of sample count")
-    train_max_tokens_per_gpu: int = opt(16384, "token budget of a training micro-batch per rank "
+    train_max_tokens_per_gpu: int = opt(16192, "token budget of a training micro-batch per rank "
                                         "(--use_dynamic_batch)")
     rollout_max_tokens_per_gpu: int | None = opt(None, "token budget of an experience forward per rank "
                                                  "(--use_dynamic_batch; default: --train_max_tokens_per_gpu)")
@@ -106,6 +124,12 @@ class EngineConfig:
                  "--use_dynamic_batch budgets packed tokens: add --packing_samples (padded rows would cost "
                  "rows x longest row, not the budget)")
         _require(self.train_max_tokens_per_gpu >= 1, "--train_max_tokens_per_gpu must be >= 1")
+        if self.deepspeed_enable_sleep and self.zero_stage == 0:
+            warnings.warn("--deepspeed_enable_sleep has no effect at --zero_stage 0 (no ZeRO optimizer states to "
+                          "offload); use --zero_stage 1-3 to free them between training stages", stacklevel=2)
+        if self.ref_reward_offload and self.zero_stage == 3:
+            warnings.warn("--ref_reward_offload has no effect at --zero_stage 3: reference and reward parameters "
+                          "are already partitioned over their ranks", stacklevel=2)
         _require(self.rollout_max_tokens_per_gpu is None or self.rollout_max_tokens_per_gpu >= 1,
                  "--rollout_max_tokens_per_gpu must be >= 1")
 
@@ -119,7 +143,7 @@ class RolloutConfig:
     """Generation by the in-process rollout engines."""
 
     vllm_tensor_parallel_size: int = opt(1, "ranks per vLLM engine (consecutive ranks)")
-    vllm_gpu_memory_utilization: float = opt(0.5, "fraction of GPU memory vLLM may take (CUDA)")
+    vllm_gpu_memory_utilization: float = opt(0.95, "fraction of GPU memory vLLM may take (CUDA)")
     vllm_kv_cache_bytes: int = opt(64 << 20, "KV-cache bytes per engine on CPU (vLLM needs an explicit size)")
     weight_sync_bucket_mb: int = opt(256, "MiB per broadcast bucket when pushing weights to ranks without the actor")
     enforce_eager: bool = opt(False, "disable CUDA graphs in vLLM")
@@ -129,7 +153,7 @@ class RolloutConfig:
     temperature: float = opt(1.0, "sampling temperature")
     top_p: float = opt(1.0, "nucleus sampling probability mass")
     generate_max_len: int = opt(1024, "maximum number of generated tokens per sample")
-    n_samples_per_prompt: int = opt(4, "samples per prompt (a group, for group estimators)")
+    n_samples_per_prompt: int = opt(1, "samples per prompt (a group, for group estimators)")
 
     def __post_init__(self) -> None:
         _require(self.vllm_tensor_parallel_size >= 1, "--vllm_tensor_parallel_size must be >= 1")
@@ -145,7 +169,8 @@ class RolloutConfig:
 class DataConfig:
     """Prompt dataset and chat formatting."""
 
-    prompt_data: str = opt(EMBEDDED_PROMPTS, "prompt dataset: a local JSON/JSONL file or directory")
+    prompt_data: str | None = opt(None, "prompt dataset: a local JSON/JSONL file or directory (required with "
+                                  "--pretrain; without it: the embedded demo prompts)")
     prompt_split: str = opt("train", "split to read when --prompt_data is a directory with splits")
     input_key: str = opt("input", "dataset column holding the prompt")
     label_key: str | None = opt(None, "dataset column passed to reward_func as labels")
@@ -170,25 +195,26 @@ class DataConfig:
 class AlgoConfig:
     """The RL objective: estimator, KL, policy/value losses and every stabiliser of RL_MATH.md."""
 
-    advantage_estimator: str = opt("group_norm", f"one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+    advantage_estimator: str = opt("gae", f"one of {', '.join(ADVANTAGE_ESTIMATORS)}")
     gamma: float = opt(1.0, "discount factor (gae, reinforce; forced to 1 for group estimators)")
-    lambd: float = opt(0.95, "GAE lambda")
+    lambd: float = opt(1.0, "GAE lambda")
     no_advantage_std_norm: bool = opt(False, "whitening subtracts the mean but does not divide by the std")
     eps_clip: float = opt(0.2, "PPO clip range (symmetric)")
     eps_clip_low_high: tuple[float, float] | None = opt(None, "asymmetric clip range: LOW HIGH", nargs=2)
     dual_clip: float | None = opt(None, "dual-clip constant c > 1 for negative advantages")
-    value_clip: float | None = opt(None, "clip range of value updates around the old values")
+    value_clip: float | None = opt(0.5, "clip range of value updates around the old values")
     policy_loss_type: str = opt("ppo", "ppo (token-level ratio) or gspo (sequence-level ratio)")
-    init_kl_coef: float = opt(0.0, "KL coefficient beta (0 and no --use_kl_loss: no reference model)")
+    init_kl_coef: float = opt(0.01, "KL coefficient beta (0 and no --use_kl_loss: no reference model)")
     kl_target: float | None = opt(None, "target KL of the adaptive controller (default: fixed beta)")
     kl_horizon: int = opt(10000, "samples over which the adaptive controller moves beta")
     kl_estimator: str = opt("k1", "k1, k2 or k3")
     use_kl_loss: bool = opt(False, "KL as a loss term (GRPO style) instead of a reward penalty")
-    entropy_loss_coef: float = opt(0.0, "entropy bonus coefficient")
+    entropy_loss_coef: float | None = opt(None, "entropy bonus coefficient (not given: entropy is not computed; "
+                                          "0: computed and logged only)")
     aux_loss_coef: float = opt(0.0, "MoE auxiliary loss coefficient (models that return aux_loss)")
     ptx_coef: float = opt(0.05, "pretraining NLL coefficient (needs --pretrain_data)")
     normalize_reward: bool = opt(False, "normalise rewards with running mean/std over all samples")
-    reward_clip_range: tuple[float, float] | None = opt(None, "clamp rewards to LOW HIGH", nargs=2)
+    reward_clip_range: tuple[float, float] | None = opt((-10.0, 10.0), "clamp rewards to LOW HIGH", nargs=2)
     overlong_buffer_len: int | None = opt(None, "DAPO overlong penalty buffer (tokens before the limit)")
     overlong_penalty_factor: float = opt(1.0, "DAPO overlong penalty at the limit")
     stop_properly_penalty_coef: float | None = opt(None, "truncated samples: reward*coef (0..1), or coef if < 0")
@@ -197,7 +223,9 @@ class AlgoConfig:
                                                               nargs=2)
     enable_vllm_is_correction: bool = opt(False, "importance-weight tokens by exp(logp_old - logp_rollout)")
     vllm_is_truncated_threshold: tuple[float, float] = opt((0.5, 5.0), "TIS/ICEPOP interval LOW HIGH", nargs=2)
-    use_icepop: bool = opt(False, "zero (instead of truncate) weights outside the interval")
+    vllm_is_correction_type: str = opt("tis", "tis (truncate weights to the interval) or icepop (zero tokens "
+                                       "outside it)")
+    use_icepop: bool = opt(False, "same as --vllm_is_correction_type icepop")
     freezing_actor_steps: int = opt(-1, "train only the critic for this many steps (critic warm-up)")
 
     def __post_init__(self) -> None:
@@ -209,11 +237,15 @@ class AlgoConfig:
         _require(self.policy_loss_type in ("ppo", "gspo"), "--policy_loss_type: choose ppo or gspo")
         _require(self.kl_estimator in ("k1", "k2", "k3"), "--kl_estimator: choose k1, k2 or k3")
         _require(self.init_kl_coef >= 0, "--init_kl_coef must be >= 0")
-        _require(self.ptx_coef >= 0 and self.entropy_loss_coef >= 0, "--ptx_coef and --entropy_loss_coef must be >= 0")
+        _require(self.ptx_coef >= 0 and (self.entropy_loss_coef or 0) >= 0,
+                 "--ptx_coef and --entropy_loss_coef must be >= 0")
         _require(self.kl_target is None or self.kl_target > 0, "--kl_target must be > 0")
         _require(0 <= self.gamma <= 1 and 0 <= self.lambd <= 1, "--gamma and --lambd must lie in [0, 1]")
         if self.stop_properly_penalty_coef is not None and self.stop_properly_penalty_coef >= 0:
             _require(self.stop_properly_penalty_coef <= 1, "--stop_properly_penalty_coef must be <= 1 or < 0")
+        _require(self.vllm_is_correction_type in ("tis", "icepop"),
+                 f"--vllm_is_correction_type {self.vllm_is_correction_type!r}: choose tis or icepop "
+                 "(seq-mask-tis is not implemented in this build)")
         lo, hi = self.vllm_is_truncated_threshold
         _require(0 <= lo < hi, "--vllm_is_truncated_threshold needs 0 <= LOW < HIGH")
         if self.reward_clip_range is not None:
@@ -227,6 +259,11 @@ class AlgoConfig:
         return (self.eps_clip, self.eps_clip)
 
     @property
+    def icepop(self) -> bool:
+        """Whether the rollout correction zeroes (ICEPOP) rather than truncates (TIS) out-of-range weights."""
+        return self.use_icepop or self.vllm_is_correction_type == "icepop"
+
+    @property
     def needs_ref(self) -> bool:
         """A reference model exists only when some KL term uses it."""
         return self.init_kl_coef > 0 or self.use_kl_loss
@@ -238,9 +275,9 @@ class BatchConfig:
 
     num_episodes: int = opt(1, "passes over the prompt dataset")
     max_steps: int | None = opt(None, "stop after this many RL steps (default: until the episodes end)")
-    rollout_batch_size: int = opt(8, "prompts per RL step, over all ranks")
+    rollout_batch_size: int = opt(1024, "prompts per RL step, over all ranks")
     micro_rollout_batch_size: int = opt(8, "samples per forward pass when computing experience, per rank")
-    train_batch_size: int = opt(8, "samples per optimizer step, over all ranks")
+    train_batch_size: int = opt(128, "samples per optimizer step, over all ranks")
     micro_train_batch_size: int = opt(4, "samples per forward/backward, per rank")
     max_epochs: int = opt(1, "passes over each step's experience")
 
@@ -262,37 +299,45 @@ class RewardConfig:
     remote_rm_retries: int = opt(3, "attempts per HTTP reward request")
 
     def __post_init__(self) -> None:
-        _require(not (self.reward_pretrain and self.remote_rm_url),
-                 "give either --reward_pretrain or --remote_rm_url, not both")
         _require(self.remote_rm_timeout > 0 and self.remote_rm_retries >= 1,
                  "--remote_rm_timeout must be > 0 and --remote_rm_retries >= 1")
 
     @property
-    def reward_paths(self) -> list[str]:
+    def reward_model_paths(self) -> list[str]:
+        """Every directory named by --reward_pretrain."""
         return [p for p in (self.reward_pretrain or "").split(",") if p]
 
     @property
+    def reward_paths(self) -> list[str]:
+        """Reward model directories in use: none when --remote_rm_url is given (it wins, as in OpenRLHF)."""
+        return [] if self.remote_rm_url else self.reward_model_paths
+
+    @property
     def source(self) -> str:
-        """The reward_func file or URL in use (the embedded demo reward when nothing is given)."""
-        if self.remote_rm_url:
-            return self.remote_rm_url
-        return "" if self.reward_pretrain else EMBEDDED_REWARD
+        """The reward_func file or URL in use ("" when rewards come from reward models)."""
+        return self.remote_rm_url or ""
 
 
 @dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     """Where results, metrics and logs go."""
 
-    save_path: str = opt("./out", "output directory: metrics.jsonl and the final model")
+    save_path: str = opt("./ckpt", "output directory: metrics.jsonl and the final model")
     use_tensorboard: str | None = opt(None, "TensorBoard log directory")
     use_wandb: str | None = opt(None, "log to Weights & Biases (value: API key, or 'True' for an existing login)")
-    wandb_project: str = opt("spmd-rlhf", "wandb project")
+    wandb_project: str = opt("openrlhf_train_ppo", "wandb project")
     wandb_group: str | None = opt(None, "wandb group")
     wandb_run_name: str | None = opt(None, "wandb run name")
     logging_steps: int = opt(1, "log every N steps")
+    eval_steps: int = opt(-1, "evaluate every N steps (-1: never); evaluation needs --eval_dataset")
+    verbose: bool = opt(False, "show all third-party library output on the console, unfiltered, from every rank")
 
     def __post_init__(self) -> None:
         _require(self.logging_steps >= 1, "--logging_steps must be >= 1")
+        _require(self.eval_steps == -1 or self.eval_steps >= 1, "--eval_steps must be -1 (never) or >= 1")
+        if self.eval_steps != -1:
+            warnings.warn(f"--eval_steps {self.eval_steps} has no effect: there is no --eval_dataset (evaluation "
+                          "during RL is not built yet)", stacklevel=2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -300,7 +345,7 @@ class CheckpointConfig:
     """Training checkpoints for exact resume."""
 
     save_steps: int = opt(-1, "write a checkpoint every N steps (-1: never)")
-    ckpt_path: str = opt("./ckpt", "directory of training checkpoints")
+    ckpt_path: str = opt("./ckpt/checkpoints_ppo_ray", "directory of training checkpoints")
     load_checkpoint: bool = opt(False, "resume from the newest complete checkpoint under --ckpt_path, if any")
     max_ckpt_num: int = opt(3, "keep at most this many checkpoints")
     max_ckpt_mem: float = opt(1e8, "keep checkpoints within this many GiB (the newest is always kept)")
@@ -375,9 +420,17 @@ class TrainPPOConfig:
         if algo.advantage_estimator != "gae" and (self.model.critic_pretrain or self.placement.num_ranks("critic")):
             warnings.warn(f"--advantage_estimator {algo.advantage_estimator} uses no critic: critic flags are "
                           "ignored", stacklevel=2)
-        if algo.advantage_estimator == "gae":
-            _require(bool(self.reward.reward_paths) or bool(self.reward.source),
-                     "--advantage_estimator gae needs rewards: give --reward_pretrain or --remote_rm_url")
+        if self.model.pretrain is not None:
+            _require(self.data.prompt_data is not None,
+                     f"--pretrain {self.model.pretrain} is given but --prompt_data is not: name the prompt dataset "
+                     "(the embedded demo prompts are used only when --pretrain is not given)")
+            _require(bool(self.reward.reward_model_paths or self.reward.remote_rm_url),
+                     f"--pretrain {self.model.pretrain} is given but no reward source: add --reward_pretrain DIR "
+                     "(reward models) or --remote_rm_url (an HTTP URL or a .py file defining reward_func)")
+        if self.reward.reward_pretrain and self.reward.remote_rm_url:
+            warnings.warn("--reward_pretrain is not used: rewards come from --remote_rm_url "
+                          f"{self.reward.remote_rm_url} "
+                          "(as in OpenRLHF); drop --remote_rm_url to score with the reward models", stacklevel=2)
         e = self.engine
         if e.use_dynamic_batch:
             longest = self.data.prompt_max_len + self.rollout.generate_max_len
@@ -392,6 +445,25 @@ class TrainPPOConfig:
     @property
     def uses_critic(self) -> bool:
         return self.algo.advantage_estimator == "gae"
+
+    @property
+    def critic_init(self) -> str:
+        """Where the critic starts (OpenRLHF's rule): --critic_pretrain, else the first reward model, else
+        (rewards from --remote_rm_url) the policy with a fresh value head."""
+        paths = self.reward.reward_paths
+        return self.model.critic_pretrain or (paths[0] if paths else self.model.pretrain)
+
+    def with_demo_defaults(self) -> TrainPPOConfig:
+        """The config to run. Without --pretrain the embedded tiny demo supplies the policy and, where the
+        user named none, the prompts and the reward. With --pretrain nothing is filled in (validated)."""
+        if self.model.pretrain is not None:
+            return self
+        data, reward = self.data, self.reward
+        if data.prompt_data is None:
+            data = replace(data, prompt_data=EMBEDDED_PROMPTS)
+        if not (reward.reward_model_paths or reward.remote_rm_url):
+            reward = replace(reward, remote_rm_url=EMBEDDED_REWARD)
+        return replace(self, model=replace(self.model, pretrain=EMBEDDED_MODEL_DIR), data=data, reward=reward)
 
     def check_world(self, world_size: int) -> None:
         """Validate rollout sharding against the world size (role sizes: `check_role_sizes`)."""

@@ -8,6 +8,7 @@ same for any split of the step over DP ranks and micro-batches.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 
@@ -20,7 +21,7 @@ from rlhf.engines.deepspeed_compat import barriers_scoped_to, zero3_construction
 
 
 def ds_config(engine: EngineConfig, optim: OptimConfig, *, bf16: bool, micro_batch_size: int,
-              grad_accum_steps: int) -> dict:
+              grad_accum_steps: int, fp16: bool = False) -> dict:
     """The DeepSpeed JSON config for one trainable model (pure)."""
     zero: dict = {"stage": engine.zero_stage, "overlap_comm": engine.overlap_comm,
                   "reduce_bucket_size": "auto" if engine.zero_stage == 3 else 5e8}
@@ -36,6 +37,7 @@ def ds_config(engine: EngineConfig, optim: OptimConfig, *, bf16: bool, micro_bat
         "gradient_clipping": optim.max_norm,
         "zero_optimization": zero,
         "bf16": {"enabled": bf16},
+        "fp16": {"enabled": fp16},
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 1 << 30,
@@ -48,7 +50,7 @@ def _scheduler(optimizer, optim: OptimConfig, num_optimizer_steps: int):
 
     kwargs = {"min_lr_rate": 0.1} if optim.lr_scheduler == "cosine_with_min_lr" else None
     return get_scheduler(optim.lr_scheduler, optimizer,
-                         num_warmup_steps=int(round(optim.lr_warmup_ratio * num_optimizer_steps)),
+                         num_warmup_steps=math.ceil(optim.lr_warmup_ratio * num_optimizer_steps),  # as OpenRLHF
                          num_training_steps=num_optimizer_steps, scheduler_specific_kwargs=kwargs)
 
 
@@ -92,7 +94,7 @@ class DeepSpeedModel:
     """
 
     def __init__(self, build: Callable[[], torch.nn.Module], engine_cfg: EngineConfig, optim_cfg: OptimConfig, *,
-                 learning_rate: float, bf16: bool, micro_batch_size: int, grad_accum_steps: int,
+                 learning_rate: float, bf16: bool, micro_batch_size: int, grad_accum_steps: int, fp16: bool = False,
                  num_optimizer_steps: int, device: torch.device, dp_group: dist.ProcessGroup | None = None,
                  mpu: GroupMPU | None = None, trainable: bool = True, gradient_checkpointing: bool = False) -> None:
         self.dp_group = dp_group
@@ -100,7 +102,7 @@ class DeepSpeedModel:
         self.dp_size = dist.get_world_size(group=dp_group)
         self.zero_stage = engine_cfg.zero_stage
         self.trainable = trainable
-        self.config = ds_config(engine_cfg, optim_cfg, bf16=bf16, micro_batch_size=micro_batch_size,
+        self.config = ds_config(engine_cfg, optim_cfg, bf16=bf16, fp16=fp16, micro_batch_size=micro_batch_size,
                                 grad_accum_steps=grad_accum_steps)
         deepspeed.init_distributed(dist_backend="nccl" if "nccl" in dist.get_backend() else "gloo",
                                    auto_mpi_discovery=False)
@@ -162,11 +164,13 @@ class DeepSpeedModel:
     def learning_rate(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
 
-    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_parameters(self, keep: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) for every parameter, gathering ZeRO-3 shards one module at a time.
 
         Collective under ZeRO-3: every rank of the DP group iterates it to the end, in the same order.
-        Yielded tensors are private copies (valid after the gather is released).
+        Yielded tensors are private copies (valid after the gather is released). With `keep=False` the
+        gathers still run (so a rank can take part without holding the model) but nothing is copied or
+        yielded.
         """
         seen: set[int] = set()
         for module_name, module in self.module.named_modules():
@@ -177,8 +181,15 @@ class DeepSpeedModel:
             gather = (deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None)
                       if self.zero_stage == 3 else nullcontext())
             with gather:
-                copies = [(f"{module_name}.{n}" if module_name else n, p.detach().clone()) for n, p in params]
+                copies = [(f"{module_name}.{n}" if module_name else n, p.detach().clone())
+                          for n, p in params] if keep else []
             yield from copies
+
+    def gathered_state_dict(self, is_writer: bool) -> dict[str, torch.Tensor]:
+        """The full state dict (HF names) on the writer, {} elsewhere: non-writers take part in every
+        ZeRO-3 gather but drop each tensor at once, so only one rank ever holds the whole model.
+        Collective: every DP rank calls it."""
+        return dict(self.full_parameters(keep=is_writer))
 
     def offload(self) -> None:
         """Move optimizer states and gradient buffers (trainable) or parameters (frozen, below ZeRO-3) to
@@ -223,7 +234,7 @@ class DeepSpeedModel:
 
     def save_hf(self, path: str, tokenizer, is_writer: bool) -> None:
         """Write the model in HF format (with the tokenizer). Collective: every DP rank calls it."""
-        state = dict(self.full_parameters())
+        state = self.gathered_state_dict(is_writer)
         if is_writer:
             self.module.save_pretrained(path, state_dict=state, safe_serialization=True)
             tokenizer.save_pretrained(path)

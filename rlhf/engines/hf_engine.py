@@ -44,13 +44,18 @@ class HFGenerateEngine:
             gens.append(Generation(ids[:stop], picked_BT[b, :stop].tolist(), reason))
         return gens
 
-    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Generation]]:
-        generator_state = torch.random.get_rng_state()
-        torch.manual_seed(spec.seed)
-        try:
-            return [self._generate_one(p, spec) for p in prompts]
-        finally:
-            torch.random.set_rng_state(generator_state)
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> list[list[Generation]]:
+        if len(seeds) != len(prompts):
+            raise ValueError(f"need one seed per prompt: {len(prompts)} prompts, {len(seeds)} seeds")
+        # `model.generate` samples from torch's global RNG (it takes no generator): re-seed it per prompt,
+        # so each prompt draws its own stream, and restore the caller's RNG state afterwards.
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            gens = []
+            for prompt, seed in zip(prompts, seeds):
+                torch.manual_seed(seed)
+                gens.append(self._generate_one(prompt, spec))
+            return gens
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.model.named_parameters())

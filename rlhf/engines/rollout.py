@@ -2,10 +2,13 @@
 
 An engine lives on every rank. Engines generate from token ids, report each sampled token's
 log-prob, and accept new weights in-process as an iterator of (HF parameter name, tensor) pairs.
+Every prompt is sampled from its own seed (`request_seed`), so a prompt's samples depend only on the
+run seed, the step and the prompt's place in the step's global batch, not on which engine drew them.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -14,16 +17,27 @@ import torch
 
 from rlhf.data.records import Rollout
 
+# Below 2**62: vLLM seeds the k-th of a request's n samples with seed + k, and torch generators take
+# seeds below 2**64; -1 means "unseeded" to vLLM, so seeds are never negative.
+MAX_REQUEST_SEED = (1 << 62) - 1
+
+
+def request_seed(run_seed: int, step: int, prompt_index: int) -> int:
+    """The sampling seed of one prompt: a hash of (run seed, step, index of the prompt in the step's
+    global batch), in [0, MAX_REQUEST_SEED]. Hashing (not seed + index) keeps the streams of neighbouring
+    prompts and steps unrelated, and it never depends on the engine or rank that samples the prompt."""
+    digest = hashlib.blake2b(f"rollout:{run_seed}:{step}:{prompt_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & MAX_REQUEST_SEED
+
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    """Sampling settings shared by every engine; `seed` must be equal on ranks of one engine."""
+    """Sampling settings shared by every prompt of a `generate` call (seeds are per prompt)."""
 
     n: int
     temperature: float
     top_p: float
     max_tokens: int
-    seed: int
 
 
 @dataclass
@@ -36,8 +50,11 @@ class Generation:
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Generation]]:
-        """For each prompt, `spec.n` generations. Ranks of one engine call it with identical arguments."""
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> list[list[Generation]]:
+        """For each prompt, `spec.n` generations drawn from the prompt's own seed (`seeds[i]`, one per
+        prompt, in [0, MAX_REQUEST_SEED]): a prompt's random stream depends on its seed, not on the other
+        prompts of the batch, and its n samples draw different streams. Ranks of one engine call it with
+        identical arguments."""
         ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

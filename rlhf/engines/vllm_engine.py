@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from rlhf.engines.rollout import Generation, SamplingSpec
+from rlhf.engines.rollout import MAX_REQUEST_SEED, Generation, SamplingSpec
 
 
 def vllm_available() -> bool:
@@ -78,12 +78,17 @@ class VLLMEngine:
         torch.set_num_threads(num_threads)
         gc.unfreeze()
 
-    def generate(self, prompts: list[list[int]], spec: SamplingSpec) -> list[list[Generation]]:
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> list[list[Generation]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p,
-                                max_tokens=spec.max_tokens, logprobs=0, seed=spec.seed)
+        if len(seeds) != len(prompts) or not all(0 <= s <= MAX_REQUEST_SEED for s in seeds):
+            raise ValueError(f"need one seed in [0, {MAX_REQUEST_SEED}] per prompt: {len(prompts)} prompts, "
+                             f"seeds {seeds[:4]}...")
+        # One SamplingParams per prompt: a single shared seed would give the k-th sample of every prompt
+        # the same random stream. vLLM seeds the k-th of a prompt's n samples with seed + k.
+        params = [SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p,
+                                 max_tokens=spec.max_tokens, logprobs=0, seed=seed) for seed in seeds]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     use_tqdm=False)
         result = []

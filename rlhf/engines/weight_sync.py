@@ -52,11 +52,12 @@ def meta_param_specs(model_path: str, dtype: torch.dtype, trust_remote_code: boo
 
 
 def buckets(specs: list[ParamSpec], bucket_bytes: int) -> list[list[ParamSpec]]:
-    """Consecutive specs grouped so each group holds at most `bucket_bytes` (a larger tensor alone)."""
+    """Consecutive specs (order kept) grouped so each group has one dtype and holds at most `bucket_bytes`
+    (a larger tensor alone). A dtype change starts a new group, since a bucket is one flat tensor."""
     out: list[list[ParamSpec]] = [[]]
     size = 0
     for spec in specs:
-        if out[-1] and size + spec.num_bytes > bucket_bytes:
+        if out[-1] and (size + spec.num_bytes > bucket_bytes or spec.dtype != out[-1][0].dtype):
             out.append([])
             size = 0
         out[-1].append(spec)
@@ -74,10 +75,7 @@ def broadcast_parameters(local: Iterable[tuple[str, torch.Tensor]] | None, specs
     """
     source = iter(local) if local is not None else None
     for bucket in buckets(specs, bucket_bytes):
-        dtype = bucket[0].dtype
-        if any(s.dtype != dtype for s in bucket):
-            raise ValueError("mixed parameter dtypes in one bucket are not supported")
-        flat = torch.empty(sum(torch.Size(s.shape).numel() for s in bucket), dtype=dtype, device=device)
+        flat = torch.empty(sum(torch.Size(s.shape).numel() for s in bucket), dtype=bucket[0].dtype, device=device)
         if source is not None:
             offset = 0
             for spec in bucket:

@@ -6,7 +6,9 @@ alive while the model is constructed (so transformers partitions and initialises
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import warnings
 
 import torch
 
@@ -64,3 +66,19 @@ def apply_liger_kernel(model: torch.nn.Module) -> torch.nn.Module:
     base = getattr(model, "base", model)  # a ScalarHeadModel patches its transformer
     _apply_liger_kernel_to_instance(model=base, cross_entropy=False, fused_linear_cross_entropy=False)
     return model
+
+
+def flash_attn_available() -> bool:
+    """Whether flash-attn can run here: CUDA and the flash-attn package."""
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_attention(name: str, flag: str) -> str:
+    """The attention implementation to load models with: `name`, except that flash_attention_2 where
+    flash-attn cannot run becomes PyTorch SDPA (same results, slower), with a warning naming `flag`."""
+    if name != "flash_attention_2" or flash_attn_available():
+        return name
+    why = "flash-attn is not installed" if torch.cuda.is_available() else "there is no CUDA device"
+    warnings.warn(f"{flag}: {why}, so attention runs on PyTorch SDPA instead of flash-attn "
+                  "(pass --attn_implementation sdpa to silence this)", stacklevel=2)
+    return "sdpa"

@@ -13,7 +13,8 @@ import json
 import os
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from rlhf.models.layout import PADDED, SequenceLayout, position_ids_for
 from rlhf.models.loading import check_local_model
@@ -67,11 +68,19 @@ def last_token_values(values_BT: torch.Tensor, attention_mask_BT: torch.Tensor) 
 
 
 def _head_weight(path: str, key: str) -> torch.Tensor | None:
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            tensors = load_file(os.path.join(path, name))
-            if key in tensors:
-                return tensors[key]
+    """Tensor `key` of the safetensors checkpoint at `path`, or None. Reads only that tensor (every rank
+    calls this): the shard comes from the index's weight map when there is one, else from the headers."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shard = json.load(f)["weight_map"].get(key)
+        shards = [shard] if shard is not None else []
+    else:
+        shards = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
+    for name in shards:
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            if key in f.keys():
+                return f.get_tensor(key)
     return None
 
 

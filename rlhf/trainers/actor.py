@@ -19,6 +19,7 @@ from rlhf.algorithms.losses import (
     token_sum_over_global_count,
 )
 from rlhf.config.schema import AlgoConfig
+from rlhf.data.pretrain import PtxData
 from rlhf.data.records import Experience
 from rlhf.engines.deepspeed_engine import DeepSpeedModel
 from rlhf.models.logprobs import policy_forward
@@ -74,13 +75,13 @@ class Actor:
         if self.algo.enable_vllm_is_correction:
             low, high = self.algo.vllm_is_truncated_threshold
             token_loss = token_loss * importance_weights_BT1(old, exp.rollout_logprobs_BT1.to(self.device), low,
-                                                             high, self.algo.use_icepop)
+                                                             high, self.algo.icepop)
         if self.algo.policy_loss_type == "gspo":
             return sequence_mean_over_global_count(token_loss, action, num_seqs), clipped
         return token_sum_over_global_count(token_loss, action, num_tokens), clipped
 
     def train_batch(self, micro_batches: list[Experience], kl_coef: float,
-                    ptx_batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, float]:
+                    ptx: PtxData | None = None) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches; token means are over all DP ranks.
 
         Returns this rank's share of each loss term (sum over ranks = the global value) and the grad norm.
@@ -97,7 +98,7 @@ class Actor:
             action = exp.action_mask_BT1.to(self.device)
             out = policy_forward(self.model.engine, exp.sequences_BT.to(self.device),
                                  exp.attention_mask_BT.to(self.device), self.temperature,
-                                 with_entropy=self.algo.entropy_loss_coef != 0, layout=self.layout)
+                                 with_entropy=self.algo.entropy_loss_coef is not None, layout=self.layout)
             policy_loss, clipped = self._policy_term(exp, out.logprobs_BT1, action, num_tokens, num_seqs)
             loss = policy_loss
             stats["policy_loss"] += float(policy_loss.detach())
@@ -111,13 +112,14 @@ class Actor:
             if out.entropy_BT1 is not None:
                 entropy = token_sum_over_global_count(out.entropy_BT1, action, num_tokens)
                 stats["entropy"] = stats.get("entropy", 0.0) + float(entropy.detach())
-                loss = loss - self.algo.entropy_loss_coef * entropy
+                if self.algo.entropy_loss_coef:
+                    loss = loss - self.algo.entropy_loss_coef * entropy
             if out.aux_loss is not None and self.algo.aux_loss_coef:
                 loss = loss + self.algo.aux_loss_coef * out.aux_loss / num_micro
-            if ptx_batches:
-                ptx = self._ptx_loss(*ptx_batches[i % len(ptx_batches)])
-                stats["ptx_loss"] = stats.get("ptx_loss", 0.0) + float(ptx.detach()) / num_replica_micro
-                loss = loss + self.algo.ptx_coef * ptx / num_replica_micro
+            if ptx is not None:
+                ptx_loss = self._ptx_loss(*ptx.next())
+                stats["ptx_loss"] = stats.get("ptx_loss", 0.0) + float(ptx_loss.detach()) / num_replica_micro
+                loss = loss + self.algo.ptx_coef * ptx_loss / num_replica_micro
             self.model.backward(loss, last_micro_batch=i == len(micro_batches) - 1)
             self.model.step()
         stats["grad_norm"] = self.model.grad_norm()

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from rlhf.config.schema import TrainPPOConfig
+from rlhf.data.pretrain import PtxData, tokenize_texts
 from rlhf.data.prompts import load_texts
 from rlhf.distributed.topology import Placement, Role, Topology
 from rlhf.engines.deepspeed_compat import install_subgroup_patches
@@ -56,7 +57,7 @@ def placement_from_config(cfg: TrainPPOConfig) -> Placement:
 
 
 def _dtype(cfg: TrainPPOConfig) -> torch.dtype:
-    return torch.bfloat16 if cfg.model.bf16 else torch.float32
+    return cfg.model.dtype
 
 
 def _engine(cfg: TrainPPOConfig, topology: Topology, role: Role, build, device: torch.device, *,
@@ -67,7 +68,8 @@ def _engine(cfg: TrainPPOConfig, topology: Topology, role: Role, build, device: 
     steps = cfg.batch.max_steps or 1_000_000
     mpu = GroupMPU(topology.group(role), topology.self_group) if topology.has_subgroups else None
     return DeepSpeedModel(
-        build, cfg.engine, cfg.optim, learning_rate=learning_rate, bf16=cfg.model.bf16,
+        build, cfg.engine, cfg.optim, learning_rate=learning_rate, bf16=cfg.model.param_dtype == "bf16",
+        fp16=cfg.model.param_dtype == "fp16",
         micro_batch_size=b.micro_train_batch_size if trainable else b.micro_rollout_batch_size,
         grad_accum_steps=max(b.train_batch_size // (b.micro_train_batch_size * dp), 1) if trainable else 1,
         num_optimizer_steps=max(steps * b.max_epochs * samples // b.train_batch_size, 1), device=device,
@@ -110,6 +112,50 @@ def check_ring_head_stride(cfg: TrainPPOConfig) -> None:
         if kv_heads % e.ring_head_stride:
             raise ValueError(f"--ring_head_stride {e.ring_head_stride} must divide the {kv_heads} key/value heads "
                              f"of {flag} {path}")
+
+
+def check_model_lengths(cfg: TrainPPOConfig) -> None:
+    """--prompt_max_len + --generate_max_len must fit every model's max_position_embeddings (checked
+    before any engine starts, so the error names our flags rather than vLLM's)."""
+    from transformers import AutoConfig
+
+    m = cfg.model
+    longest = cfg.data.prompt_max_len + cfg.rollout.generate_max_len
+    paths = [("--pretrain", m.pretrain)] + [("--reward_pretrain", p) for p in cfg.reward.reward_paths]
+    if cfg.uses_critic and m.critic_pretrain:
+        paths.append(("--critic_pretrain", m.critic_pretrain))
+    for flag, path in paths:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code, local_files_only=True)
+        limit = getattr(config, "max_position_embeddings", None)
+        if limit is not None and longest > limit:
+            raise ValueError(f"--prompt_max_len {cfg.data.prompt_max_len} + --generate_max_len "
+                             f"{cfg.rollout.generate_max_len} = {longest} tokens exceeds the {limit} positions of "
+                             f"{flag} {path} (max_position_embeddings): lower them to a total of at most {limit}")
+
+
+def describe_algorithm(cfg: TrainPPOConfig, topology: Topology) -> str:
+    """One line saying which algorithm runs: estimator, group size, KL and where it enters, the models
+    that exist, and the active corrections."""
+    a, n = cfg.algo, cfg.rollout.n_samples_per_prompt
+    parts = [f"--advantage_estimator {a.advantage_estimator}", f"{n} sample{'s' if n > 1 else ''} per prompt"]
+    if not a.needs_ref:
+        parts.append("no KL term")
+    else:
+        where = "as a loss term (--use_kl_loss)" if a.use_kl_loss else "in the reward"
+        controller = f"adaptive to target {a.kl_target}" if a.kl_target is not None else "fixed"
+        parts.append(f"KL {a.kl_estimator} x {a.init_kl_coef} ({controller}) {where}")
+    models = [f"actor {cfg.model.pretrain}"]
+    if Role.CRITIC in topology.plan:
+        models.append(f"critic from {cfg.critic_init}")
+    if Role.REF in topology.plan:
+        models.append("reference (frozen actor copy)")
+    models.append("reward " + (", ".join(cfg.reward.reward_paths) or cfg.reward.source))
+    parts.append("models: " + "; ".join(models))
+    if a.enable_vllm_is_correction:
+        low, high = a.vllm_is_truncated_threshold
+        kind = "ICEPOP (tokens outside zeroed)" if a.icepop else "TIS (truncated)"
+        parts.append(f"rollout correction {kind} in [{low}, {high}]")
+    return "algorithm: " + ", ".join(parts)
 
 
 def describe_layout(cfg: TrainPPOConfig, topology: Topology) -> str:
@@ -156,7 +202,7 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
         actor = Actor(model, topology.group(Role.ACTOR), device, temperature=cfg.rollout.temperature, algo=cfg.algo,
                       infer_batcher=infer, train_batcher=train)
     if Role.CRITIC in topology.plan and topology.hosts(Role.CRITIC):
-        path = m.critic_pretrain or (cfg.reward.reward_paths or [m.pretrain])[0]
+        path = cfg.critic_init
         infer, train = batchers_for(cfg, topology, Role.CRITIC)
         model = _engine(_with_steps(cfg, total_steps), topology, Role.CRITIC, _model_builder(
             cfg, train.layout, lambda attn: load_scalar_head_model(path, m.value_head_prefix, dtype, attn,
@@ -178,7 +224,7 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
     experience = ExperienceMaker(cfg, topology, actor=actor, critic=critic, ref_model=ref_model, reward=reward,
                                  device=device, ref_batcher=ref_batcher)
     specs = meta_param_specs(m.pretrain, dtype, m.trust_remote_code)
-    return Roles(actor, critic, experience, specs, _ptx_batches(cfg, tokenizer) if actor is not None else None,
+    return Roles(actor, critic, experience, specs, _ptx_data(cfg, topology, tokenizer) if actor is not None else None,
                  frozen)
 
 
@@ -198,20 +244,13 @@ def _reward_models(cfg: TrainPPOConfig, topology: Topology, device: torch.device
             for path in cfg.reward.reward_paths]
 
 
-def _ptx_batches(cfg: TrainPPOConfig, tokenizer) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """Micro-batches of pretraining text for the ptx loss (right-padded ids and masks)."""
+def _ptx_data(cfg: TrainPPOConfig, topology: Topology, tokenizer) -> PtxData | None:
+    """This actor replica's walk over the pretraining texts of the ptx loss (None without one)."""
     if cfg.data.pretrain_data is None or cfg.algo.ptx_coef == 0:
         if cfg.data.pretrain_data is not None:
             warnings.warn("--pretrain_data is ignored because --ptx_coef is 0", stacklevel=2)
         return None
     texts = load_texts(cfg.data.pretrain_data, cfg.data.input_key, cfg.data.max_samples)
-    size = cfg.batch.micro_train_batch_size
-    out = []
-    for start in range(0, len(texts) - size + 1, size):
-        enc = tokenizer(texts[start:start + size], padding=True, truncation=True, padding_side="right",
-                        max_length=cfg.data.prompt_max_len + cfg.rollout.generate_max_len, return_tensors="pt")
-        out.append((enc["input_ids"], enc["attention_mask"]))
-    if not out:
-        raise ValueError(f"--pretrain_data {cfg.data.pretrain_data}: fewer than --micro_train_batch_size "
-                         f"({size}) texts")
-    return out
+    batches = tokenize_texts(texts, tokenizer, cfg.batch.micro_train_batch_size,
+                             cfg.data.prompt_max_len + cfg.rollout.generate_max_len, cfg.data.pretrain_data)
+    return PtxData(batches, topology.dp_size(Role.ACTOR), topology.dp_rank(Role.ACTOR), cfg.seed)

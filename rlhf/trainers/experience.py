@@ -20,6 +20,7 @@ from rlhf.algorithms.advantages import (
     whiten,
 )
 from rlhf.algorithms.kl import KLController, kl_estimate
+from rlhf.algorithms.losses import importance_weights_BT1
 from rlhf.algorithms.shaping import (
     RunningMoments,
     group_filter,
@@ -117,27 +118,43 @@ class ExperienceMaker:
         kl = kl_estimate(old, ref, self.cfg.algo.kl_estimator) * action if ref is not None else None
         advantages, returns = self._advantages(rewards, action, kl, values, n)
         metrics = self._metrics(batch, raw_rewards, rewards, extra, kl, action)
-        target = returns if returns is not None else advantages
-        metrics["return_mean"] = float((target * action).sum() / action.sum().clamp(min=1))
-        metrics["advantage_mean"] = float((advantages * action).sum() / action.sum().clamp(min=1))
+        metrics["return_mean"] = _token_mean(returns, action)
+        metrics["advantage_mean"] = _token_mean(advantages, action)
+        metrics.update(self._rollout_mismatch(old, batch.rollout_logprobs_BT1, action))
         if kl is not None:
-            self.kl_ctl.update(metrics["kl"], B)
-        exp = Experience(seq, mask, action, old, batch.rollout_logprobs_BT1, advantages, rewards, ref, values, returns)
+            kept = int((action.sum(-1) > 0).sum())  # filtered groups do not move the controller
+            self.kl_ctl.update(metrics["kl"], kept)
+        exp = Experience(seq, mask, action, old, batch.rollout_logprobs_BT1, advantages, rewards, ref, values,
+                         returns if values is not None else None)
         return exp, metrics
 
+    def _rollout_mismatch(self, old: torch.Tensor, rollout: torch.Tensor, action: torch.Tensor) -> dict[str, float]:
+        """How far the engine's log-probs are from the actor's, and what the off-policy correction does."""
+        metrics = {"rollout/logprob_abs_diff": _token_mean((old - rollout).abs(), action)}
+        algo = self.cfg.algo
+        if algo.enable_vllm_is_correction:
+            low, high = algo.vllm_is_truncated_threshold
+            raw = torch.exp(old - rollout)
+            weights = importance_weights_BT1(old, rollout, low, high, algo.icepop)
+            metrics["rollout/is_weight_mean"] = _token_mean(weights, action)
+            metrics["rollout/is_clipped_frac"] = _token_mean(((raw < low) | (raw > high)).float(), action)
+        return metrics
+
     def _advantages(self, rewards_B: torch.Tensor, action: torch.Tensor, kl: torch.Tensor | None,
-                    values: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    values: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(advantages, returns) per token; for critic-free estimators the returns are the discounted
+        sums of the (group-adjusted) token rewards before whitening."""
         algo, est = self.cfg.algo, self.estimator
         if est.group_step is not None:
             rewards_B = est.group_step(rewards_B.reshape(-1, n)).reshape(-1)
         kl_in_reward = None if algo.use_kl_loss else kl
         per_token = token_rewards(rewards_B, action, kl_in_reward, self.kl_ctl.value)
         gamma = 1.0 if est.gamma_one else algo.gamma
-        returns = None
         if est.needs_critic:
             advantages, returns = gae(per_token, values, action, gamma, algo.lambd)
         else:
-            advantages = discounted_returns(per_token, action, gamma)
+            returns = discounted_returns(per_token, action, gamma)
+            advantages = returns.clone()
         if est.whiten:
             advantages = whiten(advantages, action, masked_moments(advantages, action),
                                 divide_std=not algo.no_advantage_std_norm)
@@ -153,8 +170,13 @@ class ExperienceMaker:
             "kept_ratio": float((action.sum(-1) > 0).float().mean()),
             "kl_coef": self.kl_ctl.value,
         }
-        if kl is not None:
-            per_seq = kl.sum(-1) / batch.action_mask_BT1.sum(-1).clamp(min=1)
-            metrics["kl"] = float(per_seq.mean())
+        if kl is not None:  # over the samples that count (filtered groups have no action tokens left)
+            kept = action.sum(-1) > 0
+            per_seq = kl.sum(-1) / action.sum(-1).clamp(min=1)
+            metrics["kl"] = float(per_seq[kept].mean()) if kept.any() else 0.0
         metrics.update({f"reward_extra/{k}": float(v.mean()) for k, v in extra.items()})
         return metrics
+
+
+def _token_mean(values_BT1: torch.Tensor, action_BT1: torch.Tensor) -> float:
+    return float((values_BT1 * action_BT1).sum() / action_BT1.sum().clamp(min=1))

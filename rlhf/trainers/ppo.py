@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 
 from rlhf.config.schema import TrainPPOConfig
+from rlhf.data.pretrain import PtxData
 from rlhf.data.prompts import Prompt, PromptSampler
 from rlhf.data.records import Experience, Rollout
 from rlhf.distributed.collectives import all_gather_rollout, shard
 from rlhf.distributed.topology import Role, Topology
 from rlhf.engines.deepspeed_engine import DeepSpeedModel
-from rlhf.engines.rollout import RolloutEngine, SamplingSpec, to_rollout
+from rlhf.engines.rollout import RolloutEngine, SamplingSpec, request_seed, to_rollout
 from rlhf.engines.weight_sync import ParamSpec, broadcast_parameters
 from rlhf.models.micro_batches import MicroBatcher
 from rlhf.trainers.actor import Actor
@@ -55,7 +56,7 @@ class Roles:
     critic: Critic | None
     experience: ExperienceMaker
     actor_specs: list[ParamSpec]
-    ptx: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    ptx: PtxData | None = None
     frozen: list[DeepSpeedModel] = field(default_factory=list)
 
     @property
@@ -108,7 +109,9 @@ class PPOTrainer:
         exp = self.roles.experience
         writer.save_trainer_state({"step": done_steps, "world_size": self.topology.world_size,
                                    "kl_ctl": exp.kl_ctl.state_dict(), "reward_stats": exp.reward_stats.state_dict(),
-                                   "has_engine_states": not c.disable_ds_ckpt})
+                                   "has_engine_states": not c.disable_ds_ckpt,
+                                   # equal on every actor rank, and rank 0 (the writer) always hosts the actor
+                                   "ptx": self.roles.ptx.state_dict() if self.roles.ptx is not None else None})
         final = writer.commit()
         if rank == 0:
             prune(c.ckpt_path, c.max_ckpt_num, c.max_ckpt_mem)
@@ -132,6 +135,8 @@ class PPOTrainer:
                 role.model.load_state(os.path.join(path, name))
         self.roles.experience.kl_ctl.load_state_dict(state["kl_ctl"])
         self.roles.experience.reward_stats.load_state_dict(state["reward_stats"])
+        if self.roles.ptx is not None and state.get("ptx") is not None:
+            self.roles.ptx.load_state_dict(state["ptx"])
         load_rank_state(path, self.topology.rank)
         if self.topology.rank == 0:
             print(f"resumed from {path} after {done} steps", flush=True)
@@ -162,21 +167,23 @@ class PPOTrainer:
         for model in models if enabled else []:
             model.offload() if to_host else model.reload(self.device)
 
-    def _engine_prompts(self, step: int) -> tuple[list[Prompt], int]:
-        """Prompts for this rank's engine, and the index of this rank's share within them."""
+    def _engine_prompts(self, step: int) -> tuple[list[Prompt], list[int], int]:
+        """Prompts for this rank's engine, their sampling seeds, and the index of this rank's share within
+        them. A prompt's seed depends only on (run seed, step, its index in the step's global batch): the
+        ranks of one engine get the same seeds, and the samples do not depend on the number of engines."""
         batch = self.sampler.batch(step)
         per_engine = len(batch) // self.topology.num_engines
-        e = self.topology.engine_index
-        return batch[e * per_engine:(e + 1) * per_engine], self.topology.engine_rank
+        first = self.topology.engine_index * per_engine
+        seeds = [request_seed(self.cfg.seed, step, i) for i in range(first, first + per_engine)]
+        return batch[first:first + per_engine], seeds, self.topology.engine_rank
 
     def generate(self, step: int) -> Rollout:
         """Sample n responses per prompt on this rank's engine; keep this rank's share of prompts."""
-        prompts, share = self._engine_prompts(step)
+        prompts, seeds, share = self._engine_prompts(step)
         r = self.cfg.rollout
         spec = SamplingSpec(n=r.n_samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
-                            max_tokens=r.generate_max_len,
-                            seed=(self.cfg.seed * 1_000_003 + step) * 4099 + self.topology.engine_index)
-        generations = self.engine.generate([list(p.token_ids) for p in prompts], spec)
+                            max_tokens=r.generate_max_len)
+        generations = self.engine.generate([list(p.token_ids) for p in prompts], spec, seeds)
         per_rank = len(prompts) // self.topology.rollout_tp
         keep = slice(share * per_rank, (share + 1) * per_rank)
         prompts, generations = prompts[keep], generations[keep]
@@ -219,6 +226,10 @@ class PPOTrainer:
         for role, stats in ((Role.ACTOR, actor), (Role.CRITIC, critic)):
             if stats:
                 updates = stats.pop("_updates")
+                undeclared = sorted(set(stats) - set(TRAIN_METRICS))
+                if undeclared:  # a metric nobody reduces would silently vanish from the logs
+                    raise RuntimeError(f"{role.value} produced metrics {undeclared} with no declared reduction: "
+                                       "add them to SHARE_METRICS (summed shares) or TRAIN_METRICS (lead rank)")
                 first = self.topology.leads(role)
                 shares = self.topology.ring_rank(role) == 0  # the ranks of a ring report the same loss
                 contrib.update({k: v / updates for k, v in stats.items()

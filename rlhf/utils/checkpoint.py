@@ -2,12 +2,13 @@
 
 Layout of `--ckpt_path`:
     global_step{N}/actor, global_step{N}/critic   DeepSpeed engine states (weights, optimizer, LR schedule)
-    global_step{N}/trainer_state.json              step, KL controller, reward normaliser
+    global_step{N}/trainer_state.json              step, KL controller, reward normaliser, ptx position
     global_step{N}/rng/rank{r}.pt                  every rank's RNG states
     global_step{N}/COMPLETE                        written last; only complete checkpoints are loaded
     .tmp-global_step{N}/                           a checkpoint being written (renamed when complete)
 
-The data position is the step count (the prompt sampler is a pure function of seed and step).
+The prompt position is the step count (the prompt sampler is a pure function of seed and step); the
+ptx data position is stored in trainer_state.json.
 A process killed mid-write leaves only a `.tmp-*` directory, which loading ignores.
 """
 

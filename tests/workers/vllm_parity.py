@@ -37,7 +37,7 @@ def main(out_path: str, zero_stage: int, tp: int) -> None:
     tok = load_tokenizer(EMBEDDED_MODEL_DIR)
     texts = ["a copy 3 :", "copy 9 :", "b c copy 0 :"]
     prompt_ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    gens = engine.generate(prompt_ids, SamplingSpec(n=4, temperature=1.0, top_p=1.0, max_tokens=12, seed=5))
+    gens = engine.generate(prompt_ids, SamplingSpec(n=4, temperature=1.0, top_p=1.0, max_tokens=12), [5, 6, 7])
     rollout = to_rollout(prompt_ids, gens, tok.pad_token_id, tok, texts, [None] * 3)
     actor_lp = actor.logprobs(rollout.sequences_BT, rollout.attention_mask_BT)
     mask = rollout.action_mask_BT1

@@ -1,0 +1,258 @@
+"""What a run shows on the console: our own output, plus each distinct third-party warning once.
+
+Libraries (vLLM, DeepSpeed, torch, transformers, accelerate, huggingface_hub) repeat the same
+warnings on every rank and often every step. `route_library_output` sends their output to this
+rank's `<save_path>/logs/rank<N>.log` (log records at WARNING and above, warnings, direct writes), and
+rank 0 prints the first occurrence of each distinct warning as `[vllm] WARNING: ... (repeats are
+logged to FILE)`; other ranks print none of it. Our own prints, `rlhf` warnings and the progress bar
+stay on the console. `--verbose` leaves every library as it set itself up.
+
+Three channels are routed:
+- python `logging`: the console handlers of the libraries' loggers are replaced by a routing handler.
+  vLLM configures its loggers when imported; `VLLM_CONFIGURE_LOGGING=0` (unless the user set it or a
+  vLLM logging config file) makes it leave them to us, so this must run before vLLM is imported.
+- `warnings.warn`: a warning whose filename lies inside a library goes to the file (console once).
+- direct writes to `sys.stdout` / `sys.stderr` (library prints, library progress bars): a write goes
+  to the file when the innermost calling frame that belongs to `rlhf` or to a library is a library's.
+
+Not routed: output written before this runs (import-time messages such as DeepSpeed's "Setting
+accelerator to CPU"), loggers a library configures later with its own console handler, and C++ output
+that bypasses Python's streams (torch's `[W... ] Warning:` lines). This module knows nothing of
+torch.distributed: the caller passes its rank.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from rlhf.config.schema import LoggingConfig
+
+LIBRARIES = ("vllm", "deepspeed", "torch", "transformers", "accelerate", "huggingface_hub")
+"""Packages whose output is routed to the run's log file."""
+
+LOGGER_ROOTS = {"vllm": "vllm", "DeepSpeed": "deepspeed", "deepspeed": "deepspeed", "torch": "torch",
+                "transformers": "transformers", "accelerate": "accelerate", "huggingface_hub": "huggingface_hub"}
+"""Root of a library's logger hierarchy -> the library (DeepSpeed logs under "DeepSpeed")."""
+
+
+class _Owners:
+    """Which package a source file belongs to: "rlhf", one of LIBRARIES, or None (stdlib, others)."""
+
+    def __init__(self, packages: tuple[str, ...] = LIBRARIES + ("rlhf",)) -> None:
+        self._dirs: list[tuple[str, str]] = []
+        for name in packages:
+            spec = importlib.util.find_spec(name)
+            for location in (spec.submodule_search_locations or []) if spec else []:
+                for path in {os.path.abspath(location), os.path.realpath(location)}:
+                    self._dirs.append((os.path.join(path, ""), name))
+        self._cache: dict[str, str | None] = {}
+
+    def __call__(self, filename: str) -> str | None:
+        if filename not in self._cache:
+            self._cache[filename] = next((name for d, name in self._dirs if filename.startswith(d)), None)
+        return self._cache[filename]
+
+
+class _RunLog:
+    """This rank's log file (created on the first write) and the library messages the console has shown.
+
+    `console` is None on ranks that show nothing. Thread-safe.
+    """
+
+    def __init__(self, path: str, console: TextIO | None) -> None:
+        self.path = path
+        self.console = console
+        self._file: TextIO | None = None
+        self._shown: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> None:
+        with self._lock:
+            if self._file is None:
+                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                self._file = open(self.path, "a", encoding="utf-8")  # kept open for the whole run
+            self._file.write(text)
+            self._file.flush()
+
+    def report(self, library: str, kind: str, message: str, line: str) -> None:
+        """Append `line` to the file; on the console, show `[library] kind: message` the first time."""
+        self.write(line)
+        key = (library, message)
+        with self._lock:
+            if self.console is None or key in self._shown:
+                return
+            self._shown.add(key)
+        self.console.write(f"[{library}] {kind}: {message} (repeats are logged to {self.path})\n")
+        self.console.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+class _LibraryLogHandler(logging.Handler):
+    """Replaces a library logger's console handler: records go to the run log."""
+
+    def __init__(self, run_log: _RunLog, library: str) -> None:
+        super().__init__(logging.WARNING)
+        self.run_log = run_log
+        self.library = library
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(filename)s:%(lineno)d] "
+                                            "%(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.run_log.report(self.library, record.levelname, record.getMessage(), self.format(record) + "\n")
+        except Exception:
+            self.handleError(record)
+
+
+class _LibraryOutputStream:
+    """Stands in for sys.stdout or sys.stderr: writes made by library code go to the run log, all
+    others to the real stream. Everything but `write`/`writelines` is the real stream's."""
+
+    def __init__(self, stream: TextIO, run_log: _RunLog, owners: _Owners) -> None:
+        self._stream = stream
+        self._run_log = run_log
+        self._owners = owners
+
+    def write(self, text: str) -> int:
+        if self._caller_is_library():
+            self._run_log.write(text)
+            return len(text)
+        return self._stream.write(text)
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def _caller_is_library(self) -> bool:
+        try:
+            frame = sys._getframe(2)  # the caller of write()
+        except ValueError:  # written from C with no Python frame (e.g. an uncaught exception's report)
+            return False
+        while frame is not None:
+            owner = self._owners(frame.f_code.co_filename)
+            if owner is not None:
+                return owner != "rlhf"
+            frame = frame.f_back
+        return False
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def _is_console_handler(handler: logging.Handler) -> bool:
+    return (isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+            and getattr(handler, "stream", None) in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__))
+
+
+def _route_loggers(run_log: _RunLog) -> Callable[[], None]:
+    """Give every library logger that would print (a console handler, or no propagation) the routing
+    handler instead; returns the undo."""
+    handlers: dict[str, _LibraryLogHandler] = {}
+    changed: list[tuple[logging.Logger, list[logging.Handler], bool, logging.Handler | None]] = []
+    existing = [name for name, lg in logging.root.manager.loggerDict.items() if isinstance(lg, logging.Logger)]
+    for root, library in LOGGER_ROOTS.items():
+        handler = handlers.setdefault(library, _LibraryLogHandler(run_log, library))
+        for name in [root] + [n for n in existing if n.startswith(root + ".")]:
+            logger = logging.getLogger(name)
+            removed = [h for h in logger.handlers if _is_console_handler(h)]
+            for h in removed:
+                logger.removeHandler(h)
+            added = handler if (name == root or not logger.propagate) else None
+            changed.append((logger, removed, logger.propagate, added))
+            if added is not None:
+                logger.addHandler(added)
+                logger.propagate = False
+
+    def undo() -> None:
+        for logger, removed, propagate, added in reversed(changed):
+            if added is not None:
+                logger.removeHandler(added)
+            for h in removed:
+                logger.addHandler(h)
+            logger.propagate = propagate
+
+    return undo
+
+
+def _route_warnings(run_log: _RunLog, owners: _Owners, console: TextIO) -> Callable[[], None]:
+    """Library warnings to the run log; all others shown as before (on the real stream). Returns the undo."""
+    previous = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        library = owners(filename)
+        if library is None or library == "rlhf":
+            previous(message, category, filename, lineno, console if file is None else file, line)
+            return
+        text = str(message)
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        run_log.report(library, category.__name__, text, f"{stamp} {category.__name__} [{filename}:{lineno}] {text}\n")
+
+    warnings.showwarning = showwarning
+
+    def undo() -> None:
+        if warnings.showwarning is showwarning:
+            warnings.showwarning = previous
+
+    return undo
+
+
+class LibraryOutputRouting:
+    """The routing installed by `route_library_output`; `uninstall()` puts everything back."""
+
+    def __init__(self, path: str, rank: int) -> None:
+        self.path = path
+        console = sys.stderr
+        self._run_log = _RunLog(path, console if rank == 0 else None)
+        owners = _Owners()
+        self._undo = [_route_loggers(self._run_log), _route_warnings(self._run_log, owners, console)]
+        self._streams = (sys.stdout, sys.stderr)
+        sys.stdout = _LibraryOutputStream(sys.stdout, self._run_log, owners)
+        sys.stderr = _LibraryOutputStream(sys.stderr, self._run_log, owners)
+
+    def uninstall(self) -> None:
+        """Put back the streams, loggers and warning display found at install; a second call does nothing."""
+        global _active
+        if _active is self:
+            _active = None
+        if isinstance(sys.stdout, _LibraryOutputStream):
+            sys.stdout = self._streams[0]
+        if isinstance(sys.stderr, _LibraryOutputStream):
+            sys.stderr = self._streams[1]
+        while self._undo:
+            self._undo.pop()()
+        self._run_log.close()
+
+
+_active: LibraryOutputRouting | None = None
+
+
+def route_library_output(log: LoggingConfig, rank: int) -> LibraryOutputRouting | None:
+    """Route third-party library output to `<log.save_path>/logs/rank<rank>.log`, showing each distinct
+    library warning once on rank 0's console; with `log.verbose`, change nothing and return None.
+
+    Called once per process by the entry point, after the flags are parsed and before vLLM is
+    imported; a second call replaces the first. Every rank calls it; no collective.
+    """
+    global _active
+    if _active is not None:
+        _active.uninstall()
+    if log.verbose:
+        return None
+    if "VLLM_LOGGING_CONFIG_PATH" not in os.environ:
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's loggers are then ours to route
+    _active = LibraryOutputRouting(os.path.join(log.save_path, "logs", f"rank{rank}.log"), rank)
+    return _active
