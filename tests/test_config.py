@@ -265,3 +265,10 @@ def test_prompt_and_generation_lengths_must_fit_the_model():
     with pytest.raises(ValueError, match=rf"--prompt_max_len 16 \+ --generate_max_len {limit} = {limit + 16} tokens "
                                          rf"exceeds the {limit} positions of --pretrain"):
         check_model_lengths(parse("--prompt_max_len", "16", "--generate_max_len", str(limit)).with_demo_defaults())
+
+
+def test_offload_flags_that_do_nothing_at_a_zero_stage_warn():
+    with pytest.warns(UserWarning, match="--deepspeed_enable_sleep has no effect at --zero_stage 0"):
+        parse("--deepspeed_enable_sleep", "--zero_stage", "0")
+    with pytest.warns(UserWarning, match="--ref_reward_offload has no effect at --zero_stage 3"):
+        parse("--ref_reward_offload", "--zero_stage", "3")

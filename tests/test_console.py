@@ -99,7 +99,7 @@ def test_input_checks_before_start_are_usage_errors(single_process, capsys):
 
 
 def test_library_value_error_keeps_its_traceback(single_process, capsys):
-    def run(cfg):
+    def run(cfg, parse_warnings=()):
         json.loads("{")  # a ValueError raised inside a library
 
     single_process.setattr(train_ppo, "run", run)
@@ -109,7 +109,7 @@ def test_library_value_error_keeps_its_traceback(single_process, capsys):
 
 
 def test_errors_after_start_keep_their_traceback_but_usage_errors_do_not(single_process, capsys):
-    def run(cfg):
+    def run(cfg, parse_warnings=()):
         raise ValueError("reward_func returned 1 rewards for 3 queries")
 
     single_process.setattr(train_ppo, "run", run)
@@ -117,7 +117,7 @@ def test_errors_after_start_keep_their_traceback_but_usage_errors_do_not(single_
     with pytest.raises(ValueError, match="returned 1 rewards"):
         train_ppo.main([])
 
-    def run_usage(cfg):
+    def run_usage(cfg, parse_warnings=()):
         raise UsageError("--vllm_tensor_parallel_size 2 needs vLLM")
 
     single_process.setattr(train_ppo, "run", run_usage)
@@ -186,6 +186,18 @@ def test_library_output_once_on_console_all_in_file(tmp_path, capsys, monkeypatc
     assert logged.count("same thing again") == 5 and logged.count("cpu worker noise") == 5
     assert logged.count("deprecated op") == 5 and "a library print" in logged
     assert "our own" not in logged
+
+
+def test_library_warning_does_not_land_inside_a_progress_bar(tmp_path, capsys, library_logger):
+    library_logger = library_logger()
+    routing = route_library_output(LoggingConfig(save_path=str(tmp_path)), rank=0)
+    try:
+        sys.stderr.write("\rrl steps:  50%|#####")  # a bar leaves its line open
+        library_logger.warning("mid-step noise")
+        sys.stderr.write("\rrl steps: 100%|##########")
+    finally:
+        routing.uninstall()
+    assert capsys.readouterr().err.startswith("\rrl steps:  50%|#####\n[accelerate] WARNING: mid-step noise (")
 
 
 def test_other_ranks_show_no_library_output(tmp_path, capsys, library_logger):

@@ -137,6 +137,7 @@ def test_run_fails_before_engines_start(tmp_path, monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
         monkeypatch.delenv(key, raising=False)
     cfg = parse_config(TrainPPOConfig, ["--prompt_data", str(tmp_path / "missing.jsonl"), "--train_batch_size", "8",
+                                        "--prompt_max_len", "16", "--generate_max_len", "8",
                                         "--verbose"])  # --verbose: leave this process's library loggers alone
     with pytest.raises(ValueError, match="no such file or directory"):
         run(cfg)
@@ -145,7 +146,8 @@ def test_run_fails_before_engines_start(tmp_path, monkeypatch):
 def test_cli_reports_errors_without_a_traceback(tmp_path):
     bad = tmp_path / "r.py"
     bad.write_text("x = 1\n")
-    proc = subprocess.run([sys.executable, "-m", "rlhf.cli.train_ppo", "--remote_rm_url", str(bad)],
+    proc = subprocess.run([sys.executable, "-m", "rlhf.cli.train_ppo", "--remote_rm_url", str(bad),
+                           "--prompt_max_len", "16", "--generate_max_len", "8"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "defines no function reward_func" in proc.stderr

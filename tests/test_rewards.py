@@ -134,3 +134,17 @@ def test_client_gives_up_with_a_clear_error():
     inputs = RewardInputs(["a"], [""], [None], torch.zeros(1, 1), torch.ones(1, 1))
     with pytest.raises(RuntimeError, match=r"failed 2 times \(timeout 1.0s\)"):
         RemoteRewardClient(url, timeout_s=1.0, retries=2, backoff_s=0.01).score(inputs)
+
+
+def test_reward_func_extra_logs_may_hold_one_value_per_batch():
+    """OpenRLHF's reward functions often log `reward.mean().item()`: a batch value stands for each query."""
+    from rlhf.rewards.base import result_from_output
+
+    out = result_from_output({"rewards": [1.0, 0.0, 0.5], "extra_logs": {"batch_mean": 0.5,
+                                                                        "as_tensor": torch.tensor(2.0),
+                                                                        "per_query": [1, 2, 3]}}, 3, "reward_func")
+    torch.testing.assert_close(out.extra_logs["batch_mean"], torch.full((3,), 0.5))
+    torch.testing.assert_close(out.extra_logs["as_tensor"], torch.full((3,), 2.0))
+    torch.testing.assert_close(out.extra_logs["per_query"], torch.tensor([1.0, 2.0, 3.0]))
+    with pytest.raises(ValueError, match=r"returned 2 extra_logs\['bad'\] for 3 queries"):
+        result_from_output({"rewards": [1.0, 0.0, 0.5], "extra_logs": {"bad": [1, 2]}}, 3, "reward_func")

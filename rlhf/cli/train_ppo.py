@@ -106,9 +106,13 @@ def for_this_machine(cfg: TrainPPOConfig) -> TrainPPOConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(m, attn_implementation=attn, flash_attn=False))
 
 
-def run(cfg: TrainPPOConfig) -> None:
+def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ()) -> None:
+    """Train. `parse_warnings`: warnings raised while the flags were parsed, shown now that the console
+    routing is in place (rank 0 shows ours; library ones are collected)."""
     launch = read_launch_env()
     route_library_output(cfg.logging, launch.rank)  # library warnings: once on the console, all in a file
+    for w in parse_warnings:
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     demo = cfg.model.pretrain is None
     cfg = for_this_machine(cfg.with_demo_defaults())
     cfg.check_world(launch.world_size)
@@ -156,7 +160,10 @@ def main(argv: list[str] | None = None) -> None:
     """Flag and input mistakes exit 2 with one `error:` line from rank 0 (see `rlhf.config.errors`);
     failures after torch.distributed is initialised keep their traceback."""
     with usage_errors_exit(started=dist.is_initialized):
-        run(parse_config(TrainPPOConfig, argv, prog="python -m rlhf.cli.train_ppo"))
+        with warnings.catch_warnings(record=True) as parse_warnings:
+            warnings.simplefilter("default")
+            cfg = parse_config(TrainPPOConfig, argv, prog="python -m rlhf.cli.train_ppo")
+        run(cfg, parse_warnings)
 
 
 if __name__ == "__main__":

@@ -45,8 +45,7 @@ class HFGenerateEngine:
         return gens
 
     def generate(self, prompts: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> list[list[Generation]]:
-        if len(seeds) != len(prompts):
-            raise ValueError(f"need one seed per prompt: {len(prompts)} prompts, {len(seeds)} seeds")
+        assert len(seeds) == len(prompts), "one seed per prompt"
         # `model.generate` samples from torch's global RNG (it takes no generator): re-seed it per prompt,
         # so each prompt draws its own stream, and restore the caller's RNG state afterwards.
         devices = [self.device] if self.device.type == "cuda" else []

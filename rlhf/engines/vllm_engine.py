@@ -82,9 +82,7 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if len(seeds) != len(prompts) or not all(0 <= s <= MAX_REQUEST_SEED for s in seeds):
-            raise ValueError(f"need one seed in [0, {MAX_REQUEST_SEED}] per prompt: {len(prompts)} prompts, "
-                             f"seeds {seeds[:4]}...")
+        assert len(seeds) == len(prompts) and all(0 <= s <= MAX_REQUEST_SEED for s in seeds), "one seed per prompt"
         # One SamplingParams per prompt: a single shared seed would give the k-th sample of every prompt
         # the same random stream. vLLM seeds the k-th of a prompt's n samples with seed + k.
         params = [SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p,

@@ -49,10 +49,18 @@ def result_from_output(out, n: int, where: str) -> RewardResult:
             raise ValueError(f"{where} returned a dict without 'rewards' (keys: {sorted(out)})")
         rewards = as_vector(out["rewards"], "rewards", where, n)
         scores = as_vector(out["scores"], "scores", where, n) if "scores" in out else rewards.clone()
-        extra = {k: as_vector(v, f"extra_logs[{k!r}]", where, n) for k, v in (out.get("extra_logs") or {}).items()}
+        extra = {k: _extra_log(v, k, where, n) for k, v in (out.get("extra_logs") or {}).items()}
         return RewardResult(rewards, scores, extra)
     rewards = as_vector(out, "rewards", where, n)
     return RewardResult(rewards, rewards.clone())
+
+
+def _extra_log(value, key: str, where: str, n: int) -> torch.Tensor:
+    """One value per query, or one value for the whole call (OpenRLHF's reward functions often return
+    e.g. `reward.mean().item()`): that batch value then stands for each of the call's queries."""
+    if isinstance(value, (int, float)) or (torch.is_tensor(value) and value.numel() == 1 and n != 1):
+        return as_vector([float(value)] * n, f"extra_logs[{key!r}]", where, n)
+    return as_vector(value, f"extra_logs[{key!r}]", where, n)
 
 
 def as_vector(values, what: str, where: str, expected: int) -> torch.Tensor:

@@ -65,12 +65,14 @@ class _Owners:
 class _RunLog:
     """This rank's log file (created on the first write) and the library messages the console has shown.
 
-    `console` is None on ranks that show nothing. Thread-safe.
+    `console` is None on ranks that show nothing. `console_mid_line` is set while the console's last
+    write left a line open (a progress bar), so that a console line starts on a fresh one. Thread-safe.
     """
 
     def __init__(self, path: str, console: TextIO | None) -> None:
         self.path = path
         self.console = console
+        self.console_mid_line = False
         self._file: TextIO | None = None
         self._shown: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
@@ -91,7 +93,9 @@ class _RunLog:
             if self.console is None or key in self._shown:
                 return
             self._shown.add(key)
-        self.console.write(f"[{library}] {kind}: {message} (repeats are logged to {self.path})\n")
+            newline = "\n" if self.console_mid_line else ""
+            self.console_mid_line = False
+        self.console.write(f"{newline}[{library}] {kind}: {message} (repeats are logged to {self.path})\n")
         self.console.flush()
 
     def close(self) -> None:
@@ -131,6 +135,8 @@ class _LibraryOutputStream:
         if self._caller_is_library():
             self._run_log.write(text)
             return len(text)
+        if text:
+            self._run_log.console_mid_line = not text.endswith("\n")
         return self._stream.write(text)
 
     def writelines(self, lines) -> None:
@@ -188,12 +194,18 @@ def _route_loggers(run_log: _RunLog) -> Callable[[], None]:
     return undo
 
 
-def _route_warnings(run_log: _RunLog, owners: _Owners, console: TextIO) -> Callable[[], None]:
-    """Library warnings to the run log; all others shown as before (on the real stream). Returns the undo."""
+def _route_warnings(run_log: _RunLog, owners: _Owners, console: TextIO, rank: int) -> Callable[[], None]:
+    """Library warnings to the run log; our own shown by rank 0 only (every rank runs the same checks, so
+    the others would repeat them) and logged to the file elsewhere; all others shown as before (on the
+    real stream). Returns the undo."""
     previous = warnings.showwarning
 
     def showwarning(message, category, filename, lineno, file=None, line=None):
         library = owners(filename)
+        if library == "rlhf" and rank != 0:
+            run_log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {category.__name__} [{filename}:{lineno}] "
+                          f"{message}\n")
+            return
         if library is None or library == "rlhf":
             previous(message, category, filename, lineno, console if file is None else file, line)
             return
@@ -218,7 +230,7 @@ class LibraryOutputRouting:
         console = sys.stderr
         self._run_log = _RunLog(path, console if rank == 0 else None)
         owners = _Owners()
-        self._undo = [_route_loggers(self._run_log), _route_warnings(self._run_log, owners, console)]
+        self._undo = [_route_loggers(self._run_log), _route_warnings(self._run_log, owners, console, rank)]
         self._streams = (sys.stdout, sys.stderr)
         sys.stdout = _LibraryOutputStream(sys.stdout, self._run_log, owners)
         sys.stderr = _LibraryOutputStream(sys.stderr, self._run_log, owners)

@@ -12,7 +12,7 @@ import sys
 import torch.distributed as dist
 
 from rlhf.assets import EMBEDDED_MODEL_DIR
-from rlhf.cli.train_ppo import build_rollout_engine
+from rlhf.cli.train_ppo import build_rollout_engine, for_this_machine
 from rlhf.config.flags import parse_config
 from rlhf.config.schema import TrainPPOConfig
 from rlhf.data.prompts import Prompt, PromptSampler
@@ -36,10 +36,12 @@ NUM_CHILDREN = 4
 def main(out_path: str, tp: int, temperature: float) -> None:
     launch = read_launch_env()
     cfg = parse_config(TrainPPOConfig, [
-        "--rollout_batch_size", "8", "--n_samples_per_prompt", "4", "--train_batch_size", "8",
-        "--micro_train_batch_size", "2", "--generate_max_len", "6", "--prompt_max_len", "16",
+        "--param_dtype", "fp32", "--rollout_batch_size", "8",
+        "--n_samples_per_prompt", "4", "--train_batch_size", "8", "--micro_train_batch_size", "2",
+        "--generate_max_len", "6", "--prompt_max_len", "16",
         "--temperature", str(temperature), "--seed", "7", "--vllm_tensor_parallel_size", str(tp),
         "--rollout_engine", "vllm"])
+    cfg = for_this_machine(cfg.with_demo_defaults())  # the embedded tiny policy, as train_ppo does
     cfg.check_world(launch.world_size)
     tok = load_tokenizer(EMBEDDED_MODEL_DIR)
     ids = {t: tuple(tok(t, add_special_tokens=False)["input_ids"]) for t in {*BATCH_TEXTS, STAT_PROMPT}}
