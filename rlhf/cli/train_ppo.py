@@ -106,6 +106,20 @@ def for_this_machine(cfg: TrainPPOConfig) -> TrainPPOConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(m, attn_implementation=attn, flash_attn=False))
 
 
+def check_before_engines(cfg: TrainPPOConfig, world_size: int) -> dict[Role, tuple[int, ...]]:
+    """The checks of flags and model files that need no engine (engines take minutes on real models), and
+    the rank plan they validate. Reading the data and the reward file follows in `run`, also before."""
+    cfg.check_world(world_size)
+    plan = plan_ranks(placement_from_config(cfg), world_size)
+    cfg.check_role_sizes({ROLE_NAMES[r]: len(ranks) for r, ranks in plan.items() if r is not Role.ROLLOUT},
+                         trainable=("actor", "critic"))
+    if cfg.engine.use_liger_kernel:
+        check_liger_kernel()
+    check_ring_head_stride(cfg)
+    check_model_lengths(cfg)
+    return plan
+
+
 def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ()) -> None:
     """Train. `parse_warnings`: warnings raised while the flags were parsed, shown now that the console
     routing is in place (rank 0 shows ours; library ones are collected)."""
@@ -115,15 +129,7 @@ def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ())
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     demo = cfg.model.pretrain is None
     cfg = for_this_machine(cfg.with_demo_defaults())
-    cfg.check_world(launch.world_size)
-    plan = plan_ranks(placement_from_config(cfg), launch.world_size)
-    cfg.check_role_sizes({ROLE_NAMES[r]: len(ranks) for r, ranks in plan.items() if r is not Role.ROLLOUT},
-                         trainable=("actor", "critic"))
-    # Validate the user's inputs before any engine starts (engines take minutes on real models).
-    if cfg.engine.use_liger_kernel:
-        check_liger_kernel()
-    check_ring_head_stride(cfg)
-    check_model_lengths(cfg)
+    plan = check_before_engines(cfg, launch.world_size)
     reward_source = build_reward_source(cfg)
     tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code)
     sampler = PromptSampler(load_prompts(cfg.data, tokenizer), cfg.batch.rollout_batch_size, cfg.seed)
