@@ -7,7 +7,10 @@ shift
 nproc=${NPROC:-2}
 port=$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec torchrun --nproc_per_node "$nproc" --master_addr 127.0.0.1 --master_port "$port" \
+# rlhf.cli.launch is torchrun plus preemption: SIGTERM/SIGUSR1 to this process make the workers finish
+# the step, checkpoint under --ckpt_path and exit 0, within --grace_period seconds.
+exec python -m rlhf.cli.launch --grace_period "${GRACE_PERIOD:-600}" \
+  --nproc_per_node "$nproc" --master_addr 127.0.0.1 --master_port "$port" \
   -m rlhf.cli.train_ppo \
   --param_dtype fp32 --attn_implementation sdpa \
   --advantage_estimator group_norm --init_kl_coef 0 \

@@ -1,7 +1,8 @@
 """Checkpoints: 4 steps straight == 2 steps, checkpoint, resume, 2 steps (weights and metrics), where the
 checkpointed and resumed runs also have every sleep/offload switch on (so the same comparison shows
-that sleep/offload leaves training unchanged); a process killed while writing a checkpoint leaves the
-previous one loadable and resume picks it; pruning."""
+that sleep/offload leaves training unchanged), and the resume skips a damaged newer checkpoint, removes
+a leftover temporary one and drops the lost attempt's rows from metrics.jsonl; a process killed while
+writing a checkpoint leaves the previous one loadable and resume picks it; pruning."""
 
 import json
 import os
@@ -15,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf.assets import TINY_DIR
-from rlhf.utils.checkpoint import complete_checkpoints, prune
+from rlhf.utils.checkpoint import complete_checkpoints, pick_checkpoint, prune
 from tests.distributed import ROOT, run_torchrun
 from tests.test_e2e import CPU
 
@@ -30,9 +31,11 @@ SLEEP = ["--deepspeed_enable_sleep", "--ref_reward_offload", "--vllm_enable_slee
 COMPARED = ("reward_mean", "reward_shaped_mean", "kl", "kl_coef", "policy_loss", "value_loss", "grad_norm", "lr")
 
 
-def train(out, *extra):
+def train(out, *extra, stdout=None):
     proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *PPO, "--save_path", str(out), *extra)
     assert proc.returncode == 0, proc.stderr[-6000:]
+    if stdout is not None:
+        stdout.append(proc.stdout)
     with open(out / "metrics.jsonl") as f:
         return [json.loads(line) for line in f], load_file(out / "model" / "model.safetensors")
 
@@ -44,9 +47,22 @@ def test_resume_equals_uninterrupted(tmp_path):
     ckpt = tmp_path / "ckpt"
     saved_metrics, saved = train(tmp_path / "saving", "--save_steps", "2", "--ckpt_path", str(ckpt), *SLEEP)
     assert [s for s, _ in complete_checkpoints(str(ckpt))] == [2, 4]
-    shutil.rmtree(ckpt / "global_step4")  # as if the job died right after step 2's checkpoint
-    resumed_metrics, resumed = train(tmp_path / "resumed", "--load_checkpoint", "--ckpt_path", str(ckpt), *SLEEP)
-    assert [m["step"] for m in resumed_metrics] == [3, 4]
+    # as if the job died while writing step 6's checkpoint, and step 4's lost rank 1's RNG state: resume
+    # falls back to step 2, removes the leftover, and metrics.jsonl (the saving run's) keeps steps 1, 2
+    rank1 = ckpt / "global_step4" / "rng" / "rank1.pt"
+    rank1.write_bytes(rank1.read_bytes()[:64])
+    (ckpt / ".tmp-global_step6" / "rng").mkdir(parents=True)
+    (tmp_path / "resumed").mkdir()
+    shutil.copy(tmp_path / "saving" / "metrics.jsonl", tmp_path / "resumed" / "metrics.jsonl")
+    stdout = []
+    resumed_metrics, resumed = train(tmp_path / "resumed", "--load_checkpoint", "--ckpt_path", str(ckpt), *SLEEP,
+                                     stdout=stdout)
+    assert f"removed {ckpt}/.tmp-global_step6: a checkpoint whose writing was interrupted" in stdout[0]
+    assert f"checkpoint {ckpt}/global_step4 is damaged, skipping it: {rank1} has 64 bytes" in stdout[0]
+    assert f"resumed from {ckpt}/global_step2 after 2 steps" in stdout[0]
+    assert [m["step"] for m in resumed_metrics] == [1, 2, 3, 4]
+    assert resumed_metrics[:2] == saved_metrics[:2]
+    resumed_metrics = resumed_metrics[2:]
     for a, b, c in zip(straight_metrics[2:], saved_metrics[2:], resumed_metrics):
         for key in COMPARED:
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), key
@@ -71,7 +87,7 @@ for step, die in ((2, False), (4, True)):
         if die:
             os.kill(os.getpid(), signal.SIGKILL)
     w.save_rank_state(0)
-    w.save_trainer_state({{"step": step}})
+    w.save_trainer_state({{"step": step, "world_size": 1}})
     w.commit()
 """
 
@@ -86,6 +102,12 @@ def test_killed_while_writing_leaves_previous_checkpoint(tmp_path):
     assert complete_checkpoints(str(tmp_path)) == [(2, str(tmp_path / "global_step2"))]
     with open(tmp_path / "global_step2" / "trainer_state.json") as f:
         assert json.load(f)["step"] == 2
+    with open(tmp_path / "global_step2" / "MANIFEST.json") as f:
+        assert json.load(f)["files"]["weights.bin"]["size"] == 1 << 20
+    done, path, notes = pick_checkpoint(str(tmp_path), resuming=True, explicit_path=True, restarted=False)
+    assert (done, path) == (2, str(tmp_path / "global_step2"))
+    assert notes == [f"removed {tmp_path}/.tmp-global_step4: a checkpoint whose writing was interrupted"]
+    assert not os.path.exists(tmp_path / ".tmp-global_step4")
 
 
 def test_prune_keeps_the_newest(tmp_path):

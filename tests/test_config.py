@@ -53,6 +53,16 @@ def test_pending_flag_is_refused_not_ignored(capsys):
     assert "--lora_rank is an OpenRLHF flag whose feature is not implemented yet" in capsys.readouterr().err
 
 
+def test_non_finite_float_flags_are_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse("--actor_learning_rate", "inf", "--adam_betas", "0.9", "nan", "--max_norm", "1.0")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --actor_learning_rate inf is not a finite number; give a finite value" in err
+    assert "error: --adam_betas 0.9 nan is not a finite number" in err
+    assert "--max_norm" not in err
+
+
 def test_ignored_flag_warns_and_consumes_its_value():
     with pytest.warns(UserWarning, match="--vllm_sync_backend is ignored"):
         cfg = parse("--vllm_sync_backend", "nccl", "--seed", "3")
@@ -72,6 +82,9 @@ def test_ignored_flag_warns_and_consumes_its_value():
     (["--bf16", "--param_dtype", "fp32"], "--bf16 contradicts --param_dtype fp32"),
     (["--vllm_is_correction_type", "seq-mask-tis"], "seq-mask-tis is not implemented"),
     (["--eval_steps", "0"], "--eval_steps must be -1 (never) or >= 1"),
+    (["--dist_timeout", "0"], "--dist_timeout must be > 0"),
+    (["--watchdog_interval", "-1"], "--watchdog_interval must be >= 0"),
+    (["--reward_func_timeout", "-1"], "--reward_func_timeout must be >= 0"),
     (["--advantage_estimator", "ppo"], "--advantage_estimator 'ppo': choose one of gae, reinforce"),
     (["--advantage_estimator", "rloo", "--n_samples_per_prompt", "1"], "rloo compares samples of one prompt"),
     (["--dual_clip", "0.5"], "--dual_clip must be > 1"),

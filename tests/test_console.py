@@ -211,6 +211,22 @@ def test_other_ranks_show_no_library_output(tmp_path, capsys, library_logger):
     assert "rank 1 noise" in (tmp_path / "logs" / "rank1.log").read_text()
 
 
+def test_uncaught_errors_reach_the_console_on_every_rank(tmp_path, capsys):
+    """A failing non-zero rank's traceback is shown (prefixed with its rank), not only logged."""
+    routing = route_library_output(LoggingConfig(save_path=str(tmp_path)), rank=1)
+    try:
+        try:
+            raise TimeoutError("reward_func in r.py did not return within 4 s")
+        except TimeoutError as err:
+            sys.excepthook(type(err), err, err.__traceback__)
+    finally:
+        routing.uninstall()
+    err = capsys.readouterr().err
+    assert "[rank 1] TimeoutError: reward_func in r.py did not return within 4 s" in err
+    assert "did not return within 4 s" in (tmp_path / "logs" / "rank1.log").read_text()
+    assert sys.excepthook is sys.__excepthook__
+
+
 def test_verbose_passes_everything_through(tmp_path, capsys, monkeypatch, library_logger):
     library_logger = library_logger()
     monkeypatch.setattr(warnings, "showwarning", show_on_file)

@@ -2,18 +2,21 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_PROMPTS, EMBEDDED_REWARD
-from rlhf.cli.train_ppo import run
+from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_PROMPTS, EMBEDDED_REWARD, EMBEDDED_REWARD_MODEL_DIR
+from rlhf.cli.train_ppo import check_before_engines, run
+from rlhf.config.errors import UsageError
 from rlhf.config.flags import parse_config
 from rlhf.config.schema import DataConfig, TrainPPOConfig
 from rlhf.data.prompts import PromptSampler, load_prompts
 from rlhf.models.loading import load_tokenizer
+from rlhf.models.value import check_scalar_head, load_scalar_head_model
 from rlhf.rewards.base import RewardInputs
 from rlhf.rewards.reward_func import RewardFuncFile
 
@@ -69,6 +72,22 @@ def test_long_prompts_are_dropped_and_counted(tmp_path, tokenizer):
     assert [p.text for p in prompts] == ["copy 1 :"]
     with pytest.raises(ValueError, match="no usable prompts"), pytest.warns(UserWarning):
         load_prompts(DataConfig(prompt_data=path, prompt_max_len=2), tokenizer)
+
+
+def test_empty_prompts_are_named_by_file_and_row(tmp_path, tokenizer):
+    rows = [{"input": "copy 1 :"}, {"input": ""}, {"input": "copy 2 :"}, {"input": "   "}, {"input": "</s>"}]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    with pytest.raises(ValueError) as err:
+        load_prompts(DataConfig(prompt_data=path), tokenizer)
+    message = str(err.value)
+    assert "3 prompt(s) would generate from nothing" in message
+    assert f"{path}, row 2: the prompt is empty after formatting" in message
+    assert f"{path}, row 4: the prompt is empty after formatting" in message
+    assert f"{path}, row 5: the prompt '</s>' is only special tokens" in message
+    assert "row 1" not in message and "row 3" not in message
+    # a template around an empty question is not empty: left to the user
+    assert len(load_prompts(DataConfig(prompt_data=write_jsonl(tmp_path / "q.jsonl", [{"input": ""}]),
+                                       input_template="copy {} :"), tokenizer)) == 1
 
 
 def test_templates_and_labels(tmp_path, tokenizer):
@@ -152,3 +171,93 @@ def test_cli_reports_errors_without_a_traceback(tmp_path):
     assert proc.returncode == 2
     assert "defines no function reward_func" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _demo_cfg(*argv):
+    return parse_config(TrainPPOConfig, ["--train_batch_size", "8", "--prompt_max_len", "16",
+                                         "--generate_max_len", "8", *argv]).with_demo_defaults()
+
+
+def test_unwritable_output_directories_fail_before_engines(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(UsageError, match=rf"--save_path {blocker}/out is not writable \(.*not a directory\)"):
+        check_before_engines(_demo_cfg("--save_path", str(blocker / "out")), 1)
+    with pytest.raises(UsageError, match=rf"--ckpt_path {blocker}/ck is not writable"):
+        check_before_engines(_demo_cfg("--save_path", str(tmp_path / "out"), "--save_steps", "1",
+                                       "--ckpt_path", str(blocker / "ck")), 1)
+    check_before_engines(_demo_cfg("--save_path", str(tmp_path / "a" / "b"), "--save_steps", "1",
+                                   "--ckpt_path", str(tmp_path)), 1)
+    assert sorted(os.listdir(tmp_path)) == ["file"]  # the check leaves nothing behind
+
+
+def test_an_earlier_runs_output_is_refused_before_engines(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    with pytest.raises(UsageError, match=r"metrics.jsonl already holds 2 rows of metrics from an earlier run: pass "
+                                         r"--load_checkpoint to continue that run, or choose another --save_path"):
+        check_before_engines(_demo_cfg("--save_path", str(tmp_path)), 1)
+    check_before_engines(_demo_cfg("--save_path", str(tmp_path), "--load_checkpoint"), 1)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a torchrun restart resumes by itself
+    check_before_engines(_demo_cfg("--save_path", str(tmp_path)), 1)
+
+
+def test_unreachable_reward_server_fails_before_engines(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/get_reward"
+    with pytest.raises(UsageError, match=rf"--remote_rm_url {url}: cannot connect to 127.0.0.1:{port} within 5s "
+                                         r"\(.*\); start the reward server first"):
+        check_before_engines(_demo_cfg("--save_path", str(tmp_path), "--remote_rm_url", url), 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/get_reward"
+        check_before_engines(_demo_cfg("--save_path", str(tmp_path), "--remote_rm_url", url), 1)
+
+
+def test_reward_model_without_its_head_is_refused():
+    with pytest.raises(ValueError, match=rf"--reward_pretrain {EMBEDDED_MODEL_DIR} has no value head 'score.weight' "
+                                         r"\(--value_head_prefix score\); keys outside the base model: lm_head.weight"):
+        check_scalar_head(EMBEDDED_MODEL_DIR, "score")
+    with pytest.raises(ValueError, match=r"no value head 'scroe.weight' .*keys outside the base model: score.weight"):
+        load_scalar_head_model(EMBEDDED_REWARD_MODEL_DIR, "scroe", torch.float32, "sdpa")
+    check_scalar_head(EMBEDDED_REWARD_MODEL_DIR, "score")
+    critic = load_scalar_head_model(EMBEDDED_MODEL_DIR, "score", torch.float32, "sdpa", fresh_head=True)
+    assert torch.isfinite(critic.head.weight).all()  # a critic may start from the policy with a fresh head
+
+
+def test_reward_model_without_head_fails_before_engines(tmp_path):
+    with pytest.raises(ValueError, match=rf"--reward_pretrain {EMBEDDED_MODEL_DIR} has no value head"):
+        check_before_engines(parse_config(TrainPPOConfig, [
+            "--pretrain", EMBEDDED_MODEL_DIR, "--reward_pretrain", EMBEDDED_MODEL_DIR, "--prompt_data",
+            EMBEDDED_PROMPTS, "--train_batch_size", "8", "--prompt_max_len", "16", "--generate_max_len", "8",
+            "--save_path", str(tmp_path / "out")]), 1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_exits_2_for_a_reward_model_without_head(tmp_path, monkeypatch, capsys):
+    from rlhf.cli.train_ppo import main
+
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(SystemExit) as exc:
+        main(["--pretrain", EMBEDDED_MODEL_DIR, "--reward_pretrain", EMBEDDED_REWARD_MODEL_DIR, "--value_head_prefix",
+              "value_head", "--prompt_data", EMBEDDED_PROMPTS, "--train_batch_size", "8", "--prompt_max_len", "16",
+              "--generate_max_len", "8", "--attn_implementation", "sdpa", "--save_path", str(tmp_path / "out"),
+              "--verbose"])  # --verbose: leave this process's library loggers alone
+    assert exc.value.code == 2
+    assert (f"error: --reward_pretrain {EMBEDDED_REWARD_MODEL_DIR} has no value head 'value_head.weight'"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_serve_rm_refuses_a_reward_model_without_head(capsys):
+    from rlhf.cli import serve_rm
+
+    with pytest.raises(SystemExit) as exc:
+        serve_rm.main(["--reward_pretrain", EMBEDDED_REWARD_MODEL_DIR, "--value_head_prefix", "value_head"])
+    assert exc.value.code == 2
+    assert "has no value head 'value_head.weight' (--value_head_prefix value_head); keys outside the base " \
+           "model: score.weight" in capsys.readouterr().err

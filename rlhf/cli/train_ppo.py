@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
+import tempfile
+import urllib.parse
 import warnings
 
 import torch
@@ -19,8 +22,8 @@ from rlhf.config.schema import TrainPPOConfig
 from rlhf.data.prompts import PromptSampler, load_prompts
 from rlhf.distributed.launch import init_distributed, read_launch_env
 from rlhf.distributed.topology import Role, Topology, plan_ranks
-from rlhf.models.loading import check_liger_kernel, load_tokenizer, resolve_attention
-from rlhf.models.value import save_scalar_head_model
+from rlhf.models.loading import check_liger_kernel, check_local_model, load_tokenizer, resolve_attention
+from rlhf.models.value import check_scalar_head, save_scalar_head_model
 from rlhf.rewards.base import RewardSource
 from rlhf.trainers.build import (
     ROLE_NAMES,
@@ -33,9 +36,10 @@ from rlhf.trainers.build import (
 )
 from rlhf.trainers.ppo import PPOTrainer, Roles, total_steps
 from rlhf.utils.console import route_library_output
-from rlhf.utils.logging import MetricsLogger, WandbSettings
+from rlhf.utils.logging import MetricsLogger, WandbSettings, check_no_earlier_run
 from rlhf.utils.preemption import PreemptionWatch
 from rlhf.utils.seeding import seed_everything
+from rlhf.utils.watchdog import Watchdog
 
 
 def build_rollout_engine(cfg: TrainPPOConfig, device: torch.device, tokenizer):
@@ -74,7 +78,7 @@ def build_reward_source(cfg: TrainPPOConfig) -> RewardSource | None:
         return RemoteRewardClient(source, cfg.reward.remote_rm_timeout, cfg.reward.remote_rm_retries)
     from rlhf.rewards.reward_func import RewardFuncFile
 
-    return RewardFuncFile(source)
+    return RewardFuncFile(source, cfg.reward.reward_func_timeout)
 
 
 def save_models(cfg: TrainPPOConfig, roles: Roles, topology: Topology, tokenizer) -> None:
@@ -117,7 +121,55 @@ def check_before_engines(cfg: TrainPPOConfig, world_size: int) -> dict[Role, tup
         check_liger_kernel()
     check_ring_head_stride(cfg)
     check_model_lengths(cfg)
+    for path in cfg.reward.reward_paths:  # a reward model with a random head trains against noise
+        check_local_model(path, "--reward_pretrain")
+        check_scalar_head(path, cfg.model.value_head_prefix, "--reward_pretrain")
+    check_writable("--save_path", cfg.logging.save_path)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if not (cfg.checkpoint.load_checkpoint or restarted):
+        check_no_earlier_run(cfg.logging.save_path)
+    if cfg.checkpoint.save_steps != -1:
+        check_writable("--ckpt_path", cfg.checkpoint.ckpt_path)
+    if cfg.reward.source.startswith(("http://", "https://")):
+        check_reachable("--remote_rm_url", cfg.reward.source, min(cfg.reward.remote_rm_timeout, 5.0))
     return plan
+
+
+def check_writable(flag: str, path: str) -> None:
+    """Write a temporary file in directory `path` (or, while it does not exist, a temporary directory in its
+    nearest existing parent, so a failed run leaves nothing behind): an unwritable output fails now, not
+    after the first training step. Every rank calls it (a node may lack the mount)."""
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(20, f"{existing} is not a directory")
+        if existing == os.path.abspath(path):
+            with tempfile.NamedTemporaryFile(dir=existing, prefix=".write_test"):
+                pass
+        else:
+            os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".write_test"))
+    except OSError as err:
+        raise UsageError(f"{flag} {path} is not writable ({err.strerror or err}); choose a directory this "
+                         "user can write") from err
+
+
+def check_reachable(flag: str, url: str, timeout_s: float) -> None:
+    """One TCP connection to the host and port of an http(s) `url` (no request is sent, so the server
+    scores nothing); an unreachable server is a usage error now, before the engines start."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as err:
+        raise UsageError(f"{flag} {url}: bad port ({err})") from err
+    if not parts.hostname:
+        raise UsageError(f"{flag} {url}: no host in the URL; give e.g. http://host:5000/get_reward")
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as err:
+        raise UsageError(f"{flag} {url}: cannot connect to {parts.hostname}:{port} within {timeout_s:g}s "
+                         f"({err.strerror or err}); start the reward server first or fix the URL") from err
 
 
 def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ()) -> None:
@@ -125,6 +177,9 @@ def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ())
     routing is in place (rank 0 shows ours; library ones are collected)."""
     launch = read_launch_env()
     route_library_output(cfg.logging, launch.rank)  # library warnings: once on the console, all in a file
+    # From here on SIGTERM/SIGUSR1 mean "checkpoint at the first step boundary and stop" (one during setup
+    # is remembered, not fatal).
+    preemption = PreemptionWatch()
     for w in parse_warnings:
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     demo = cfg.model.pretrain is None
@@ -133,8 +188,8 @@ def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ())
     reward_source = build_reward_source(cfg)
     tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code)
     sampler = PromptSampler(load_prompts(cfg.data, tokenizer), cfg.batch.rollout_batch_size, cfg.seed)
-    device = init_distributed(launch)
-    preemption = PreemptionWatch()  # from here on SIGTERM/SIGUSR1 mean "checkpoint and stop"
+    device = init_distributed(launch, cfg.dist_timeout)
+    Watchdog(launch.rank, cfg.watchdog_interval).start()  # prints where this rank is stuck, if it is
     topology = Topology(plan, rollout_tp=cfg.rollout.vllm_tensor_parallel_size, ring_size=cfg.engine.ring_attn_size)
     is_writer = launch.rank == 0
     if is_writer and demo:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import re
 import sys
 import types
@@ -202,4 +203,19 @@ def parse_config(config_cls: type, argv: Sequence[str] | None = None, prog: str 
     values: dict = {}
     for spec in specs:
         _set(values, spec.path, getattr(namespace, spec.flag))
+    nonfinite = _nonfinite_floats(namespace, specs)
+    if nonfinite:
+        exit_usage(nonfinite)
     return _instantiate(config_cls, values)
+
+
+def _nonfinite_floats(namespace: argparse.Namespace, specs: list[FlagSpec]) -> list[str]:
+    """One line per float flag given inf or nan (argparse's float() accepts them; no setting means them)."""
+    lines = []
+    for spec in specs:
+        value = getattr(namespace, spec.flag)
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if spec.kind is float and any(isinstance(v, float) and not math.isfinite(v) for v in items):
+            shown = " ".join(map(str, items))
+            lines.append(f"--{spec.flag} {shown} is not a finite number; give a finite value")
+    return lines

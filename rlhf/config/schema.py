@@ -85,12 +85,15 @@ class OptimConfig:
     adam_betas: tuple[float, float] = opt((0.9, 0.95), "AdamW betas", nargs=2)
     l2: float = opt(0.0, "AdamW weight decay")
     max_norm: float = opt(1.0, "gradient clipping norm (0 disables)")
+    max_nonfinite_steps: int = opt(0, "optimizer steps with a non-finite loss or gradient to skip (gradients "
+                                   "dropped, no update) before the run stops; 0: the first one stops it")
 
     def __post_init__(self) -> None:
         _require(self.actor_learning_rate > 0, "--actor_learning_rate must be positive")
         _require(0 <= self.lr_warmup_ratio < 1, "--lr_warmup_ratio must lie in [0, 1)")
         _require(len(self.adam_betas) == 2, "--adam_betas takes two numbers, e.g. --adam_betas 0.9 0.95")
         _require(self.max_norm >= 0, "--max_norm must be >= 0")
+        _require(self.max_nonfinite_steps >= 0, "--max_nonfinite_steps must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -297,8 +300,11 @@ class RewardConfig:
                                     "(default without --reward_pretrain: the embedded demo reward)")
     remote_rm_timeout: float = opt(30.0, "seconds per HTTP reward request")
     remote_rm_retries: int = opt(3, "attempts per HTTP reward request")
+    reward_func_timeout: float = opt(300.0, "seconds one reward_func call (--remote_rm_url FILE.py) may take "
+                                     "before the run fails with an error naming the file (0: no limit)")
 
     def __post_init__(self) -> None:
+        _require(self.reward_func_timeout >= 0, "--reward_func_timeout must be >= 0 (seconds; 0: no limit)")
         _require(self.remote_rm_timeout > 0 and self.remote_rm_retries >= 1,
                  "--remote_rm_timeout must be > 0 and --remote_rm_retries >= 1")
 
@@ -403,8 +409,13 @@ class TrainPPOConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int = opt(42, "random seed (every rank derives its streams from it)")
     full_determinism: bool = opt(False, "use deterministic torch algorithms")
+    dist_timeout: float = opt(30.0, "minutes a collective waits for the other ranks before the run fails")
+    watchdog_interval: float = opt(120.0, "every N seconds without progress, each rank prints to stderr the "
+                                   "stage it is in and since when (0: off)")
 
     def __post_init__(self) -> None:
+        _require(self.dist_timeout > 0, "--dist_timeout must be > 0 (minutes)")
+        _require(self.watchdog_interval >= 0, "--watchdog_interval must be >= 0 (seconds; 0 turns it off)")
         n, algo = self.rollout.n_samples_per_prompt, self.algo
         if algo.advantage_estimator in GROUP_ESTIMATORS:
             _require(n > 1, f"--advantage_estimator {algo.advantage_estimator} compares samples of one prompt: "

@@ -92,11 +92,25 @@ def _format(row: dict, where: str, cfg: DataConfig, tokenizer) -> str:
     return cfg.input_template.format(value) if cfg.input_template else value
 
 
+def _empty_prompt_problem(text: str, ids: list[int], tokenizer) -> str | None:
+    """Why a formatted prompt gives the engine nothing to continue from (None if it is fine)."""
+    if not text.strip():
+        return "the prompt is empty after formatting"
+    if not ids:
+        return f"the prompt {text[:40]!r} tokenizes to no tokens"
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    if all(i in special for i in ids):
+        return f"the prompt {text[:40]!r} is only special tokens"
+    return None
+
+
 def load_prompts(cfg: DataConfig, tokenizer) -> list[Prompt]:
-    """Formatted, tokenized prompts; rows over `prompt_max_len` tokens are dropped with a warning."""
+    """Formatted, tokenized prompts; rows over `prompt_max_len` tokens are dropped with a warning; rows
+    that are empty after formatting, tokenize to nothing or only to special tokens are an error naming
+    each one (file and row)."""
     if cfg.tokenizer_chat_template:
         tokenizer.chat_template = cfg.tokenizer_chat_template
-    prompts, too_long = [], 0
+    prompts, too_long, empty = [], 0, []
     rows = read_rows(cfg)
     for path, rowno, row in rows:
         where = f"{path}, row {rowno}"
@@ -108,10 +122,18 @@ def load_prompts(cfg: DataConfig, tokenizer) -> list[Prompt]:
                                  f"(columns: {', '.join(sorted(row))})")
             label = row[cfg.label_key]
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        problem = _empty_prompt_problem(text, ids, tokenizer)
+        if problem:
+            empty.append(f"{where}: {problem}")
+            continue
         if len(ids) > cfg.prompt_max_len:
             too_long += 1
             continue
         prompts.append(Prompt(text, tuple(ids), label))
+    if empty:
+        shown = "; ".join(empty[:5]) + (f"; ... ({len(empty)} rows in all)" if len(empty) > 5 else "")
+        raise ValueError(f"--prompt_data {cfg.prompt_data}: {len(empty)} prompt(s) would generate from nothing: "
+                         f"{shown}; fix or remove these rows (or check --input_key / --input_template)")
     if too_long:
         warnings.warn(f"dropped {too_long} of {len(rows)} prompts longer than --prompt_max_len "
                       f"{cfg.prompt_max_len} tokens", stacklevel=2)

@@ -59,9 +59,10 @@ def read_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
     return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", "29500")), "single")
 
 
-def init_distributed(launch: LaunchEnv, timeout_minutes: int = 30) -> torch.device:
+def init_distributed(launch: LaunchEnv, timeout_minutes: float = 30) -> torch.device:
     """Initialise the default group (NCCL for CUDA tensors plus gloo for CPU tensors on a GPU machine,
-    gloo on CPU) and return this rank's device.
+    gloo on CPU) and return this rank's device. `timeout_minutes` (`--dist_timeout`): how long a
+    collective (and the rendezvous) waits for ranks that do not arrive before it raises.
 
     Exports RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* so libraries that read them (vLLM's external
     launcher, DeepSpeed) agree with us. Called once by every rank.

@@ -9,6 +9,7 @@ same for any split of the step over DP ranks and micro-batches.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 
@@ -54,6 +55,47 @@ def _scheduler(optimizer, optim: OptimConfig, num_optimizer_steps: int):
                          num_training_steps=num_optimizer_steps, scheduler_specific_kwargs=kwargs)
 
 
+class NonFiniteError(RuntimeError):
+    """A non-finite loss or gradient reached an optimizer step, or non-finite weights a save. Raised on every
+    rank of the model's group alike (the decision is agreed over the group before anything is applied)."""
+
+
+_GRADIENT_TERM = "gradient is non-finite"
+
+
+def first_nonfinite(terms: dict[str, torch.Tensor | None]) -> str | None:
+    """"<name> is nan" (or inf) for the first term that is not finite everywhere (None: all finite or absent)."""
+    for name, value in terms.items():
+        if value is not None and not bool(torch.isfinite(value.detach()).all()):
+            return f"{name} is {'nan' if bool(torch.isnan(value.detach()).any()) else 'inf'}"
+    return None
+
+
+def _discard_gradients(engine, zero_stage: int) -> None:
+    """Drop the accumulated gradients of the current optimizer step without applying them, the way
+    DeepSpeed's own overflow path does (ZeRO-1/2 `step`, ZeRO-3 `_overflow_clean_up`), and count the step
+    as skipped, as DeepSpeed counts an overflow (LR schedule not advanced)."""
+    opt = engine.optimizer
+    if zero_stage == 3:
+        opt._overflow_clean_up(opt.loss_scale)
+    elif zero_stage in (1, 2):
+        opt.zero_grad(set_to_none=True)
+        opt._release_preflattened_grad_buffers()
+        if opt.cpu_offload:
+            opt.reset_cpu_buffers()
+        else:
+            for k in opt.averaged_gradients:
+                opt.averaged_gradients[k] = None
+                opt.all_grad_tensors[k] = None
+        opt.micro_step_id = -1  # INITIAL_MICRO_STEP_ID: the next backward starts a fresh accumulation
+    else:
+        opt.zero_grad()
+        engine.zero_grad()
+    engine.skipped_steps += 1
+    engine.global_steps += 1
+    engine.micro_steps += 1
+
+
 class GroupMPU:
     """The `mpu` DeepSpeed asks for when a model's data-parallel group is a subgroup of the world:
     data parallelism over the role's group, no model parallelism (a single-rank group)."""
@@ -96,7 +138,12 @@ class DeepSpeedModel:
     def __init__(self, build: Callable[[], torch.nn.Module], engine_cfg: EngineConfig, optim_cfg: OptimConfig, *,
                  learning_rate: float, bf16: bool, micro_batch_size: int, grad_accum_steps: int, fp16: bool = False,
                  num_optimizer_steps: int, device: torch.device, dp_group: dist.ProcessGroup | None = None,
-                 mpu: GroupMPU | None = None, trainable: bool = True, gradient_checkpointing: bool = False) -> None:
+                 mpu: GroupMPU | None = None, trainable: bool = True, gradient_checkpointing: bool = False,
+                 name: str = "model") -> None:
+        self.name = name
+        self.max_nonfinite_steps = optim_cfg.max_nonfinite_steps
+        self.optimizer_steps = 0  # boundaries reached, applied or skipped
+        self.nonfinite_skipped = 0
         self.dp_group = dp_group
         self.mpu_group = mpu.get_data_parallel_group() if mpu else None
         self.dp_size = dist.get_world_size(group=dp_group)
@@ -153,9 +200,68 @@ class DeepSpeedModel:
         self.engine.set_gradient_accumulation_boundary(last_micro_batch)
         self.engine.backward(loss * self.dp_size, scale_wrt_gas=False)
 
-    def step(self) -> None:
-        """Call after every micro-batch; DeepSpeed steps the optimizer at accumulation boundaries."""
+    def step(self, nonfinite: str | None = None) -> bool:
+        """Call after every micro-batch; DeepSpeed steps the optimizer at accumulation boundaries.
+
+        `nonfinite`: the first loss term this rank saw non-finite during the current optimizer step (None:
+        all finite). At the boundary, before DeepSpeed applies anything, it is agreed over the DP group
+        (with the gradients themselves checked at ZeRO-0, where every rank holds them whole); if any rank
+        is bad, every rank raises `NonFiniteError` naming the optimizer step, the term and the rank, or,
+        while fewer than --max_nonfinite_steps were skipped, drops the gradients and skips the update.
+        A non-finite global gradient norm found by DeepSpeed's step is handled the same way (DeepSpeed
+        skips such steps at ZeRO-1/2 in fp32; elsewhere the update was applied, so it always raises).
+        Returns whether an update was applied. Collective over the DP group at boundaries.
+        """
+        if not self.engine.is_gradient_accumulation_boundary():
+            self.engine.step()
+            return False
+        self.optimizer_steps += 1
+        if nonfinite is None and self.zero_stage == 0 and self._local_grads_nonfinite():
+            nonfinite = _GRADIENT_TERM
+        bad = self._agree_nonfinite(nonfinite)
+        if bad is not None:
+            self._skip_or_raise(f"{bad[1]} on rank {bad[0]}")
+            _discard_gradients(self.engine, self.zero_stage)
+            return False
+        skipped_before = self.engine.skipped_steps
         self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        if norm is not None and not math.isfinite(float(norm)):
+            if self.engine.skipped_steps == skipped_before:
+                self._skip_or_raise(f"gradient norm is {float(norm)} and the update was applied", force=True)
+            self._skip_or_raise(f"gradient norm is {float(norm)} (DeepSpeed skipped the update)")
+            return False
+        return True
+
+    def _local_grads_nonfinite(self) -> bool:
+        return any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in self.module.parameters())
+
+    def _agree_nonfinite(self, term: str | None) -> tuple[int, str] | None:
+        """(group rank, term) of the first rank that saw a non-finite term, the same on every rank."""
+        width = 64
+        codes = torch.zeros(self.dp_size, width, dtype=torch.int32, device=self.engine.device)
+        if term is not None:
+            raw = list(term.encode()[:width]) or [ord("?")]
+            codes[dist.get_rank(self.dp_group), :len(raw)] = torch.tensor(raw, dtype=torch.int32)
+        dist.all_reduce(codes, group=self.dp_group)
+        found = [(rank, bytes(c for c in row if c).decode(errors="replace"))
+                 for rank, row in enumerate(codes.cpu().tolist()) if any(row)]
+        # a loss term is the cause; the (all-reduced, so everywhere bad) gradient only its consequence
+        return next((f for f in found if f[1] != _GRADIENT_TERM), found[0] if found else None)
+
+    def _skip_or_raise(self, problem: str, force: bool = False) -> None:
+        """Count a skipped optimizer step, or raise when the budget is spent (or `force`)."""
+        message = f"optimizer step {self.optimizer_steps}: {self.name} {problem}"
+        if force:
+            raise NonFiniteError(f"{message}; stopping (these weights are never saved); lower the learning rate "
+                                 "or check the data")
+        if self.nonfinite_skipped >= self.max_nonfinite_steps:
+            raise NonFiniteError(f"{message}; stopping before the non-finite values reach the weights "
+                                 f"(--max_nonfinite_steps {self.max_nonfinite_steps} skipped steps allowed, "
+                                 f"{self.nonfinite_skipped} used); lower the learning rate or check the data")
+        self.nonfinite_skipped += 1
+        warnings.warn(f"{message}: update skipped ({self.nonfinite_skipped} of --max_nonfinite_steps "
+                      f"{self.max_nonfinite_steps})", stacklevel=3)
 
     def grad_norm(self) -> float:
         norm = self.engine.get_global_grad_norm()
@@ -188,8 +294,14 @@ class DeepSpeedModel:
     def gathered_state_dict(self, is_writer: bool) -> dict[str, torch.Tensor]:
         """The full state dict (HF names) on the writer, {} elsewhere: non-writers take part in every
         ZeRO-3 gather but drop each tensor at once, so only one rank ever holds the whole model.
-        Collective: every DP rank calls it."""
-        return dict(self.full_parameters(keep=is_writer))
+        Collective: every DP rank calls it. Raises `NonFiniteError` on the writer if a weight is not finite
+        (such a model is never saved)."""
+        state = dict(self.full_parameters(keep=is_writer))
+        bad = [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if bad:
+            raise NonFiniteError(f"{self.name} weights are non-finite ({', '.join(bad[:5])}"
+                                 f"{', ...' if len(bad) > 5 else ''}): refusing to save them")
+        return state
 
     def offload(self) -> None:
         """Move optimizer states and gradient buffers (trainable) or parameters (frozen, below ZeRO-3) to

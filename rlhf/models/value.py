@@ -84,13 +84,49 @@ def _head_weight(path: str, key: str) -> torch.Tensor | None:
     return None
 
 
+def checkpoint_keys(path: str) -> list[str]:
+    """Every tensor name of the safetensors checkpoint at `path`, from the index or the file headers only."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return sorted(json.load(f)["weight_map"])
+    keys: list[str] = []
+    for name in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            keys.extend(f.keys())
+    return sorted(keys)
+
+
+def check_scalar_head(path: str, head_prefix: str, flag: str = "--reward_pretrain") -> None:
+    """Raise ValueError unless the checkpoint at `path` holds `<head_prefix>.weight`: a reward model without
+    its trained head would score with random weights. Reads only the index or safetensors headers."""
+    keys = checkpoint_keys(path)
+    if f"{head_prefix}.weight" in keys:
+        return
+    if not keys:
+        raise ValueError(f"{flag} {path}: no safetensors weights found, so no value head "
+                         f"'{head_prefix}.weight'; save the reward model with safe_serialization")
+    tops: dict[str, int] = {}
+    for key in keys:
+        tops[key.split(".")[0]] = tops.get(key.split(".")[0], 0) + 1
+    base = max(tops, key=tops.get)  # the base model's prefix holds nearly every tensor
+    candidates = [k for k in keys if not k.startswith(base + ".")] or keys[-3:]
+    raise ValueError(f"{flag} {path} has no value head '{head_prefix}.weight' (--value_head_prefix "
+                     f"{head_prefix}); keys outside the base model: {', '.join(candidates[:8])}. Pass the head's "
+                     "prefix with --value_head_prefix, or point the flag at a trained reward model, not a causal LM")
+
+
 def load_scalar_head_model(path: str, head_prefix: str, dtype: torch.dtype, attn_implementation: str,
-                           trust_remote_code: bool = False, flag: str = "--reward_pretrain") -> ScalarHeadModel:
+                           trust_remote_code: bool = False, flag: str = "--reward_pretrain",
+                           fresh_head: bool = False) -> ScalarHeadModel:
     """Base weights from `path` (a causal LM or a sequence-classification checkpoint) and the head
-    `<head_prefix>.weight` when present; a missing head is initialised N(0, 1/(hidden+1))."""
+    `<head_prefix>.weight`. A missing head is a ValueError (see `check_scalar_head`) unless `fresh_head`
+    (a critic may start from the policy): then it is initialised N(0, 1/(hidden+1))."""
     from transformers import AutoModel
 
     check_local_model(path, flag)
+    if not fresh_head:
+        check_scalar_head(path, head_prefix, flag)
     base = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
                                      trust_remote_code=trust_remote_code, local_files_only=True)
     model = ScalarHeadModel(base, head_prefix)

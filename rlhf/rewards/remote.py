@@ -1,44 +1,75 @@
 """Rewards from an HTTP reward server (OpenRLHF's remote RM protocol), with timeouts and retries.
 
 Request: POST JSON {"query": [...], "prompts": [...], "labels": [...]}. Response: JSON with
-"rewards" (and optionally "scores", "extra_logs"), or a bare list of rewards.
+"rewards" (and optionally "scores", "extra_logs"), or a bare list of rewards. A server that requires a
+bearer token (`serve_rm --api_key`) gets the one in env RLHF_RM_API_KEY: the key is read from the
+environment, never from a flag, so it stays out of the logged config and the process list.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import os
 import time
 import urllib.error
 import urllib.request
 
 from rlhf.rewards.base import RewardInputs, RewardResult, result_from_output
 
+API_KEY_ENV = "RLHF_RM_API_KEY"
+_RETRIED_4XX = (408, 429)  # request timeout, too many requests: the server may accept the same request later
+
 
 class RemoteRewardClient:
-    """A `RewardSource` that posts each batch to `url`; transient failures are retried with backoff."""
+    """A `RewardSource` that posts each batch to `url`. Transient failures (connection errors, timeouts,
+    truncated or garbled answers, HTTP 5xx, 408, 429) are retried with backoff; other 4xx raise at once.
+    `api_key` (default: env RLHF_RM_API_KEY) is sent as `Authorization: Bearer <key>`."""
 
-    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 0.5) -> None:
+    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 0.5,
+                 api_key: str | None = None) -> None:
         self.url, self.timeout_s, self.retries, self.backoff_s = url, timeout_s, retries, backoff_s
+        self._api_key = api_key or os.environ.get(API_KEY_ENV) or None
 
     def _post(self, payload: bytes):
-        request = urllib.request.Request(self.url, data=payload, headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        request = urllib.request.Request(self.url, data=payload, headers=headers)
         with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
             return json.loads(response.read().decode("utf-8"))
 
     def score(self, batch: RewardInputs) -> RewardResult:
         payload = json.dumps({"query": batch.queries, "prompts": batch.prompts, "labels": batch.labels}).encode()
-        last_error: Exception | None = None
+        last_error = ""
         for attempt in range(self.retries):
             try:
                 out = self._post(payload)
-                return result_from_output(out, len(batch.queries), f"reward server {self.url}")
             except urllib.error.HTTPError as err:
-                if err.code < 500:  # the server rejected the request: retrying cannot help
-                    raise ValueError(f"reward server {self.url} answered HTTP {err.code}: "
-                                     f"{err.read()[:300].decode(errors='replace')}") from err
-                last_error = err
-            except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError) as err:
-                last_error = err
-            time.sleep(self.backoff_s * 2**attempt)
+                detail = f"HTTP {err.code}: {_error_text(err)}"
+                if err.code < 500 and err.code not in _RETRIED_4XX:  # rejected: the same request fails again
+                    hint = f" (set {API_KEY_ENV} to the server's key)" if err.code == 401 else ""
+                    raise ValueError(f"reward server {self.url} answered {detail}{hint}") from err
+                last_error = detail
+            except (OSError, http.client.HTTPException, json.JSONDecodeError, UnicodeDecodeError) as err:
+                # OSError: refused/reset/timed out; HTTPException: truncated (IncompleteRead) or no answer
+                last_error = f"{type(err).__name__}: {err}"
+            else:
+                return result_from_output(out, len(batch.queries), f"reward server {self.url}")
+            if attempt + 1 < self.retries:
+                time.sleep(self.backoff_s * 2**attempt)
         raise RuntimeError(f"reward server {self.url} failed {self.retries} times (timeout {self.timeout_s}s); "
                            f"last error: {last_error}")
+
+
+def _error_text(err: urllib.error.HTTPError) -> str:
+    """The server's explanation: the "error" field of a JSON body, else the start of the body."""
+    try:
+        body = err.read(2000).decode("utf-8", errors="replace")
+    except (OSError, http.client.HTTPException):
+        return err.reason or "(no body)"
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return body[:500] or str(err.reason)
+    return str(parsed["error"]) if isinstance(parsed, dict) and "error" in parsed else body[:500]

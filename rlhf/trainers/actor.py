@@ -21,7 +21,7 @@ from rlhf.algorithms.losses import (
 from rlhf.config.schema import AlgoConfig
 from rlhf.data.pretrain import PtxData
 from rlhf.data.records import Experience
-from rlhf.engines.deepspeed_engine import DeepSpeedModel
+from rlhf.engines.deepspeed_engine import DeepSpeedModel, first_nonfinite
 from rlhf.models.logprobs import policy_forward
 from rlhf.models.micro_batches import MicroBatcher, forward_in_micro_batches
 
@@ -94,6 +94,7 @@ class Actor:
         num_micro = len(micro_batches) * dist.get_world_size(self.group)  # aux loss: per rank's own tokens
         num_replica_micro = num_micro // ring  # ptx: one loss per ring
         stats = {"policy_loss": 0.0, "clip_frac": 0.0}  # optional terms appear only when they apply
+        nonfinite = None  # the first non-finite loss term of this optimizer step on this rank
         for i, exp in enumerate(micro_batches):
             action = exp.action_mask_BT1.to(self.device)
             out = policy_forward(self.model.engine, exp.sequences_BT.to(self.device),
@@ -120,10 +121,18 @@ class Actor:
                 ptx_loss = self._ptx_loss(*ptx.next())
                 stats["ptx_loss"] = stats.get("ptx_loss", 0.0) + float(ptx_loss.detach()) / num_replica_micro
                 loss = loss + self.algo.ptx_coef * ptx_loss / num_replica_micro
+            nonfinite = nonfinite or first_nonfinite({
+                "policy_loss": policy_loss, "train_kl": kl_mean if exp.ref_logprobs_BT1 is not None else None,
+                "entropy": entropy if out.entropy_BT1 is not None else None, "aux_loss": out.aux_loss,
+                "ptx_loss": ptx_loss if ptx is not None else None, "loss": loss})
             self.model.backward(loss, last_micro_batch=i == len(micro_batches) - 1)
-            self.model.step()
+            applied = self.model.step(nonfinite)
+        if not applied:  # skipped for a non-finite term (see DeepSpeedModel.step): its losses are not logged
+            return {"nonfinite_skipped": 1.0, "lr": self.model.learning_rate()}
         stats["grad_norm"] = self.model.grad_norm()
         stats["lr"] = self.model.learning_rate()
+        if self.model.max_nonfinite_steps:
+            stats["nonfinite_skipped"] = 0.0
         return stats
 
     def _ptx_loss(self, ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:

@@ -74,7 +74,7 @@ def _engine(cfg: TrainPPOConfig, topology: Topology, role: Role, build, device: 
         grad_accum_steps=max(b.train_batch_size // (b.micro_train_batch_size * dp), 1) if trainable else 1,
         num_optimizer_steps=max(steps * b.max_epochs * samples // b.train_batch_size, 1), device=device,
         dp_group=topology.group(role), mpu=mpu, trainable=trainable,
-        gradient_checkpointing=cfg.model.gradient_checkpointing and trainable)
+        gradient_checkpointing=cfg.model.gradient_checkpointing and trainable, name=ROLE_NAMES[role])
 
 
 def layout_for(cfg: TrainPPOConfig, topology: Topology, role: Role) -> SequenceLayout:
@@ -206,7 +206,8 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
         infer, train = batchers_for(cfg, topology, Role.CRITIC)
         model = _engine(_with_steps(cfg, total_steps), topology, Role.CRITIC, _model_builder(
             cfg, train.layout, lambda attn: load_scalar_head_model(path, m.value_head_prefix, dtype, attn,
-                                                                   m.trust_remote_code, "--critic_pretrain")),
+                                                                   m.trust_remote_code, "--critic_pretrain",
+                                                                   fresh_head=True)),
                         device, trainable=True, learning_rate=cfg.optim.critic_learning_rate)
         critic = Critic(model, topology.group(Role.CRITIC), device, cfg.algo.value_clip, infer_batcher=infer,
                         train_batcher=train)

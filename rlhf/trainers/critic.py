@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from rlhf.algorithms.losses import token_sum_over_global_count, value_loss_BT1
 from rlhf.data.records import Experience
-from rlhf.engines.deepspeed_engine import DeepSpeedModel
+from rlhf.engines.deepspeed_engine import DeepSpeedModel, first_nonfinite
 from rlhf.models.micro_batches import MicroBatcher, forward_in_micro_batches
 from rlhf.models.value import token_values
 from rlhf.trainers.actor import global_sum
@@ -40,6 +40,7 @@ class Critic:
         (num_tokens,) = global_sum([sum(float(e.action_mask_BT1.sum()) for e in micro_batches)], self.group)
         num_tokens = max(num_tokens / self.layout.ring_size, 1.0)
         stats = {"value_loss": 0.0}
+        nonfinite = None  # the first non-finite loss of this optimizer step on this rank
         for i, exp in enumerate(micro_batches):
             action = exp.action_mask_BT1.to(self.device)
             values = token_values(self.model.engine, exp.sequences_BT.to(self.device),
@@ -47,8 +48,13 @@ class Critic:
             token_loss = value_loss_BT1(values[:, :-1], exp.values_BT1.to(self.device),
                                         exp.returns_BT1.to(self.device), self.value_clip)
             loss = token_sum_over_global_count(token_loss, action, num_tokens)
+            nonfinite = nonfinite or first_nonfinite({"value_loss": loss})
             self.model.backward(loss, last_micro_batch=i == len(micro_batches) - 1)
-            self.model.step()
+            applied = self.model.step(nonfinite)
             stats["value_loss"] += float(loss.detach())
+        if not applied:  # skipped for a non-finite loss (see DeepSpeedModel.step): its loss is not logged
+            return {"critic_nonfinite_skipped": 1.0}
         stats["critic_grad_norm"] = self.model.grad_norm()
+        if self.model.max_nonfinite_steps:
+            stats["critic_nonfinite_skipped"] = 0.0
         return stats

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from rlhf.config.schema import TrainPPOConfig
+from rlhf.config.schema import CheckpointConfig, TrainPPOConfig
 from rlhf.data.pretrain import PtxData
 from rlhf.data.prompts import Prompt, PromptSampler
 from rlhf.data.records import Experience, Rollout
@@ -28,11 +28,13 @@ from rlhf.models.micro_batches import MicroBatcher
 from rlhf.trainers.actor import Actor
 from rlhf.trainers.critic import Critic
 from rlhf.trainers.experience import ExperienceMaker
+from rlhf.utils import watchdog
 from rlhf.utils.checkpoint import (
     CheckpointWriter,
-    complete_checkpoints,
+    decided_by_rank0,
     load_rank_state,
     load_trainer_state,
+    pick_checkpoint,
     prune,
 )
 from rlhf.utils.logging import MetricsLogger
@@ -40,7 +42,7 @@ from rlhf.utils.preemption import PreemptionWatch
 from rlhf.utils.timers import StageTimer
 
 SHARE_METRICS = ("policy_loss", "clip_frac", "train_kl", "entropy", "ptx_loss", "value_loss")
-TRAIN_METRICS = SHARE_METRICS + ("grad_norm", "lr", "critic_grad_norm")
+TRAIN_METRICS = SHARE_METRICS + ("grad_norm", "lr", "critic_grad_norm", "nonfinite_skipped", "critic_nonfinite_skipped")
 
 
 def total_steps(cfg: TrainPPOConfig, sampler: PromptSampler) -> int:
@@ -77,6 +79,7 @@ class PPOTrainer:
         """Run steps until the end (True) or until a preemption signal, after checkpointing (False)."""
         save_steps = self.cfg.checkpoint.save_steps
         for step in range(start_step, total_steps(self.cfg, self.sampler)):
+            watchdog.set_step(step + 1)
             with self.timer.stage("step"):
                 metrics = self.step(step)
             metrics.update(self.timer.pop())
@@ -85,10 +88,12 @@ class PPOTrainer:
             self.logger.advance(metrics)
             saved = save_steps > 0 and (step + 1) % save_steps == 0
             if saved:
-                self.save_checkpoint(step + 1)
+                with watchdog.stage("checkpoint"):
+                    self.save_checkpoint(step + 1)
             if preemption is not None and preemption.should_stop():
                 if not saved:
-                    self.save_checkpoint(step + 1)
+                    with watchdog.stage("checkpoint"):
+                        self.save_checkpoint(step + 1)
                 if self.topology.rank == 0:
                     print(f"preempted: checkpoint after step {step + 1} written, exiting", flush=True)
                 return False
@@ -101,10 +106,12 @@ class PPOTrainer:
         tmp = writer.begin()
         for name, role in (("actor", self.roles.actor), ("critic", self.roles.critic)):
             if role is not None and not c.disable_ds_ckpt:
-                role.model.save_state(os.path.join(tmp, name))
+                with writer.writing(f"the {name}'s DeepSpeed state"):
+                    role.model.save_state(os.path.join(tmp, name))
         if c.save_hf_ckpt and self.roles.actor is not None:
-            self.roles.actor.model.save_hf(os.path.join(tmp, "hf"), self.tokenizer,
-                                           self.topology.leads(Role.ACTOR))
+            with writer.writing("the actor in HF format"):
+                self.roles.actor.model.save_hf(os.path.join(tmp, "hf"), self.tokenizer,
+                                               self.topology.leads(Role.ACTOR))
         writer.save_rank_state(rank)
         exp = self.roles.experience
         writer.save_trainer_state({"step": done_steps, "world_size": self.topology.world_size,
@@ -119,20 +126,35 @@ class PPOTrainer:
         return final
 
     def resume(self) -> int:
-        """Load the newest complete checkpoint when --load_checkpoint is set; returns the steps done."""
+        """Load the newest intact checkpoint when --load_checkpoint is set (or torchrun restarted the workers);
+        returns the steps done. Rank 0 removes stale temporary checkpoints, picks the checkpoint (verified
+        against its manifest) and lines metrics.jsonl up with it, then broadcasts the choice (or its error),
+        so every rank loads the same checkpoint or raises the same error. Collective over the world."""
         c = self.cfg.checkpoint
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        found = complete_checkpoints(c.ckpt_path) if c.load_checkpoint or restarted else []
-        if not found:
+        resuming = c.load_checkpoint or restarted
+
+        def pick() -> tuple[int, str | None]:
+            done, path, notes = pick_checkpoint(c.ckpt_path, resuming=resuming, restarted=restarted,
+                                                explicit_path=c.ckpt_path != CheckpointConfig().ckpt_path)
+            for note in filter(None, [*notes, self.logger.continue_from(done, resuming)]):
+                print(note, flush=True)
+            return done, path
+
+        done, path = decided_by_rank0(pick, self.topology.rank)
+        if path is None:
             return 0
-        done, path = found[-1]
         state = load_trainer_state(path)
         if state["world_size"] != self.topology.world_size or not state["has_engine_states"]:
             raise ValueError(f"checkpoint {path} cannot be resumed exactly: written by {state['world_size']} ranks "
                              f"(now {self.topology.world_size}), engine states saved: {state['has_engine_states']}")
         for name, role in (("actor", self.roles.actor), ("critic", self.roles.critic)):
             if role is not None:
-                role.model.load_state(os.path.join(path, name))
+                try:
+                    role.model.load_state(os.path.join(path, name))
+                except (OSError, RuntimeError) as err:
+                    raise ValueError(f"loading {os.path.join(path, name)} (the {name}'s DeepSpeed state) failed: "
+                                     f"{err}") from err
         self.roles.experience.kl_ctl.load_state_dict(state["kl_ctl"])
         self.roles.experience.reward_stats.load_state_dict(state["reward_stats"])
         if self.roles.ptx is not None and state.get("ptx") is not None:

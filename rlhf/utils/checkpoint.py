@@ -1,30 +1,57 @@
-"""Training checkpoints: everything needed to continue a run identically, written atomically.
+"""Training checkpoints: everything needed to continue a run identically, written atomically and verified
+before use.
 
 Layout of `--ckpt_path`:
     global_step{N}/actor, global_step{N}/critic   DeepSpeed engine states (weights, optimizer, LR schedule)
     global_step{N}/trainer_state.json              step, KL controller, reward normaliser, ptx position
-    global_step{N}/rng/rank{r}.pt                  every rank's RNG states
-    global_step{N}/COMPLETE                        written last; only complete checkpoints are loaded
+    global_step{N}/rng/rank{r}.pt                  every rank's RNG states (tensors and plain lists: they load
+                                                   with `torch.load(weights_only=True)`)
+    global_step{N}/MANIFEST.json                   every file's size, and a CRC-32 of the small ones
+    global_step{N}/COMPLETE                        written last; only complete checkpoints are considered
     .tmp-global_step{N}/                           a checkpoint being written (renamed when complete)
+
+Who writes what: every rank of a role's DP group writes its DeepSpeed shards (DeepSpeed decides the file
+names), every rank its own RNG file, rank 0 trainer_state.json and, after a barrier (all writes done),
+the manifest and COMPLETE. Rank 0 alone picks the checkpoint to resume from (the newest one that matches
+its manifest) and the trainer broadcasts its choice, so every rank loads the same one.
 
 The prompt position is the step count (the prompt sampler is a pure function of seed and step); the
 ptx data position is stored in trainer_state.json.
-A process killed mid-write leaves only a `.tmp-*` directory, which loading ignores.
+A process killed mid-write leaves only a `.tmp-*` directory, which loading ignores and the next start
+(`pick_checkpoint`) or save (`prune`) removes. This module does not know the trainer or its roles.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import pickle
 import random
 import re
 import shutil
+import zlib
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from rlhf.config.errors import UsageError
+
+T = TypeVar("T")
 STEP_DIR = re.compile(r"^global_step(\d+)$")
+TMP_DIR = re.compile(r"^\.tmp-global_step(\d+)$")
+MANIFEST = "MANIFEST.json"
+CHECKSUM_MAX_BYTES = 64 << 20
+"""Files up to this size get a CRC-32 in the manifest; larger ones (DeepSpeed weight and optimizer
+shards) only their size. Truncation, zero-length files after a crash and missing files all change sizes;
+a CRC of every file costs rank 0 about 1.1 s per GiB (page cache; more from disk) at every save and every
+resume, against 10 ms for a 1 GiB checkpoint this way (see the README)."""
+LOW_SPACE_BYTES = 256 << 20
+"""A failed write with less free space than this on the checkpoint's filesystem is reported as a full disk."""
 
 
 def complete_checkpoints(ckpt_path: str) -> list[tuple[int, str]]:
@@ -41,14 +68,22 @@ def complete_checkpoints(ckpt_path: str) -> list[tuple[int, str]]:
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+    """This process's RNG states as tensors, strings, numbers and lists only, so that the file loads with
+    `torch.load(weights_only=True)` (no pickled numpy or Python objects, no code run on load)."""
+    version, mt_state, gauss_next = random.getstate()
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "python": [version, torch.tensor(mt_state, dtype=torch.int64), gauss_next],
+            "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached_gaussian)],
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, mt_state, gauss_next = state["python"]
+    random.setstate((version, tuple(mt_state.tolist()), gauss_next))
+    name, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached_gaussian))
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -57,17 +92,159 @@ def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
 
 
+def remove_stale_tmp(ckpt_path: str) -> list[str]:
+    """Delete `.tmp-global_step*` directories (checkpoints whose writing was interrupted) and return them.
+    Called by one rank while no checkpoint is being written."""
+    if not os.path.isdir(ckpt_path):
+        return []
+    stale = sorted(os.path.join(ckpt_path, n) for n in os.listdir(ckpt_path) if TMP_DIR.match(n))
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
 def prune(ckpt_path: str, max_num: int, max_gb: float) -> None:
     """Delete the oldest complete checkpoints beyond `max_num` or `max_gb` (always keeps the newest),
-    and stale temporary directories. Called by one rank."""
+    and stale temporary directories. Called by one rank after a checkpoint was committed."""
+    remove_stale_tmp(ckpt_path)
     checkpoints = complete_checkpoints(ckpt_path)
     while len(checkpoints) > 1 and (len(checkpoints) > max_num or
                                     sum(_dir_bytes(p) for _, p in checkpoints) > max_gb * (1 << 30)):
         shutil.rmtree(checkpoints.pop(0)[1])
 
 
+def _crc32(path: str) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _files(directory: str) -> list[str]:
+    """Paths of the checkpoint's files relative to `directory` (the manifest and COMPLETE excluded)."""
+    found = [os.path.relpath(os.path.join(root, f), directory) for root, _, files in os.walk(directory) for f in files]
+    return sorted(f for f in found if f not in (MANIFEST, "COMPLETE"))
+
+
+def write_manifest(directory: str) -> dict:
+    """Record every file's size (and the CRC-32 of files up to CHECKSUM_MAX_BYTES) in MANIFEST.json."""
+    entries = {}
+    for rel in _files(directory):
+        path = os.path.join(directory, rel)
+        size = os.path.getsize(path)
+        entries[rel] = {"size": size, "crc32": _crc32(path) if size <= CHECKSUM_MAX_BYTES else None}
+    manifest = {"version": 1, "files": entries}
+    with open(os.path.join(directory, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=0)
+        f.flush()
+        os.fsync(f.fileno())
+    return manifest
+
+
+def verify_checkpoint(path: str) -> str | None:
+    """None when the checkpoint at `path` matches its manifest, its trainer_state.json parses and it holds an
+    RNG file for each rank that wrote it; otherwise what is wrong, naming the file."""
+    manifest_file = os.path.join(path, MANIFEST)
+    try:
+        with open(manifest_file) as f:
+            entries = json.load(f)["files"]
+    except FileNotFoundError:
+        return f"{manifest_file} is missing (an interrupted write, or written by an older version)"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{manifest_file} cannot be read: {err!r}"
+    for rel, entry in entries.items():
+        file = os.path.join(path, rel)
+        if not os.path.isfile(file):
+            return f"{file} is missing (listed in {MANIFEST})"
+        size = os.path.getsize(file)
+        if size != entry["size"]:
+            return f"{file} has {size} bytes, {MANIFEST} says {entry['size']} (truncated or overwritten)"
+        if entry["crc32"] is not None and (crc := _crc32(file)) != entry["crc32"]:
+            return f"{file} has CRC-32 {crc}, {MANIFEST} says {entry['crc32']} (corrupted)"
+    try:
+        world_size = int(load_trainer_state(path)["world_size"])
+    except (ValueError, KeyError, TypeError) as err:
+        return str(err) if isinstance(err, ValueError) else f"{path}/trainer_state.json has no world_size"
+    for rel in [f"rng/rank{r}.pt" for r in range(world_size)]:
+        if rel not in entries:
+            return f"{os.path.join(path, rel)} was never written (not in {MANIFEST})"
+    return None
+
+
+def pick_checkpoint(ckpt_path: str, *, resuming: bool, explicit_path: bool,
+                    restarted: bool) -> tuple[int, str | None, list[str]]:
+    """(steps done, checkpoint directory or None, lines to print) for a starting run: removes stale
+    temporary directories, then, when `resuming`, picks the newest checkpoint that passes
+    `verify_checkpoint`; every newer one that fails is named with what is wrong. Raises `UsageError` when
+    `--load_checkpoint` names (`explicit_path`) a directory that does not exist (except after a torchrun
+    restart, whose first attempt may have died before its first checkpoint), and `ValueError` when
+    checkpoints exist but none is intact. Called by rank 0 only."""
+    notes = [f"removed {p}: a checkpoint whose writing was interrupted" for p in remove_stale_tmp(ckpt_path)]
+    if not resuming:
+        return 0, None, notes
+    why = "torchrun restart" if restarted else "--load_checkpoint"
+    if explicit_path and not restarted and not os.path.exists(ckpt_path):
+        raise UsageError(f"--load_checkpoint: --ckpt_path {ckpt_path} does not exist; pass the --ckpt_path of the "
+                         "run to continue, or drop --load_checkpoint to start a new run")
+    found = complete_checkpoints(ckpt_path)
+    problems = []
+    for done, path in reversed(found):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            notes += [f"checkpoint {p} is damaged, skipping it: {why_bad}" for p, why_bad in problems]
+            return done, path, notes
+        problems.append((path, problem))
+    if problems:
+        raise ValueError(f"{why}: no intact checkpoint under {ckpt_path}:\n" +
+                         "\n".join(f"  {p}: {why_bad}" for p, why_bad in problems))
+    notes.append(f"{why}: no checkpoint under {ckpt_path}, starting from step 0")
+    return 0, None, notes
+
+
+def decided_by_rank0(decide: Callable[[], T], rank: int) -> T:
+    """`decide()` run on rank 0 and its result broadcast to every rank. A ValueError or OSError it raises
+    is raised on every rank (a `UsageError` as a `UsageError`, an OSError as a RuntimeError with rank 0's
+    message), so no rank waits for a decision that never comes. Collective over the world."""
+    box: list = [None]
+    if rank == 0:
+        try:
+            box[0] = ("ok", decide())
+        except (ValueError, OSError) as err:
+            kind = "usage" if isinstance(err, UsageError) else "value" if isinstance(err, ValueError) else "os"
+            dist.broadcast_object_list([(kind, f"{err}")], src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind != "ok":
+        raise {"usage": UsageError, "value": ValueError}.get(kind, RuntimeError)(value)
+    return value
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (full disk, quota, I/O error); the message names the directory."""
+
+
+def describe_write_failure(directory: str, what: str, err: BaseException) -> str:
+    """One line for a failed checkpoint write: 'no space left on DIR' when the disk is (nearly) full.
+    torch.save reports a full disk as `RuntimeError: basic_ios::clear: iostream error`, without an errno,
+    so the free space is checked as well."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        free = None
+    full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (free is not None and free < LOW_SPACE_BYTES)
+    room = "unknown" if free is None else f"{free / (1 << 20):.0f} MiB"
+    if full:
+        return (f"no space left on {directory} ({room} free) while writing {what}; the checkpoint was not "
+                f"completed, earlier ones are intact; free space or pass another --ckpt_path ({err})")
+    return f"writing {what} into {directory} failed ({room} free): {err}"
+
+
 class CheckpointWriter:
-    """Writes one checkpoint collectively: every rank calls `begin`, saves its parts, then `commit`."""
+    """Writes one checkpoint collectively: every rank calls `begin`, saves its parts (inside `writing`),
+    then `commit`. A failed write raises `CheckpointWriteError` on the rank that met it; that rank never
+    reaches `commit`'s barrier, so no rank marks the checkpoint complete."""
 
     def __init__(self, ckpt_path: str, step: int, is_writer: bool) -> None:
         self.final = os.path.join(ckpt_path, f"global_step{step}")
@@ -78,24 +255,41 @@ class CheckpointWriter:
     def begin(self) -> str:
         """Create the temporary directory (writer rank) and return it; a barrier follows."""
         if self.is_writer:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            os.makedirs(os.path.join(self.tmp, "rng"))
+            with self.writing("the checkpoint directory"):
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                os.makedirs(os.path.join(self.tmp, "rng"))
         dist.barrier()
         return self.tmp
 
+    @contextlib.contextmanager
+    def writing(self, what: str) -> Iterator[None]:
+        """Turn OSError/RuntimeError raised by the writes inside into a `CheckpointWriteError` naming
+        `what`, the directory and, for a full disk, 'no space left'."""
+        try:
+            yield
+        except (OSError, RuntimeError) as err:
+            if isinstance(err, CheckpointWriteError):
+                raise
+            where = self.tmp if os.path.isdir(self.tmp) else os.path.dirname(self.tmp)
+            raise CheckpointWriteError(describe_write_failure(where, what, err)) from err
+
     def save_rank_state(self, rank: int) -> None:
-        torch.save(rng_state(), os.path.join(self.tmp, "rng", f"rank{rank}.pt"))
+        with self.writing(f"rng/rank{rank}.pt"):
+            torch.save(rng_state(), os.path.join(self.tmp, "rng", f"rank{rank}.pt"))
 
     def save_trainer_state(self, state: dict) -> None:
         if self.is_writer:
-            with open(os.path.join(self.tmp, "trainer_state.json"), "w") as f:
+            with self.writing("trainer_state.json"), open(os.path.join(self.tmp, "trainer_state.json"), "w") as f:
                 json.dump(state, f)
 
     def commit(self) -> str:
-        """After every rank finished writing: mark complete and rename into place atomically."""
+        """After every rank finished writing: record the manifest, mark complete and rename into place
+        atomically (writer rank; barriers before and after)."""
         dist.barrier()
         if self.is_writer:
-            with open(os.path.join(self.tmp, "COMPLETE"), "w") as f:
+            with self.writing(MANIFEST):
+                write_manifest(self.tmp)
+            with self.writing("COMPLETE"), open(os.path.join(self.tmp, "COMPLETE"), "w") as f:
                 f.write(f"{self.step}\n")
             shutil.rmtree(self.final, ignore_errors=True)
             os.replace(self.tmp, self.final)
@@ -104,13 +298,23 @@ class CheckpointWriter:
 
 
 def load_trainer_state(path: str) -> dict:
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        return json.load(f)
+    file = os.path.join(path, "trainer_state.json")
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{file} cannot be read: {err}") from err
 
 
 def load_rank_state(path: str, rank: int) -> None:
+    """Restore this rank's RNG states. `weights_only=True`: the file holds only tensors and plain values, so
+    loading a checkpoint from elsewhere cannot run code through it."""
     file = os.path.join(path, "rng", f"rank{rank}.pt")
     if not os.path.isfile(file):
-        raise ValueError(f"checkpoint {path} has no RNG state for rank {rank}: it was written by a job with a "
-                         "different world size")
-    set_rng_state(torch.load(file, weights_only=False))
+        raise ValueError(f"checkpoint {path} has no RNG state for rank {rank} ({file}): it was written by a job "
+                         "with a different world size")
+    try:
+        state = torch.load(file, weights_only=True)
+    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError) as err:  # weights_only refusals: UnpicklingError
+        raise ValueError(f"{file} cannot be loaded: {err}") from err
+    set_rng_state(state)

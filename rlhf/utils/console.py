@@ -29,6 +29,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
@@ -222,6 +223,26 @@ def _route_warnings(run_log: _RunLog, owners: _Owners, console: TextIO, rank: in
     return undo
 
 
+def _report_uncaught(run_log: _RunLog, console: TextIO, rank: int) -> Callable[[], None]:
+    """An uncaught exception is this process's last word: its traceback goes to the real stream on every
+    rank (prefixed with the rank), whatever library raised it, and to the run log. Returns the undo."""
+    previous = sys.excepthook
+
+    def excepthook(kind, value, tb) -> None:
+        text = "".join(traceback.format_exception(kind, value, tb))
+        run_log.write(text)
+        console.write(text if rank == 0 else "".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
+        console.flush()
+
+    sys.excepthook = excepthook
+
+    def undo() -> None:
+        if sys.excepthook is excepthook:
+            sys.excepthook = previous
+
+    return undo
+
+
 class LibraryOutputRouting:
     """The routing installed by `route_library_output`; `uninstall()` puts everything back."""
 
@@ -232,6 +253,7 @@ class LibraryOutputRouting:
         owners = _Owners()
         self._undo = [_route_loggers(self._run_log), _route_warnings(self._run_log, owners, console, rank)]
         self._streams = (sys.stdout, sys.stderr)
+        self._undo.append(_report_uncaught(self._run_log, sys.stderr, rank))
         sys.stdout = _LibraryOutputStream(sys.stdout, self._run_log, owners)
         sys.stderr = _LibraryOutputStream(sys.stderr, self._run_log, owners)
 

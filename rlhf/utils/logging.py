@@ -7,6 +7,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from rlhf.config.errors import UsageError
+
 
 @dataclass
 class WandbSettings:
@@ -26,6 +28,19 @@ class WandbSettings:
         if self.key.lower() != "true":
             wandb.login(key=self.key)
         return wandb.init(project=self.project, group=self.group, name=self.run_name, config=self.config)
+
+
+def check_no_earlier_run(out_dir: str) -> None:
+    """UsageError when `out_dir` already holds another run's metrics (a fresh run would mix its rows
+    into them and overwrite that run's model). Any rank may call it; no collective."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        rows = sum(1 for line in f if line.strip())
+    if rows:
+        raise UsageError(f"{path} already holds {rows} rows of metrics from an earlier run: pass --load_checkpoint "
+                         "to continue that run, or choose another --save_path")
 
 
 class MetricsLogger:
@@ -50,6 +65,28 @@ class MetricsLogger:
         from tqdm import tqdm
 
         self.bar = tqdm(total=total_steps, desc="rl steps", dynamic_ncols=True)
+
+    def continue_from(self, step: int, resuming: bool) -> str | None:
+        """Line metrics.jsonl up with where training starts (writer rank; a no-op elsewhere). Resuming after
+        `step` steps keeps the rows with step <= `step`: later rows (and a line cut by a crash) came from the
+        attempt that was lost and would be logged twice. A run that is not resuming refuses a metrics.jsonl
+        that already has rows, before anything is overwritten. Returns a line to print, or None."""
+        if not self.enabled or not os.path.isfile(self.jsonl_path):
+            return None
+        with open(self.jsonl_path, encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
+        if not resuming:
+            check_no_earlier_run(os.path.dirname(self.jsonl_path))
+            return None
+        kept = [line for line in lines if _row_step(line) is not None and _row_step(line) <= step]
+        if len(kept) == len(lines):
+            return None
+        tmp = self.jsonl_path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, self.jsonl_path)
+        return (f"{self.jsonl_path}: dropped {len(lines) - len(kept)} rows logged after step {step} by the "
+                "interrupted run (they are logged again)")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -84,3 +121,11 @@ class MetricsLogger:
             self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _row_step(line: str) -> int | None:
+    """The step of one metrics.jsonl line; None for a line that does not parse (cut by a crash)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
