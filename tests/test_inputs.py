@@ -200,6 +200,10 @@ def test_an_earlier_runs_output_is_refused_before_engines(tmp_path, monkeypatch)
     check_before_engines(_demo_cfg("--save_path", str(tmp_path), "--load_checkpoint"), 1)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a torchrun restart resumes by itself
     check_before_engines(_demo_cfg("--save_path", str(tmp_path)), 1)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    with pytest.raises(UsageError, match=r"--load_checkpoint: --ckpt_path .*/nothing does not exist"):
+        check_before_engines(_demo_cfg("--save_path", str(tmp_path), "--load_checkpoint", "--ckpt_path",
+                                       str(tmp_path / "nothing")), 1)
 
 
 def test_unreachable_reward_server_fails_before_engines(tmp_path):

@@ -45,8 +45,11 @@ def _one_variant(name: str, zero_stage: int) -> dict:
     mine = exp.slice(dp_rank * per_replica, (dp_rank + 1) * per_replica)
     micro = [mine.select(torch.tensor(rows)).trimmed() for rows in actor.train_batcher.split(mine.attention_mask_BT)]
     # one SFT (ptx) batch, used by every micro-batch: its loss term does not depend on the cut
+    from rlhf.data.pretrain import PtxData
+
     ptx = exp.slice(0, 3)
-    stats = actor.train_batch(micro, kl_coef=0.05, ptx_batches=[(ptx.sequences_BT, ptx.attention_mask_BT)])
+    stats = actor.train_batch(micro, kl_coef=0.05,
+                              ptx=PtxData([(ptx.sequences_BT, ptx.attention_mask_BT)], dp_size=1, dp_rank=0, seed=0))
     share = topology.ring_rank(Role.ACTOR) == 0  # the ranks of a ring report the same loss
     terms = torch.tensor([stats[k] if share else 0.0 for k in ("policy_loss", "entropy", "train_kl", "ptx_loss")],
                          dtype=torch.float64)

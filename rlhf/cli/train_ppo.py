@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from rlhf.config.errors import UsageError, usage_errors_exit
 from rlhf.config.flags import parse_config
-from rlhf.config.schema import TrainPPOConfig
+from rlhf.config.schema import CheckpointConfig, TrainPPOConfig
 from rlhf.data.prompts import PromptSampler, load_prompts
 from rlhf.distributed.launch import init_distributed, read_launch_env
 from rlhf.distributed.topology import Role, Topology, plan_ranks
@@ -35,6 +35,7 @@ from rlhf.trainers.build import (
     placement_from_config,
 )
 from rlhf.trainers.ppo import PPOTrainer, Roles, total_steps
+from rlhf.utils.checkpoint import check_resume_path
 from rlhf.utils.console import route_library_output
 from rlhf.utils.logging import MetricsLogger, WandbSettings, check_no_earlier_run
 from rlhf.utils.preemption import PreemptionWatch
@@ -126,7 +127,11 @@ def check_before_engines(cfg: TrainPPOConfig, world_size: int) -> dict[Role, tup
         check_scalar_head(path, cfg.model.value_head_prefix, "--reward_pretrain")
     check_writable("--save_path", cfg.logging.save_path)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if not (cfg.checkpoint.load_checkpoint or restarted):
+    c = cfg.checkpoint
+    if c.load_checkpoint:
+        check_resume_path(c.ckpt_path, explicit_path=c.ckpt_path != CheckpointConfig().ckpt_path,
+                          restarted=restarted)
+    elif not restarted:
         check_no_earlier_run(cfg.logging.save_path)
     if cfg.checkpoint.save_steps != -1:
         check_writable("--ckpt_path", cfg.checkpoint.ckpt_path)

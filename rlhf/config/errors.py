@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import NoReturn
@@ -63,6 +65,11 @@ def exit_usage(problems: str | Iterable[str], every_rank: bool = False) -> NoRet
     prefix = ""
     if rank != 0:
         if not every_rank:
+            # torchrun ends this rank with SIGTERM once rank 0 has exited: let it (the preemption handler
+            # would otherwise hold the signal for a step boundary that never comes, costing torchrun's
+            # 30 s grace period).
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(RANK0_GRACE_S)
         prefix = f"[rank {rank}] "
     for line in problems.splitlines() if isinstance(problems, str) else problems:

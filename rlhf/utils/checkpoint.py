@@ -172,6 +172,14 @@ def verify_checkpoint(path: str) -> str | None:
     return None
 
 
+def check_resume_path(ckpt_path: str, *, explicit_path: bool, restarted: bool) -> None:
+    """`UsageError` when --load_checkpoint names (`explicit_path`) a --ckpt_path that does not exist (not
+    after a torchrun restart, whose first attempt may have died before its first checkpoint). Any rank."""
+    if explicit_path and not restarted and not os.path.exists(ckpt_path):
+        raise UsageError(f"--load_checkpoint: --ckpt_path {ckpt_path} does not exist; pass the --ckpt_path of the "
+                         "run to continue, or drop --load_checkpoint to start a new run")
+
+
 def pick_checkpoint(ckpt_path: str, *, resuming: bool, explicit_path: bool,
                     restarted: bool) -> tuple[int, str | None, list[str]]:
     """(steps done, checkpoint directory or None, lines to print) for a starting run: removes stale
@@ -184,9 +192,7 @@ def pick_checkpoint(ckpt_path: str, *, resuming: bool, explicit_path: bool,
     if not resuming:
         return 0, None, notes
     why = "torchrun restart" if restarted else "--load_checkpoint"
-    if explicit_path and not restarted and not os.path.exists(ckpt_path):
-        raise UsageError(f"--load_checkpoint: --ckpt_path {ckpt_path} does not exist; pass the --ckpt_path of the "
-                         "run to continue, or drop --load_checkpoint to start a new run")
+    check_resume_path(ckpt_path, explicit_path=explicit_path, restarted=restarted)
     found = complete_checkpoints(ckpt_path)
     problems = []
     for done, path in reversed(found):
