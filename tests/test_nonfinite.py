@@ -161,3 +161,52 @@ def test_critic_nonfinite_loss_stops_before_the_update():
     (result,) = run_on_ranks(1, critic_nan_step)
     assert result["error"].startswith("optimizer step 1: critic value_loss is inf on rank 0; stopping before")
     assert result["unchanged"]
+
+
+def nan_gradient_step(zero_stage: int, bf16: bool, offload: bool) -> dict:
+    """One optimizer step of 2 micro-batches per rank whose loss is finite everywhere, but rank 1's first
+    micro-batch sends a NaN back through the logits: the update must be stopped before it is applied."""
+    import torch.distributed as dist
+
+    from rlhf.assets import EMBEDDED_MODEL_DIR
+    from rlhf.config.schema import EngineConfig, OptimConfig
+    from rlhf.engines.deepspeed_engine import DeepSpeedModel, NonFiniteError
+    from rlhf.models.loading import load_causal_lm
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = DeepSpeedModel(lambda: load_causal_lm(EMBEDDED_MODEL_DIR, dtype, "sdpa"),
+                           EngineConfig(zero_stage=zero_stage, adam_offload=offload),
+                           OptimConfig(lr_warmup_ratio=0.0, lr_scheduler="constant"),
+                           learning_rate=1e-2, bf16=bf16, micro_batch_size=1, grad_accum_steps=2,
+                           num_optimizer_steps=2, device=torch.device("cpu"), dp_group=dist.group.WORLD,
+                           name="actor")
+    before = dict(model.full_parameters())
+    model.train()
+    ids = torch.randint(3, model.module.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+    out: dict = {}
+    try:
+        for i in range(2):
+            logits = model.engine(input_ids=ids[i:i + 1], attention_mask=torch.ones_like(ids[i:i + 1])).logits
+            if dist.get_rank() == 1 and i == 0:
+                logits.register_hook(lambda g: g.index_fill(-1, torch.tensor([5]), float("nan")))
+            loss = logits.float().logsumexp(-1).mean()
+            assert torch.isfinite(loss)
+            model.backward(loss, last_micro_batch=i == 1)
+            model.step(None)
+    except NonFiniteError as err:
+        out["error"] = str(err)
+    out["unchanged"] = all(torch.equal(before[n], w) for n, w in model.full_parameters())
+    return out
+
+
+@pytest.mark.parametrize("zero_stage,bf16,offload", [
+    (2, True, False), pytest.param(1, False, False, marks=pytest.mark.slow),
+    pytest.param(2, False, True, marks=pytest.mark.slow), pytest.param(3, True, False, marks=pytest.mark.slow),
+    pytest.param(3, False, True, marks=pytest.mark.slow), pytest.param(0, True, False, marks=pytest.mark.slow)])
+def test_nonfinite_gradient_with_finite_loss_stops_before_the_update(zero_stage, bf16, offload):
+    for r in run_on_ranks(2, nan_gradient_step, zero_stage, bf16, offload):
+        assert r["error"].startswith("optimizer step 1: actor gradient is non-finite (every loss term was finite; "
+                                     "checked after the reduction over the 2 ranks, before the update); stopping "
+                                     "before the non-finite values reach the weights"), r
+        assert r["unchanged"]

@@ -205,22 +205,25 @@ class DeepSpeedModel:
 
         `nonfinite`: the first loss term this rank saw non-finite during the current optimizer step (None:
         all finite). At the boundary, before DeepSpeed applies anything, it is agreed over the DP group
-        (with the gradients themselves checked at ZeRO-0, where every rank holds them whole); if any rank
+        (with each rank's part of the reduced gradient checked too, at every ZeRO stage); if any rank
         is bad, every rank raises `NonFiniteError` naming the optimizer step, the term and the rank, or,
         while fewer than --max_nonfinite_steps were skipped, drops the gradients and skips the update.
-        A non-finite global gradient norm found by DeepSpeed's step is handled the same way (DeepSpeed
-        skips such steps at ZeRO-1/2 in fp32; elsewhere the update was applied, so it always raises).
+        A non-finite global gradient norm found after DeepSpeed's step (a backstop: the check above should
+        have caught it) is handled the same way, and raises if DeepSpeed applied the update.
         Returns whether an update was applied. Collective over the DP group at boundaries.
         """
         if not self.engine.is_gradient_accumulation_boundary():
             self.engine.step()
             return False
         self.optimizer_steps += 1
-        if nonfinite is None and self.zero_stage == 0 and self._local_grads_nonfinite():
+        if nonfinite is None and self._local_grads_nonfinite():
             nonfinite = _GRADIENT_TERM
         bad = self._agree_nonfinite(nonfinite)
         if bad is not None:
-            self._skip_or_raise(f"{bad[1]} on rank {bad[0]}")
+            rank, term = bad
+            self._skip_or_raise(f"{term} on rank {rank}" if term != _GRADIENT_TERM else
+                                f"{term} (every loss term was finite; checked after the reduction over the "
+                                f"{self.dp_size} rank{'s' if self.dp_size > 1 else ''}, before the update)")
             _discard_gradients(self.engine, self.zero_stage)
             return False
         skipped_before = self.engine.skipped_steps
@@ -234,7 +237,27 @@ class DeepSpeedModel:
         return True
 
     def _local_grads_nonfinite(self) -> bool:
-        return any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in self.module.parameters())
+        """Whether this rank's part of the step's reduced gradient holds a non-finite value. Read at the
+        accumulation boundary, after DeepSpeed's reduction and before its optimizer step: whole gradients at
+        ZeRO-0, this rank's gradient partition at ZeRO-1/2/3 (a non-finite value lands in some rank's
+        partition, and the ranks agree on the result)."""
+        return any(not bool(torch.isfinite(g).all()) for g in self._local_gradients())
+
+    def _local_gradients(self) -> Iterator[torch.Tensor]:
+        opt = self.engine.optimizer
+        if self.zero_stage == 0:
+            yield from (p.grad for p in self.module.parameters() if p.grad is not None)
+        elif self.zero_stage in (1, 2):
+            if opt.cpu_offload:  # reduced straight into the fp32 host partitions
+                yield from (p.grad for p in opt.single_partition_of_fp32_groups if p.grad is not None)
+            else:
+                for grads in opt.averaged_gradients.values() if isinstance(opt.averaged_gradients, dict) \
+                        else opt.averaged_gradients:
+                    yield from ([grads] if torch.is_tensor(grads) else [g for g in grads or [] if g is not None])
+        elif opt.offload_optimizer:  # ZeRO-3 offload: reduced into the fp32 partitions
+            yield from (p.grad for p in opt.fp32_partitioned_groups_flat if p.grad is not None)
+        else:
+            yield opt.grad_partitions_flat_buffer
 
     def _agree_nonfinite(self, term: str | None) -> tuple[int, str] | None:
         """(group rank, term) of the first rank that saw a non-finite term, the same on every rank."""

@@ -21,7 +21,7 @@ from rlhf.data.prompts import Prompt, PromptSampler
 from rlhf.data.records import Experience, Rollout
 from rlhf.distributed.collectives import all_gather_rollout, shard
 from rlhf.distributed.topology import Role, Topology
-from rlhf.engines.deepspeed_engine import DeepSpeedModel
+from rlhf.engines.deepspeed_engine import DeepSpeedModel, NonFiniteError
 from rlhf.engines.rollout import RolloutEngine, SamplingSpec, request_seed, to_rollout
 from rlhf.engines.weight_sync import ParamSpec, broadcast_parameters
 from rlhf.models.micro_batches import MicroBatcher
@@ -81,7 +81,10 @@ class PPOTrainer:
         for step in range(start_step, total_steps(self.cfg, self.sampler)):
             watchdog.set_step(step + 1)
             with self.timer.stage("step"):
-                metrics = self.step(step)
+                try:
+                    metrics = self.step(step)
+                except NonFiniteError as err:  # name the training step too, not only the role's optimizer step
+                    raise NonFiniteError(f"training step {step + 1}, {err}") from None
             metrics.update(self.timer.pop())
             if (step + 1) % self.cfg.logging.logging_steps == 0:
                 self.logger.log(step + 1, metrics)
