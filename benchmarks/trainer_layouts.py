@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from packing_throughput import build_model, make_lengths, timed
 
-from rlhf.config.schema import AlgoConfig, EngineConfig, OptimConfig
+from rlhf.config.common import EngineConfig, OptimConfig
+from rlhf.config.ppo import AlgoConfig
 from rlhf.data.records import Experience
 from rlhf.engines.deepspeed_engine import DeepSpeedModel
 from rlhf.models.layout import SequenceLayout

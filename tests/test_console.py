@@ -13,8 +13,8 @@ import torch
 import rlhf
 import rlhf.cli.train_ppo as train_ppo
 from rlhf.config import errors
+from rlhf.config.common import LoggingConfig
 from rlhf.config.errors import UsageError, usage_errors_exit
-from rlhf.config.schema import LoggingConfig
 from rlhf.distributed.launch import read_launch_env
 from rlhf.utils.console import route_library_output
 from tests.distributed import run_torchrun

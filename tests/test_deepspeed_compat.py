@@ -22,7 +22,7 @@ def test_patched_calls_are_still_where_we_patch_them():
 
 def _build_on_halves(trainable: bool):
     from rlhf.assets import TINY_DIR
-    from rlhf.config.schema import EngineConfig, OptimConfig
+    from rlhf.config.common import EngineConfig, OptimConfig
     from rlhf.engines.deepspeed_compat import install_subgroup_patches
     from rlhf.engines.deepspeed_engine import DeepSpeedModel, GroupMPU
     from rlhf.models.value import last_token_values, load_scalar_head_model

@@ -43,7 +43,8 @@ def build_actor(zero_stage: int, lr: float, grad_accum_steps: int, layout=None, 
     import torch.distributed as dist
 
     from rlhf.assets import EMBEDDED_MODEL_DIR
-    from rlhf.config.schema import AlgoConfig, EngineConfig, OptimConfig
+    from rlhf.config.common import EngineConfig, OptimConfig
+    from rlhf.config.ppo import AlgoConfig
     from rlhf.engines.deepspeed_engine import DeepSpeedModel
     from rlhf.models.layout import PADDED
     from rlhf.models.loading import load_causal_lm
@@ -107,7 +108,7 @@ def one_critic_step(zero_stage: int) -> dict:
     import torch.distributed as dist
 
     from rlhf.assets import EMBEDDED_REWARD_MODEL_DIR
-    from rlhf.config.schema import EngineConfig, OptimConfig
+    from rlhf.config.common import EngineConfig, OptimConfig
     from rlhf.engines.deepspeed_engine import DeepSpeedModel
     from rlhf.models.layout import PADDED
     from rlhf.models.micro_batches import MicroBatcher

@@ -10,7 +10,7 @@ import torch
 from rlhf.algorithms.advantages import ESTIMATORS
 from rlhf.algorithms.kl import KLController
 from rlhf.config.flags import parse_config
-from rlhf.config.schema import TrainPPOConfig
+from rlhf.config.ppo import TrainPPOConfig
 from rlhf.data.records import Rollout
 from rlhf.trainers.experience import ExperienceMaker
 

@@ -9,7 +9,7 @@ import pytest
 
 from rlhf.assets import TINY_DIR
 from rlhf.config.flags import parse_config
-from rlhf.config.schema import TrainPPOConfig
+from rlhf.config.ppo import TrainPPOConfig
 from tests.distributed import run_torchrun
 from tests.test_e2e import read_metrics
 

@@ -25,7 +25,7 @@ VARIANTS = {
 def _one_variant(name: str, zero_stage: int) -> dict:
     import torch.distributed as dist
 
-    from rlhf.config.schema import AlgoConfig
+    from rlhf.config.ppo import AlgoConfig
     from rlhf.distributed.topology import Role, Topology
     from rlhf.models.layout import SequenceLayout
     from tests.test_dp_equivalence import build_actor

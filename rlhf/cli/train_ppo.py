@@ -16,9 +16,10 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from rlhf.config.common import CheckpointConfig
 from rlhf.config.errors import UsageError, usage_errors_exit
 from rlhf.config.flags import parse_config
-from rlhf.config.schema import CheckpointConfig, TrainPPOConfig
+from rlhf.config.ppo import TrainPPOConfig
 from rlhf.data.prompts import PromptSampler, load_prompts
 from rlhf.distributed.launch import init_distributed, read_launch_env
 from rlhf.distributed.topology import Role, Topology, plan_ranks

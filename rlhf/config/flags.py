@@ -1,6 +1,6 @@
 """OpenRLHF-compatible flat command-line flags, parsed once into a typed config tree.
 
-The parser is generated from the field metadata of the config dataclasses (`rlhf.config.schema`).
+The parser is generated from the field metadata of the config dataclasses (`rlhf.config.common` and the job roots).
 Flags of OpenRLHF that have no meaning here are accepted with a warning; flags of features this
 build does not have yet are refused with a message saying so; anything else unknown is an error with
 a "did you mean" hint. Flag errors are reported the `rlhf.config.errors` way: one short line per
@@ -33,13 +33,6 @@ IGNORED_FLAGS: dict[str, str] = {
 
 IGNORED_SWITCHES = {"vllm_sync_with_ray"}
 
-PENDING_FLAGS = (
-    "ds_tensor_parallel_size lora_rank lora_alpha target_modules "
-    "lora_dropout load_in_4bit max_len prompt_data_probs eval_dataset eval_split eval_temperature "
-    "eval_n_samples_per_prompt async_train async_queue_size agent_func_path "
-    "save_value_network vllm_generate_batch_size"
-).split()
-"""OpenRLHF train_ppo flags whose features are not built yet: refused, never silently ignored."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,14 +62,16 @@ def _scalar_type(annotation: Any) -> tuple[type, bool, Any]:
     return annotation, optional, None
 
 
-def flag_specs(config_cls: type, prefix: tuple[str, ...] = ()) -> list[FlagSpec]:
-    """Every flag of a config tree, depth first in field order."""
+def flag_specs(config_cls: type, prefix: tuple[str, ...] = (), defaults: Any = None) -> list[FlagSpec]:
+    """Every flag of a config tree, depth first in field order. A sub-config's defaults are those of the
+    instance its parent builds by default (so a job root can give a shared field its own default)."""
     specs = []
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
         annotation = hints[f.name]
         if dataclasses.is_dataclass(annotation):
-            specs.extend(flag_specs(annotation, prefix + (f.name,)))
+            instance = getattr(defaults, f.name) if defaults is not None else f.default_factory()
+            specs.extend(flag_specs(annotation, prefix + (f.name,), instance))
             continue
         kind, optional, type_nargs = _scalar_type(annotation)
         specs.append(FlagSpec(
@@ -84,7 +79,8 @@ def flag_specs(config_cls: type, prefix: tuple[str, ...] = ()) -> list[FlagSpec]
             path=prefix + (f.name,),
             kind=kind,
             optional=optional,
-            default=f.default if f.default is not dataclasses.MISSING else f.default_factory(),
+            default=(getattr(defaults, f.name) if defaults is not None
+                     else f.default if f.default is not dataclasses.MISSING else f.default_factory()),
             help=f.metadata.get("help", ""),
             nargs=f.metadata.get("nargs") or type_nargs,
         ))
@@ -123,7 +119,8 @@ def build_parser(config_cls: type, prog: str) -> tuple[argparse.ArgumentParser, 
         prog=prog, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Flags follow OpenRLHF's names. Ignored for compatibility: "
         + ", ".join(f"--{k}" for k in sorted(IGNORED_FLAGS))
-        + ". Not implemented yet (refused): " + ", ".join(f"--{k}" for k in PENDING_FLAGS),
+        + (". Not implemented yet (refused): " + ", ".join(f"--{k}" for k in config_cls.PENDING_FLAGS)
+           if config_cls.PENDING_FLAGS else ""),
     )
     specs = flag_specs(config_cls)
     for spec in specs:
@@ -151,7 +148,7 @@ def _strip_ignored(argv: Sequence[str]) -> list[str]:
     return kept
 
 
-def _explain_unknown(unknown: list[str], known_flags: list[str]) -> list[str]:
+def _explain_unknown(unknown: list[str], known_flags: list[str], pending: tuple[str, ...]) -> list[str]:
     """One line per unknown flag or stray value, each with its fix."""
     lines = []
     for i, token in enumerate(unknown):
@@ -160,7 +157,7 @@ def _explain_unknown(unknown: list[str], known_flags: list[str]) -> list[str]:
                 lines.append(f"unexpected value {token!r} (a flag before it takes no value, or too many values)")
             continue
         name = token[2:].split("=", 1)[0]
-        if name in PENDING_FLAGS:
+        if name in pending:
             lines.append(f"--{name} is an OpenRLHF flag whose feature is not implemented yet in this build")
             continue
         hint = difflib.get_close_matches(name, known_flags, n=1)
@@ -199,7 +196,7 @@ def parse_config(config_cls: type, argv: Sequence[str] | None = None, prog: str 
     parser, specs = build_parser(config_cls, prog)
     namespace, unknown = parser.parse_known_args(_strip_ignored(argv))
     if unknown:
-        exit_usage(_explain_unknown(unknown, [s.flag for s in specs]))
+        exit_usage(_explain_unknown(unknown, [s.flag for s in specs], config_cls.PENDING_FLAGS))
     values: dict = {}
     for spec in specs:
         _set(values, spec.path, getattr(namespace, spec.flag))

@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf.config.schema import DataConfig
+from rlhf.config.ppo import DataConfig
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from rlhf.config.schema import EngineConfig, OptimConfig
+from rlhf.config.common import EngineConfig, OptimConfig
 from rlhf.engines.deepspeed_compat import barriers_scoped_to, zero3_construction
 
 

@@ -18,7 +18,7 @@ from rlhf.algorithms.losses import (
     sequence_mean_over_global_count,
     token_sum_over_global_count,
 )
-from rlhf.config.schema import AlgoConfig
+from rlhf.config.ppo import AlgoConfig
 from rlhf.data.pretrain import PtxData
 from rlhf.data.records import Experience
 from rlhf.engines.deepspeed_engine import DeepSpeedModel, first_nonfinite

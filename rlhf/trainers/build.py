@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlhf.config.schema import TrainPPOConfig
+from rlhf.config.ppo import TrainPPOConfig
 from rlhf.data.pretrain import PtxData, tokenize_texts
 from rlhf.data.prompts import load_texts
 from rlhf.distributed.topology import Placement, Role, Topology

@@ -27,7 +27,7 @@ from rlhf.algorithms.shaping import (
     overlong_penalty,
     stop_properly_penalty,
 )
-from rlhf.config.schema import TrainPPOConfig
+from rlhf.config.ppo import TrainPPOConfig
 from rlhf.data.records import Experience, Rollout
 from rlhf.distributed.collectives import assemble, broadcast_keys, shard
 from rlhf.distributed.topology import Role, Topology

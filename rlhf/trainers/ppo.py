@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from rlhf.config.schema import CheckpointConfig, TrainPPOConfig
+from rlhf.config.common import CheckpointConfig
+from rlhf.config.ppo import TrainPPOConfig
 from rlhf.data.pretrain import PtxData
 from rlhf.data.prompts import Prompt, PromptSampler
 from rlhf.data.records import Experience, Rollout

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from rlhf.assets import EMBEDDED_MODEL_DIR
 from rlhf.cli.train_ppo import build_rollout_engine, for_this_machine
 from rlhf.config.flags import parse_config
-from rlhf.config.schema import TrainPPOConfig
+from rlhf.config.ppo import TrainPPOConfig
 from rlhf.data.prompts import Prompt, PromptSampler
 from rlhf.distributed.collectives import all_gather_rollout
 from rlhf.distributed.launch import init_distributed, read_launch_env

@@ -1,4 +1,5 @@
-"""The typed config tree for `train_ppo`: frozen keyword-only dataclasses, validated on construction.
+"""The config tree of `train_ppo`: the shared sub-configs of `rlhf.config.common` (PPO's variants of
+model, optimizer and engine) and the RL ones (rollout, prompts, algorithm, batch, reward, placement).
 
 Each field's metadata names the OpenRLHF flag that sets it (`flag`) and a one-line help text; the
 flag parser in `rlhf.config.flags` is generated from this metadata, so a field and its flag cannot
@@ -9,136 +10,69 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import Any
-
-import torch
+from typing import ClassVar
 
 from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_PROMPTS, EMBEDDED_REWARD
-from rlhf.config.errors import UsageError
-
-PARAM_DTYPES = ("bf16", "fp16", "fp32")
+from rlhf.config.common import (
+    CheckpointConfig,
+    EngineConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    opt,
+    require,
+)
 
 ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
 
 
-def opt(default: Any, help: str, flag: str | None = None, nargs: str | int | None = None) -> Any:
-    """A config field with its CLI metadata. `flag` defaults to the field name."""
-    meta = {"help": help, "flag": flag, "nargs": nargs}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: default, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise UsageError(message)
-
-
 @dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """Which policy to load and how to run it."""
+class PPOModelConfig(ModelConfig):
+    """The policy, and where the critic starts."""
 
-    pretrain: str | None = opt(None, "HF model directory of the policy (not given: the embedded tiny demo, with its "
-                               "prompts and reward unless --prompt_data / a reward flag are given)")
     critic_pretrain: str | None = opt(None, "critic initialisation (default: the first reward model, else --pretrain)")
     value_head_prefix: str = opt("score", "attribute name of the scalar head of critic and reward models")
-    param_dtype: str = opt("bf16", "parameter dtype of every model: bf16, fp16 (CUDA) or fp32")
-    bf16: bool = opt(False, "same as --param_dtype bf16 (older OpenRLHF scripts)")
-    attn_implementation: str = opt("flash_attention_2", "transformers attention implementation (eager, sdpa, "
-                                   "flash_attention_2, flex_attention); flash_attention_2 without CUDA and "
-                                   "flash-attn: SDPA, with a warning")
-    flash_attn: bool = opt(False, "same as --attn_implementation flash_attention_2 (older OpenRLHF scripts)")
-    gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
-    trust_remote_code: bool = opt(False, "allow model/tokenizer code shipped inside the model directory")
-
-    def __post_init__(self) -> None:
-        _require(self.pretrain is None or bool(self.pretrain), "--pretrain must name a local HF model directory")
-        _require(self.param_dtype in PARAM_DTYPES, f"--param_dtype {self.param_dtype!r}: choose bf16, fp16 or fp32")
-        _require(not (self.bf16 and self.param_dtype != "bf16"),
-                 f"--bf16 contradicts --param_dtype {self.param_dtype}: "
-                 "give one of them")
-        _require(
-            self.attn_implementation in ("eager", "sdpa", "flash_attention_2", "flex_attention"),
-            f"--attn_implementation {self.attn_implementation!r}: choose eager, sdpa, flash_attention_2 "
-            "or flex_attention",
-        )
-
-    @property
-    def attn(self) -> str:
-        return "flash_attention_2" if self.flash_attn else self.attn_implementation
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """torch dtype of parameters (and of vLLM's weights)."""
-        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.param_dtype]
 
 
 @dataclass(frozen=True, kw_only=True)
-class OptimConfig:
-    """AdamW, LR schedule and gradient clipping of the actor."""
+class PPOOptimConfig(OptimConfig):
+    """The shared optimizer settings plus the actor's and the critic's learning rates."""
 
     actor_learning_rate: float = opt(1e-6, "actor learning rate")
     critic_learning_rate: float = opt(9e-6, "critic learning rate")
-    lr_warmup_ratio: float = opt(0.03, "fraction of optimizer steps spent in linear warm-up")
-    lr_scheduler: str = opt("cosine_with_min_lr", "transformers LR scheduler name")
-    adam_betas: tuple[float, float] = opt((0.9, 0.95), "AdamW betas", nargs=2)
-    l2: float = opt(0.0, "AdamW weight decay")
-    max_norm: float = opt(1.0, "gradient clipping norm (0 disables)")
-    max_nonfinite_steps: int = opt(0, "optimizer steps with a non-finite loss or gradient to skip (gradients "
-                                   "dropped, no update) before the run stops; 0: the first one stops it")
 
     def __post_init__(self) -> None:
-        _require(self.actor_learning_rate > 0, "--actor_learning_rate must be positive")
-        _require(0 <= self.lr_warmup_ratio < 1, "--lr_warmup_ratio must lie in [0, 1)")
-        _require(len(self.adam_betas) == 2, "--adam_betas takes two numbers, e.g. --adam_betas 0.9 0.95")
-        _require(self.max_norm >= 0, "--max_norm must be >= 0")
-        _require(self.max_nonfinite_steps >= 0, "--max_nonfinite_steps must be >= 0")
+        super().__post_init__()
+        require(self.actor_learning_rate > 0, "--actor_learning_rate must be positive")
 
 
 @dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-    """DeepSpeed settings of trainable models."""
+class PPOEngineConfig(EngineConfig):
+    """The shared engine settings plus the hybrid engine's offloads and the experience-time token budget."""
 
-    zero_stage: int = opt(2, "DeepSpeed ZeRO stage (0-3)")
-    adam_offload: bool = opt(False, "keep AdamW states on the host (ZeRO offload)")
-    overlap_comm: bool = opt(False, "overlap gradient reduction with backward")
     deepspeed_enable_sleep: bool = opt(False, "keep actor/critic optimizer states in host memory outside training")
     ref_reward_offload: bool = opt(False, "keep reference/reward parameters in host memory outside experience")
-    local_rank: int = opt(-1, "accepted for compatibility with deepspeed launchers; the environment wins")
-    packing_samples: bool = opt(False, "pack each micro-batch's sequences into one padding-free row (varlen "
-                                "attention: flash-attn on CUDA, exact per-sequence SDPA on CPU)")
-    use_dynamic_batch: bool = opt(False, "cut micro-batches by token budget instead of sample count")
-    train_max_tokens_per_gpu: int = opt(16192, "token budget of a training micro-batch per rank "
-                                        "(--use_dynamic_batch)")
     rollout_max_tokens_per_gpu: int | None = opt(None, "token budget of an experience forward per rank "
                                                  "(--use_dynamic_batch; default: --train_max_tokens_per_gpu)")
-    ring_attn_size: int = opt(1, "ranks per ring-attention (sequence-parallel) group; > 1 needs --packing_samples")
-    ring_head_stride: int = opt(1, "kv heads per ring pass (more heads per pass: fewer, larger messages)")
-    use_liger_kernel: bool = opt(False, "patch models with Liger's fused kernels (RMSNorm, RoPE, SwiGLU; CUDA only)")
 
     def __post_init__(self) -> None:
-        _require(self.zero_stage in (0, 1, 2, 3), f"--zero_stage {self.zero_stage}: choose 0, 1, 2 or 3")
-        _require(self.ring_attn_size >= 1, "--ring_attn_size must be >= 1")
-        _require(self.ring_head_stride >= 1, "--ring_head_stride must be >= 1")
-        _require(self.ring_attn_size == 1 or self.packing_samples,
-                 "--ring_attn_size > 1 shards packed sequences: add --packing_samples")
-        _require(not self.use_dynamic_batch or self.packing_samples,
-                 "--use_dynamic_batch budgets packed tokens: add --packing_samples (padded rows would cost "
-                 "rows x longest row, not the budget)")
-        _require(self.train_max_tokens_per_gpu >= 1, "--train_max_tokens_per_gpu must be >= 1")
+        super().__post_init__()
         if self.deepspeed_enable_sleep and self.zero_stage == 0:
             warnings.warn("--deepspeed_enable_sleep has no effect at --zero_stage 0 (no ZeRO optimizer states to "
                           "offload); use --zero_stage 1-3 to free them between training stages", stacklevel=2)
         if self.ref_reward_offload and self.zero_stage == 3:
             warnings.warn("--ref_reward_offload has no effect at --zero_stage 3: reference and reward parameters "
                           "are already partitioned over their ranks", stacklevel=2)
-        _require(self.rollout_max_tokens_per_gpu is None or self.rollout_max_tokens_per_gpu >= 1,
+        require(self.rollout_max_tokens_per_gpu is None or self.rollout_max_tokens_per_gpu >= 1,
                  "--rollout_max_tokens_per_gpu must be >= 1")
+
 
     @property
     def rollout_tokens_per_gpu(self) -> int:
         return self.rollout_max_tokens_per_gpu or self.train_max_tokens_per_gpu
+
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,13 +93,13 @@ class RolloutConfig:
     n_samples_per_prompt: int = opt(1, "samples per prompt (a group, for group estimators)")
 
     def __post_init__(self) -> None:
-        _require(self.vllm_tensor_parallel_size >= 1, "--vllm_tensor_parallel_size must be >= 1")
-        _require(self.weight_sync_bucket_mb >= 1, "--weight_sync_bucket_mb must be >= 1")
-        _require(self.temperature > 0, "--temperature must be > 0")
-        _require(0 < self.top_p <= 1, "--top_p must lie in (0, 1]")
-        _require(self.generate_max_len >= 1, "--generate_max_len must be >= 1")
-        _require(self.n_samples_per_prompt >= 1, "--n_samples_per_prompt must be >= 1")
-        _require(self.rollout_engine in ("auto", "vllm", "hf"), "--rollout_engine: choose auto, vllm or hf")
+        require(self.vllm_tensor_parallel_size >= 1, "--vllm_tensor_parallel_size must be >= 1")
+        require(self.weight_sync_bucket_mb >= 1, "--weight_sync_bucket_mb must be >= 1")
+        require(self.temperature > 0, "--temperature must be > 0")
+        require(0 < self.top_p <= 1, "--top_p must lie in (0, 1]")
+        require(self.generate_max_len >= 1, "--generate_max_len must be >= 1")
+        require(self.n_samples_per_prompt >= 1, "--n_samples_per_prompt must be >= 1")
+        require(self.rollout_engine in ("auto", "vllm", "hf"), "--rollout_engine: choose auto, vllm or hf")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,10 +119,10 @@ class DataConfig:
     pretrain_data: str | None = opt(None, "JSON/JSONL texts (column --input_key) for the ptx loss")
 
     def __post_init__(self) -> None:
-        _require(self.prompt_max_len >= 1, "--prompt_max_len must be >= 1")
-        _require(self.max_samples >= 1, "--max_samples must be >= 1")
+        require(self.prompt_max_len >= 1, "--prompt_max_len must be >= 1")
+        require(self.max_samples >= 1, "--max_samples must be >= 1")
         if self.input_template is not None:
-            _require(
+            require(
                 self.input_template.count("{}") == 1,
                 f"--input_template {self.input_template!r} must contain exactly one '{{}}' for the prompt",
             )
@@ -232,27 +166,27 @@ class AlgoConfig:
     freezing_actor_steps: int = opt(-1, "train only the critic for this many steps (critic warm-up)")
 
     def __post_init__(self) -> None:
-        _require(self.advantage_estimator in ADVANTAGE_ESTIMATORS,
+        require(self.advantage_estimator in ADVANTAGE_ESTIMATORS,
                  f"--advantage_estimator {self.advantage_estimator!r}: choose one of "
                  f"{', '.join(ADVANTAGE_ESTIMATORS)}")
-        _require(self.eps_clip > 0, "--eps_clip must be > 0")
-        _require(self.dual_clip is None or self.dual_clip > 1, "--dual_clip must be > 1")
-        _require(self.policy_loss_type in ("ppo", "gspo"), "--policy_loss_type: choose ppo or gspo")
-        _require(self.kl_estimator in ("k1", "k2", "k3"), "--kl_estimator: choose k1, k2 or k3")
-        _require(self.init_kl_coef >= 0, "--init_kl_coef must be >= 0")
-        _require(self.ptx_coef >= 0 and (self.entropy_loss_coef or 0) >= 0,
+        require(self.eps_clip > 0, "--eps_clip must be > 0")
+        require(self.dual_clip is None or self.dual_clip > 1, "--dual_clip must be > 1")
+        require(self.policy_loss_type in ("ppo", "gspo"), "--policy_loss_type: choose ppo or gspo")
+        require(self.kl_estimator in ("k1", "k2", "k3"), "--kl_estimator: choose k1, k2 or k3")
+        require(self.init_kl_coef >= 0, "--init_kl_coef must be >= 0")
+        require(self.ptx_coef >= 0 and (self.entropy_loss_coef or 0) >= 0,
                  "--ptx_coef and --entropy_loss_coef must be >= 0")
-        _require(self.kl_target is None or self.kl_target > 0, "--kl_target must be > 0")
-        _require(0 <= self.gamma <= 1 and 0 <= self.lambd <= 1, "--gamma and --lambd must lie in [0, 1]")
+        require(self.kl_target is None or self.kl_target > 0, "--kl_target must be > 0")
+        require(0 <= self.gamma <= 1 and 0 <= self.lambd <= 1, "--gamma and --lambd must lie in [0, 1]")
         if self.stop_properly_penalty_coef is not None and self.stop_properly_penalty_coef >= 0:
-            _require(self.stop_properly_penalty_coef <= 1, "--stop_properly_penalty_coef must be <= 1 or < 0")
-        _require(self.vllm_is_correction_type in ("tis", "icepop"),
+            require(self.stop_properly_penalty_coef <= 1, "--stop_properly_penalty_coef must be <= 1 or < 0")
+        require(self.vllm_is_correction_type in ("tis", "icepop"),
                  f"--vllm_is_correction_type {self.vllm_is_correction_type!r}: choose tis or icepop "
                  "(seq-mask-tis is not implemented in this build)")
         lo, hi = self.vllm_is_truncated_threshold
-        _require(0 <= lo < hi, "--vllm_is_truncated_threshold needs 0 <= LOW < HIGH")
+        require(0 <= lo < hi, "--vllm_is_truncated_threshold needs 0 <= LOW < HIGH")
         if self.reward_clip_range is not None:
-            _require(self.reward_clip_range[0] < self.reward_clip_range[1], "--reward_clip_range needs LOW < HIGH")
+            require(self.reward_clip_range[0] < self.reward_clip_range[1], "--reward_clip_range needs LOW < HIGH")
 
     @property
     def clip_range(self) -> tuple[float, float]:
@@ -287,8 +221,8 @@ class BatchConfig:
     def __post_init__(self) -> None:
         for name in ("num_episodes", "rollout_batch_size", "micro_rollout_batch_size", "train_batch_size",
                      "micro_train_batch_size", "max_epochs"):
-            _require(getattr(self, name) >= 1, f"--{name} must be >= 1")
-        _require(self.max_steps is None or self.max_steps >= 1, "--max_steps must be >= 1")
+            require(getattr(self, name) >= 1, f"--{name} must be >= 1")
+        require(self.max_steps is None or self.max_steps >= 1, "--max_steps must be >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -304,8 +238,8 @@ class RewardConfig:
                                      "before the run fails with an error naming the file (0: no limit)")
 
     def __post_init__(self) -> None:
-        _require(self.reward_func_timeout >= 0, "--reward_func_timeout must be >= 0 (seconds; 0: no limit)")
-        _require(self.remote_rm_timeout > 0 and self.remote_rm_retries >= 1,
+        require(self.reward_func_timeout >= 0, "--reward_func_timeout must be >= 0 (seconds; 0: no limit)")
+        require(self.remote_rm_timeout > 0 and self.remote_rm_retries >= 1,
                  "--remote_rm_timeout must be > 0 and --remote_rm_retries >= 1")
 
     @property
@@ -322,46 +256,6 @@ class RewardConfig:
     def source(self) -> str:
         """The reward_func file or URL in use ("" when rewards come from reward models)."""
         return self.remote_rm_url or ""
-
-
-@dataclass(frozen=True, kw_only=True)
-class LoggingConfig:
-    """Where results, metrics and logs go."""
-
-    save_path: str = opt("./ckpt", "output directory: metrics.jsonl and the final model")
-    use_tensorboard: str | None = opt(None, "TensorBoard log directory")
-    use_wandb: str | None = opt(None, "log to Weights & Biases (value: API key, or 'True' for an existing login)")
-    wandb_project: str = opt("openrlhf_train_ppo", "wandb project")
-    wandb_group: str | None = opt(None, "wandb group")
-    wandb_run_name: str | None = opt(None, "wandb run name")
-    logging_steps: int = opt(1, "log every N steps")
-    eval_steps: int = opt(-1, "evaluate every N steps (-1: never); evaluation needs --eval_dataset")
-    verbose: bool = opt(False, "show all third-party library output on the console, unfiltered, from every rank")
-
-    def __post_init__(self) -> None:
-        _require(self.logging_steps >= 1, "--logging_steps must be >= 1")
-        _require(self.eval_steps == -1 or self.eval_steps >= 1, "--eval_steps must be -1 (never) or >= 1")
-        if self.eval_steps != -1:
-            warnings.warn(f"--eval_steps {self.eval_steps} has no effect: there is no --eval_dataset (evaluation "
-                          "during RL is not built yet)", stacklevel=2)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckpointConfig:
-    """Training checkpoints for exact resume."""
-
-    save_steps: int = opt(-1, "write a checkpoint every N steps (-1: never)")
-    ckpt_path: str = opt("./ckpt/checkpoints_ppo_ray", "directory of training checkpoints")
-    load_checkpoint: bool = opt(False, "resume from the newest complete checkpoint under --ckpt_path, if any")
-    max_ckpt_num: int = opt(3, "keep at most this many checkpoints")
-    max_ckpt_mem: float = opt(1e8, "keep checkpoints within this many GiB (the newest is always kept)")
-    disable_ds_ckpt: bool = opt(False, "do not write optimizer states (the run then cannot resume exactly)")
-    save_hf_ckpt: bool = opt(False, "also write the actor in HF format into each checkpoint")
-
-    def __post_init__(self) -> None:
-        _require(self.save_steps == -1 or self.save_steps >= 1, "--save_steps must be -1 or >= 1")
-        _require(self.max_ckpt_num >= 1, "--max_ckpt_num must be >= 1")
-        _require(self.max_ckpt_mem > 0, "--max_ckpt_mem must be > 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -382,8 +276,8 @@ class PlacementConfig:
 
     def __post_init__(self) -> None:
         for role in ("actor", "critic", "reward", "ref"):
-            _require(getattr(self, f"{role}_num_nodes") >= 1, f"--{role}_num_nodes must be >= 1")
-            _require(getattr(self, f"{role}_num_gpus_per_node") >= 0, f"--{role}_num_gpus_per_node must be >= 0")
+            require(getattr(self, f"{role}_num_nodes") >= 1, f"--{role}_num_nodes must be >= 1")
+            require(getattr(self, f"{role}_num_gpus_per_node") >= 0, f"--{role}_num_gpus_per_node must be >= 0")
 
     def num_ranks(self, role: str) -> int:
         """Ranks requested for `role` (0: span the world)."""
@@ -396,9 +290,17 @@ class PlacementConfig:
 class TrainPPOConfig:
     """Everything `train_ppo` needs, one sub-config per component."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    PENDING_FLAGS: ClassVar[tuple[str, ...]] = tuple((
+        "ds_tensor_parallel_size lora_rank lora_alpha target_modules "
+        "lora_dropout load_in_4bit max_len prompt_data_probs eval_dataset eval_split eval_temperature "
+        "eval_n_samples_per_prompt async_train async_queue_size agent_func_path "
+        "save_value_network vllm_generate_batch_size"
+    ).split())
+    """OpenRLHF train_ppo flags whose features are not built yet: refused, never silently ignored."""
+
+    model: PPOModelConfig = field(default_factory=PPOModelConfig)
+    optim: PPOOptimConfig = field(default_factory=PPOOptimConfig)
+    engine: PPOEngineConfig = field(default_factory=PPOEngineConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -414,28 +316,31 @@ class TrainPPOConfig:
                                    "stage it is in and since when (0: off)")
 
     def __post_init__(self) -> None:
-        _require(self.dist_timeout > 0, "--dist_timeout must be > 0 (minutes)")
-        _require(self.watchdog_interval >= 0, "--watchdog_interval must be >= 0 (seconds; 0 turns it off)")
+        if self.logging.eval_steps != -1:
+            warnings.warn(f"--eval_steps {self.logging.eval_steps} has no effect: there is no --eval_dataset "
+                          "(evaluation during RL is not built yet)", stacklevel=2)
+        require(self.dist_timeout > 0, "--dist_timeout must be > 0 (minutes)")
+        require(self.watchdog_interval >= 0, "--watchdog_interval must be >= 0 (seconds; 0 turns it off)")
         n, algo = self.rollout.n_samples_per_prompt, self.algo
         if algo.advantage_estimator in GROUP_ESTIMATORS:
-            _require(n > 1, f"--advantage_estimator {algo.advantage_estimator} compares samples of one prompt: "
+            require(n > 1, f"--advantage_estimator {algo.advantage_estimator} compares samples of one prompt: "
                             f"--n_samples_per_prompt must be > 1 (got {n})")
-        _require(not algo.dynamic_filtering or n > 1, "--dynamic_filtering filters prompt groups: "
+        require(not algo.dynamic_filtering or n > 1, "--dynamic_filtering filters prompt groups: "
                  "--n_samples_per_prompt must be > 1")
-        _require(self.batch.train_batch_size <= self.batch.rollout_batch_size * n,
+        require(self.batch.train_batch_size <= self.batch.rollout_batch_size * n,
                  f"--train_batch_size {self.batch.train_batch_size} exceeds the samples of one step "
                  f"(--rollout_batch_size x --n_samples_per_prompt = {self.batch.rollout_batch_size * n})")
         if algo.overlong_buffer_len is not None:
-            _require(0 < algo.overlong_buffer_len <= self.rollout.generate_max_len,
+            require(0 < algo.overlong_buffer_len <= self.rollout.generate_max_len,
                      "--overlong_buffer_len must lie in (0, --generate_max_len]")
         if algo.advantage_estimator != "gae" and (self.model.critic_pretrain or self.placement.num_ranks("critic")):
             warnings.warn(f"--advantage_estimator {algo.advantage_estimator} uses no critic: critic flags are "
                           "ignored", stacklevel=2)
         if self.model.pretrain is not None:
-            _require(self.data.prompt_data is not None,
+            require(self.data.prompt_data is not None,
                      f"--pretrain {self.model.pretrain} is given but --prompt_data is not: name the prompt dataset "
                      "(the embedded demo prompts are used only when --pretrain is not given)")
-            _require(bool(self.reward.reward_model_paths or self.reward.remote_rm_url),
+            require(bool(self.reward.reward_model_paths or self.reward.remote_rm_url),
                      f"--pretrain {self.model.pretrain} is given but no reward source: add --reward_pretrain DIR "
                      "(reward models) or --remote_rm_url (an HTTP URL or a .py file defining reward_func)")
         if self.reward.reward_pretrain and self.reward.remote_rm_url:
@@ -449,7 +354,7 @@ class TrainPPOConfig:
             per_rank = -(-longest // (2 * ring)) * 2 if ring > 1 else longest  # a ring pads to 2R, then shards
             for flag, budget in (("--train_max_tokens_per_gpu", e.train_max_tokens_per_gpu),
                                  ("--rollout_max_tokens_per_gpu", e.rollout_tokens_per_gpu)):
-                _require(budget >= per_rank, f"{flag} {budget} cannot hold one sample of up to {longest} tokens "
+                require(budget >= per_rank, f"{flag} {budget} cannot hold one sample of up to {longest} tokens "
                                              f"(--prompt_max_len + --generate_max_len), {per_rank} per rank with "
                                              f"--ring_attn_size {ring}: raise it to at least {per_rank}")
 
@@ -479,18 +384,18 @@ class TrainPPOConfig:
     def check_world(self, world_size: int) -> None:
         """Validate rollout sharding against the world size (role sizes: `check_role_sizes`)."""
         b, tp = self.batch, self.rollout.vllm_tensor_parallel_size
-        _require(world_size % tp == 0,
+        require(world_size % tp == 0,
                  f"world size {world_size} is not a multiple of --vllm_tensor_parallel_size {tp}")
         num_engines = world_size // tp
-        _require(b.rollout_batch_size % num_engines == 0,
+        require(b.rollout_batch_size % num_engines == 0,
                  f"--rollout_batch_size {b.rollout_batch_size} must be divisible by the number of rollout "
                  f"engines ({num_engines} = world size {world_size} / --vllm_tensor_parallel_size {tp})")
         samples = b.rollout_batch_size * self.rollout.n_samples_per_prompt
-        _require(samples % b.train_batch_size == 0,
+        require(samples % b.train_batch_size == 0,
                  f"--train_batch_size {b.train_batch_size} must divide the samples per step ({samples})")
         if tp > 1:
             per_engine = b.rollout_batch_size // num_engines
-            _require(per_engine % tp == 0,
+            require(per_engine % tp == 0,
                      f"each engine's {per_engine} prompts must split evenly over its {tp} ranks "
                      "(samples of one prompt stay on one rank)")
 
@@ -500,12 +405,12 @@ class TrainPPOConfig:
         b, ring = self.batch, self.engine.ring_attn_size
         samples = b.rollout_batch_size * self.rollout.n_samples_per_prompt
         for role, count in rank_counts.items():
-            _require(count % ring == 0, f"the {count} {role} ranks do not split into rings of --ring_attn_size "
+            require(count % ring == 0, f"the {count} {role} ranks do not split into rings of --ring_attn_size "
                                         f"{ring}; change the role's rank count or the ring size")
             dp = count // ring
-            _require(samples % dp == 0, f"the {samples} samples of a step do not split over the {dp} {role} ranks; "
+            require(samples % dp == 0, f"the {samples} samples of a step do not split over the {dp} {role} ranks; "
                                         "change --rollout_batch_size or the role's rank count")
             if role in trainable:
-                _require(b.train_batch_size % (b.micro_train_batch_size * dp) == 0,
+                require(b.train_batch_size % (b.micro_train_batch_size * dp) == 0,
                          f"--train_batch_size {b.train_batch_size} must be a multiple of --micro_train_batch_size "
                          f"{b.micro_train_batch_size} x {dp} {role} ranks")

@@ -1,0 +1,153 @@
+"""Sub-configs every job shares (model, optimizer, DeepSpeed engine and layout, logging, checkpoints) and
+the field helper `opt`. Frozen keyword-only dataclasses validated on construction; each field's metadata
+names its OpenRLHF flag. A job's root config (`rlhf.config.ppo`, `rlhf.config.supervised`) holds these
+next to its own sub-configs, and may give a field another default by passing an instance as the field
+default (e.g. the checkpoint directory per job): the flag parser reads defaults from the root's instances.
+This module knows nothing of argparse or of any job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlhf.config.errors import UsageError
+
+PARAM_DTYPES = ("bf16", "fp16", "fp32")
+
+def opt(default: Any, help: str, flag: str | None = None, nargs: str | int | None = None) -> Any:
+    """A config field with its CLI metadata. `flag` defaults to the field name."""
+    meta = {"help": help, "flag": flag, "nargs": nargs}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def require(cond: bool, message: str) -> None:
+    if not cond:
+        raise UsageError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which model to load and how to run it (every job)."""
+
+    pretrain: str | None = opt(None, "HF model directory of the model to train (not given: the embedded tiny demo "
+                               "model, with the job's demo data where no dataset flag is given)")
+    param_dtype: str = opt("bf16", "parameter dtype of every model: bf16, fp16 (CUDA) or fp32")
+    bf16: bool = opt(False, "same as --param_dtype bf16 (older OpenRLHF scripts)")
+    attn_implementation: str = opt("flash_attention_2", "transformers attention implementation (eager, sdpa, "
+                                   "flash_attention_2, flex_attention); flash_attention_2 without CUDA and "
+                                   "flash-attn: SDPA, with a warning")
+    flash_attn: bool = opt(False, "same as --attn_implementation flash_attention_2 (older OpenRLHF scripts)")
+    gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
+    trust_remote_code: bool = opt(False, "allow model/tokenizer code shipped inside the model directory")
+
+    def __post_init__(self) -> None:
+        require(self.pretrain is None or bool(self.pretrain), "--pretrain must name a local HF model directory")
+        require(self.param_dtype in PARAM_DTYPES, f"--param_dtype {self.param_dtype!r}: choose bf16, fp16 or fp32")
+        require(not (self.bf16 and self.param_dtype != "bf16"),
+                 f"--bf16 contradicts --param_dtype {self.param_dtype}: "
+                 "give one of them")
+        require(
+            self.attn_implementation in ("eager", "sdpa", "flash_attention_2", "flex_attention"),
+            f"--attn_implementation {self.attn_implementation!r}: choose eager, sdpa, flash_attention_2 "
+            "or flex_attention",
+        )
+
+    @property
+    def attn(self) -> str:
+        return "flash_attention_2" if self.flash_attn else self.attn_implementation
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """torch dtype of parameters (and of vLLM's weights)."""
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.param_dtype]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW, LR schedule and gradient clipping (every job; the learning rates are per job)."""
+
+    lr_warmup_ratio: float = opt(0.03, "fraction of optimizer steps spent in linear warm-up")
+    lr_scheduler: str = opt("cosine_with_min_lr", "transformers LR scheduler name")
+    adam_betas: tuple[float, float] = opt((0.9, 0.95), "AdamW betas", nargs=2)
+    l2: float = opt(0.0, "AdamW weight decay")
+    max_norm: float = opt(1.0, "gradient clipping norm (0 disables)")
+    max_nonfinite_steps: int = opt(0, "optimizer steps with a non-finite loss or gradient to skip (gradients "
+                                   "dropped, no update) before the run stops; 0: the first one stops it")
+
+    def __post_init__(self) -> None:
+        require(0 <= self.lr_warmup_ratio < 1, "--lr_warmup_ratio must lie in [0, 1)")
+        require(len(self.adam_betas) == 2, "--adam_betas takes two numbers, e.g. --adam_betas 0.9 0.95")
+        require(self.max_norm >= 0, "--max_norm must be >= 0")
+        require(self.max_nonfinite_steps >= 0, "--max_nonfinite_steps must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """DeepSpeed and sequence layout (packing, dynamic batches, ring attention, Liger) of trainable models."""
+
+    zero_stage: int = opt(2, "DeepSpeed ZeRO stage (0-3)")
+    adam_offload: bool = opt(False, "keep AdamW states on the host (ZeRO offload)")
+    overlap_comm: bool = opt(False, "overlap gradient reduction with backward")
+    local_rank: int = opt(-1, "accepted for compatibility with deepspeed launchers; the environment wins")
+    packing_samples: bool = opt(False, "pack each micro-batch's sequences into one padding-free row (varlen "
+                                "attention: flash-attn on CUDA, exact per-sequence SDPA on CPU)")
+    use_dynamic_batch: bool = opt(False, "cut micro-batches by token budget instead of sample count")
+    train_max_tokens_per_gpu: int = opt(16192, "token budget of a training micro-batch per rank "
+                                        "(--use_dynamic_batch)")
+    ring_attn_size: int = opt(1, "ranks per ring-attention (sequence-parallel) group; > 1 needs --packing_samples")
+    ring_head_stride: int = opt(1, "kv heads per ring pass (more heads per pass: fewer, larger messages)")
+    use_liger_kernel: bool = opt(False, "patch models with Liger's fused kernels (RMSNorm, RoPE, SwiGLU; CUDA only)")
+
+    def __post_init__(self) -> None:
+        require(self.zero_stage in (0, 1, 2, 3), f"--zero_stage {self.zero_stage}: choose 0, 1, 2 or 3")
+        require(self.ring_attn_size >= 1, "--ring_attn_size must be >= 1")
+        require(self.ring_head_stride >= 1, "--ring_head_stride must be >= 1")
+        require(self.ring_attn_size == 1 or self.packing_samples,
+                 "--ring_attn_size > 1 shards packed sequences: add --packing_samples")
+        require(not self.use_dynamic_batch or self.packing_samples,
+                 "--use_dynamic_batch budgets packed tokens: add --packing_samples (padded rows would cost "
+                 "rows x longest row, not the budget)")
+        require(self.train_max_tokens_per_gpu >= 1, "--train_max_tokens_per_gpu must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """Where results, metrics and logs go."""
+
+    save_path: str = opt("./ckpt", "output directory: metrics.jsonl and the final model")
+    use_tensorboard: str | None = opt(None, "TensorBoard log directory")
+    use_wandb: str | None = opt(None, "log to Weights & Biases (value: API key, or 'True' for an existing login)")
+    wandb_project: str = opt("openrlhf_train_ppo", "wandb project")
+    wandb_group: str | None = opt(None, "wandb group")
+    wandb_run_name: str | None = opt(None, "wandb run name")
+    logging_steps: int = opt(1, "log every N steps")
+    eval_steps: int = opt(-1, "evaluate every N steps (-1: never; jobs with an --eval_dataset also evaluate "
+                          "at the end)")
+    verbose: bool = opt(False, "show all third-party library output on the console, unfiltered, from every rank")
+
+    def __post_init__(self) -> None:
+        require(self.logging_steps >= 1, "--logging_steps must be >= 1")
+        require(self.eval_steps == -1 or self.eval_steps >= 1, "--eval_steps must be -1 (never) or >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Training checkpoints for exact resume."""
+
+    save_steps: int = opt(-1, "write a checkpoint every N steps (-1: never)")
+    ckpt_path: str = opt("./ckpt/checkpoints_ppo_ray", "directory of training checkpoints")
+    load_checkpoint: bool = opt(False, "resume from the newest complete checkpoint under --ckpt_path, if any")
+    max_ckpt_num: int = opt(3, "keep at most this many checkpoints")
+    max_ckpt_mem: float = opt(1e8, "keep checkpoints within this many GiB (the newest is always kept)")
+    disable_ds_ckpt: bool = opt(False, "do not write optimizer states (the run then cannot resume exactly)")
+    save_hf_ckpt: bool = opt(False, "also write the trained model in HF format into each checkpoint")
+
+    def __post_init__(self) -> None:
+        require(self.save_steps == -1 or self.save_steps >= 1, "--save_steps must be -1 or >= 1")
+        require(self.max_ckpt_num >= 1, "--max_ckpt_num must be >= 1")
+        require(self.max_ckpt_mem > 0, "--max_ckpt_mem must be > 0")
