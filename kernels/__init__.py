@@ -4,6 +4,7 @@ Each function here has a plain-PyTorch reference that runs on CPU. The Triton lo
 imported lazily (on first use of its names), so `import rlhf.kernels` never imports triton.
 """
 
+from .distill import kd_loss_chunked, kd_loss_reference
 from .dynamic_batch import (
     balanced_micro_batches,
     count_micro_batches,
@@ -52,6 +53,8 @@ __all__ = [
     "dynamic_micro_batches",
     "first_fit_decreasing",
     "fused_logprobs_entropy",
+    "kd_loss_chunked",
+    "kd_loss_reference",
     "max_seqlen_from_cu",
     "next_token_targets",
     "pack_padded",

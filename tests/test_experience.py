@@ -66,8 +66,9 @@ def test_rollout_mismatch_and_correction_statistics():
 
 
 def test_a_metric_without_a_declared_reduction_is_an_error():
-    from rlhf.trainers.ppo import PPOTrainer
+    from rlhf.distributed.topology import Role
+    from rlhf.train.metrics import reduce_metrics
+    from rlhf.trainers.ppo import TRAIN_METRICS
 
-    trainer = PPOTrainer.__new__(PPOTrainer)
     with pytest.raises(RuntimeError, match=r"actor produced metrics \['new_metric'\] with no declared reduction"):
-        trainer._global_train_metrics({"policy_loss": 1.0, "new_metric": 2.0, "_updates": 1.0}, {})
+        reduce_metrics({Role.ACTOR: {"policy_loss": 1.0, "new_metric": 2.0}}, TRAIN_METRICS, topology=None)

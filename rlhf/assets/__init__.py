@@ -1,6 +1,9 @@
-"""Files that ship with the package: the embedded tiny demo (tokenizer, policy, prompts, reward).
+"""Files that ship with the package: the embedded tiny demo (tokenizer, policy, prompts, reward) and
+the copy-task data of the supervised jobs (SFT, reward-model pairs, process-reward steps).
 
-`python -m rlhf.assets.build_tiny` regenerates everything under `tiny/` deterministically.
+`python -m rlhf.assets.build_tiny` regenerates everything under `tiny/` deterministically;
+`python -m rlhf.assets.build_tiny --data_only` rewrites only the supervised data files. Their format and
+the PRM token choices are described in `build_tiny`'s docstring.
 """
 
 from pathlib import Path
@@ -10,3 +13,14 @@ EMBEDDED_MODEL_DIR = str(TINY_DIR / "policy")
 EMBEDDED_PROMPTS = str(TINY_DIR / "prompts.jsonl")
 EMBEDDED_REWARD = str(TINY_DIR / "reward.py")
 EMBEDDED_REWARD_MODEL_DIR = str(TINY_DIR / "reward_model")
+
+# supervised data of the copy task (train / eval files)
+EMBEDDED_SFT = str(TINY_DIR / "sft.jsonl")
+EMBEDDED_SFT_EVAL = str(TINY_DIR / "sft_eval.jsonl")
+EMBEDDED_PAIRS = str(TINY_DIR / "pairs.jsonl")
+EMBEDDED_PAIRS_EVAL = str(TINY_DIR / "pairs_eval.jsonl")
+EMBEDDED_PRM = str(TINY_DIR / "prm.jsonl")
+EMBEDDED_PRM_EVAL = str(TINY_DIR / "prm_eval.jsonl")
+# unused words of the 64-token vocabulary: the step placeholder and the (good, bad) reward tokens
+EMBEDDED_PRM_PLACEHOLDER = "w0"
+EMBEDDED_PRM_REWARD_TOKENS = ("w1", "w2")

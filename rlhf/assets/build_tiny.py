@@ -1,11 +1,24 @@
 """Build the embedded tiny demo under `rlhf/assets/tiny/`: a word-level tokenizer, a small random
-Llama policy, a prompt set and a rule-based reward. Deterministic for a given seed.
+Llama policy, a prompt set, a rule-based reward and the supervised data. Deterministic for a given seed.
 
 The task: each prompt ends with "copy D :" for a digit D (after a few filler words); the reward is the
 fraction of the first four response words equal to D. A random policy scores about 0.02-0.1; a
 policy that learned to copy scores 1.
 
-    python -m rlhf.assets.build_tiny [--out DIR] [--seed 0]
+Supervised data of the same task (JSON Lines; train file and a smaller `_eval` file each):
+- `sft.jsonl`: {"input": "q copy 5 :", "output": "5 5 5 5"}, the demonstration (`--input_key input
+  --output_key output`; with `--apply_chat_template` the two strings become a user and an assistant turn).
+- `pairs.jsonl`: {"prompt": ..., "chosen": ..., "rejected": ..., "margin": ...}; four answer words each,
+  the chosen one with strictly more copies of D than the rejected one, so the rule reward above ranks
+  every pair right; margin = (chosen copies - rejected copies) / 4 (`--prompt_key prompt`).
+- `prm.jsonl`: {"input": "q copy 5 : 5 w0 x w0 5 w0 5 w0", "label": ["w1", "w2", "w1", "w1"]}: four
+  one-word steps, each followed by the placeholder, labelled good when the step is the digit D. The
+  placeholder and reward tokens are vocabulary words no other file uses: `--placeholder_token w0
+  --reward_tokens w1 w2` (w1 = good, listed first as OpenRLHF's soft labels expect; w2 = bad).
+Prompt and answer are joined without a separator (as OpenRLHF does) and the vocabulary splits on
+whitespace, so plain-text runs pass `--input_template "{} "`; `--apply_chat_template` needs nothing.
+
+    python -m rlhf.assets.build_tiny [--out DIR] [--seed 0] [--data_only]
 """
 
 from __future__ import annotations
@@ -16,6 +29,8 @@ import os
 import random
 
 import torch
+
+from rlhf.assets import EMBEDDED_PRM_PLACEHOLDER, EMBEDDED_PRM_REWARD_TOKENS
 
 SPECIALS = ["<pad>", "<unk>", "<s>", "</s>"]
 DIGITS = [str(d) for d in range(10)]
@@ -39,13 +54,17 @@ def reward_func(queries, prompts, labels):
 '''
 
 
+def vocabulary() -> list[str]:
+    """The 64 words of the tokenizer, in id order; `w0`.. fill the unused ids."""
+    vocab_list = SPECIALS + WORDS + DIGITS + FILLER
+    return vocab_list + [f"w{i}" for i in range(64 - len(vocab_list))]
+
+
 def build_tokenizer(out_dir: str):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab_list = SPECIALS + WORDS + DIGITS + FILLER
-    vocab_list += [f"w{i}" for i in range(64 - len(vocab_list))]
-    vocab = {w: i for i, w in enumerate(vocab_list)}
+    vocab = {w: i for i, w in enumerate(vocabulary())}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>",
@@ -125,11 +144,71 @@ def build_reward_model(out_dir: str, policy_dir: str, tok, seed: int, steps: int
                            tok)
 
 
+def _copy_prompt(rng: random.Random) -> tuple[str, str]:
+    """A copy-task prompt and its digit."""
+    digit = rng.choice(DIGITS)
+    filler = " ".join(rng.choice(FILLER) for _ in range(rng.randint(0, 3)))
+    return f"{filler} copy {digit} :".strip(), digit
+
+
+def _answer_words(rng: random.Random, digit: str, copies: int) -> list[str]:
+    """Four answer words, `copies` of them the digit (in random places), the others other digits/letters."""
+    others = [w for w in DIGITS + FILLER if w != digit]
+    words = [digit] * copies + [rng.choice(others) for _ in range(4 - copies)]
+    rng.shuffle(words)
+    return words
+
+
+def _sft_row(rng: random.Random) -> dict:
+    prompt, digit = _copy_prompt(rng)
+    return {"input": prompt, "output": " ".join([digit] * 4)}
+
+
+def _pair_row(rng: random.Random) -> dict:
+    prompt, digit = _copy_prompt(rng)
+    rejected_copies, chosen_copies = sorted(rng.sample(range(5), 2))
+    return {"prompt": prompt, "chosen": " ".join(_answer_words(rng, digit, chosen_copies)),
+            "rejected": " ".join(_answer_words(rng, digit, rejected_copies)),
+            "margin": (chosen_copies - rejected_copies) / 4}
+
+
+def _prm_row(rng: random.Random) -> dict:
+    prompt, digit = _copy_prompt(rng)
+    words = _answer_words(rng, digit, rng.randint(0, 4))
+    good, bad = EMBEDDED_PRM_REWARD_TOKENS
+    return {"input": prompt + "".join(f" {w} {EMBEDDED_PRM_PLACEHOLDER}" for w in words),
+            "label": [good if w == digit else bad for w in words]}
+
+
+DATA_FILES = {"sft": _sft_row, "pairs": _pair_row, "prm": _prm_row}
+
+
+def build_data(out_dir: str, seed: int, num_train: int = 1024, num_eval: int = 128) -> None:
+    """The supervised data files (`{name}.jsonl` and `{name}_eval.jsonl`), each from its own seeded stream."""
+    vocab = set(vocabulary())
+    special = set(SPECIALS + WORDS + DIGITS + FILLER)
+    for token in (EMBEDDED_PRM_PLACEHOLDER, *EMBEDDED_PRM_REWARD_TOKENS):
+        assert token in vocab and token not in special, f"PRM token {token!r} must be an unused vocabulary word"
+    for name, make_row in DATA_FILES.items():
+        for suffix, count in (("", num_train), ("_eval", num_eval)):
+            rng = random.Random(f"{name}{suffix}:{seed}")
+            with open(os.path.join(out_dir, f"{name}{suffix}.jsonl"), "w", encoding="utf-8") as f:
+                for _ in range(count):
+                    f.write(json.dumps(make_row(rng)) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "tiny"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data_only", action="store_true",
+                        help="write only the supervised data files (sft, pairs, prm), leave the rest as is")
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    build_data(args.out, args.seed)
+    if args.data_only:
+        print(f"wrote the supervised data to {args.out}")
+        return
     policy_dir = os.path.join(args.out, "policy")
     os.makedirs(policy_dir, exist_ok=True)
     tok = build_tokenizer(policy_dir)

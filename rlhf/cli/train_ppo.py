@@ -16,7 +16,6 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from rlhf.config.common import CheckpointConfig
 from rlhf.config.errors import UsageError, usage_errors_exit
 from rlhf.config.flags import parse_config
 from rlhf.config.ppo import TrainPPOConfig
@@ -26,6 +25,8 @@ from rlhf.distributed.topology import Role, Topology, plan_ranks
 from rlhf.models.loading import check_liger_kernel, check_local_model, load_tokenizer, resolve_attention
 from rlhf.models.value import check_scalar_head, save_scalar_head_model
 from rlhf.rewards.base import RewardSource
+from rlhf.train.checkpoint import Checkpointer, restarted_by_launcher
+from rlhf.train.loop import Loop
 from rlhf.trainers.build import (
     ROLE_NAMES,
     build_roles,
@@ -127,10 +128,10 @@ def check_before_engines(cfg: TrainPPOConfig, world_size: int) -> dict[Role, tup
         check_local_model(path, "--reward_pretrain")
         check_scalar_head(path, cfg.model.value_head_prefix, "--reward_pretrain")
     check_writable("--save_path", cfg.logging.save_path)
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    restarted = restarted_by_launcher()
     c = cfg.checkpoint
     if c.load_checkpoint:
-        check_resume_path(c.ckpt_path, explicit_path=c.ckpt_path != CheckpointConfig().ckpt_path,
+        check_resume_path(c.ckpt_path, explicit_path=c.ckpt_path != TrainPPOConfig().checkpoint.ckpt_path,
                           restarted=restarted)
     elif not restarted:
         check_no_earlier_run(cfg.logging.save_path)
@@ -211,12 +212,14 @@ def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ())
     wandb = WandbSettings(log.use_wandb, log.wandb_project, log.wandb_group, log.wandb_run_name,
                           dataclasses.asdict(cfg)) if log.use_wandb else None
     logger = MetricsLogger(log.save_path, log.use_tensorboard, steps, enabled=is_writer, wandb=wandb)
-    trainer = PPOTrainer(cfg, topology, roles, engine, sampler, tokenizer, logger, device)
-    start = trainer.resume()
-    logger.skip(start)
+    trainer = PPOTrainer(cfg, topology, roles, engine, sampler, tokenizer, device)
+    checkpointer = Checkpointer(cfg.checkpoint, default_ckpt_path=TrainPPOConfig().checkpoint.ckpt_path,
+                                rank=launch.rank, world_size=launch.world_size, logger=logger)
+    loop = Loop(steps, log.logging_steps, cfg.checkpoint.save_steps, None, logger, checkpointer, launch.rank)
+    start = loop.resume(trainer)
     trainer.sync_weights()
     try:
-        if trainer.fit(start, preemption):
+        if loop.fit(trainer, start, preemption):
             save_models(cfg, roles, topology, tokenizer)
     finally:
         logger.close()

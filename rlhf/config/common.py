@@ -151,3 +151,18 @@ class CheckpointConfig:
         require(self.save_steps == -1 or self.save_steps >= 1, "--save_steps must be -1 or >= 1")
         require(self.max_ckpt_num >= 1, "--max_ckpt_num must be >= 1")
         require(self.max_ckpt_mem > 0, "--max_ckpt_mem must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """The run-wide settings every job's root config starts with."""
+
+    seed: int = opt(42, "random seed (every rank derives its streams from it)")
+    full_determinism: bool = opt(False, "use deterministic torch algorithms")
+    dist_timeout: float = opt(30.0, "minutes a collective waits for the other ranks before the run fails")
+    watchdog_interval: float = opt(120.0, "every N seconds without progress, each rank prints to stderr the "
+                                   "stage it is in and since when (0: off)")
+
+    def __post_init__(self) -> None:
+        require(self.dist_timeout > 0, "--dist_timeout must be > 0 (minutes)")
+        require(self.watchdog_interval >= 0, "--watchdog_interval must be >= 0 (seconds; 0 turns it off)")

@@ -16,6 +16,7 @@ from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_PROMPTS, EMBEDDED_REWARD
 from rlhf.config.common import (
     CheckpointConfig,
     EngineConfig,
+    JobConfig,
     LoggingConfig,
     ModelConfig,
     OptimConfig,
@@ -287,7 +288,7 @@ class PlacementConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainPPOConfig:
+class TrainPPOConfig(JobConfig):
     """Everything `train_ppo` needs, one sub-config per component."""
 
     PENDING_FLAGS: ClassVar[tuple[str, ...]] = tuple((
@@ -309,18 +310,12 @@ class TrainPPOConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    seed: int = opt(42, "random seed (every rank derives its streams from it)")
-    full_determinism: bool = opt(False, "use deterministic torch algorithms")
-    dist_timeout: float = opt(30.0, "minutes a collective waits for the other ranks before the run fails")
-    watchdog_interval: float = opt(120.0, "every N seconds without progress, each rank prints to stderr the "
-                                   "stage it is in and since when (0: off)")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.logging.eval_steps != -1:
             warnings.warn(f"--eval_steps {self.logging.eval_steps} has no effect: there is no --eval_dataset "
                           "(evaluation during RL is not built yet)", stacklevel=2)
-        require(self.dist_timeout > 0, "--dist_timeout must be > 0 (minutes)")
-        require(self.watchdog_interval >= 0, "--watchdog_interval must be >= 0 (seconds; 0 turns it off)")
         n, algo = self.rollout.n_samples_per_prompt, self.algo
         if algo.advantage_estimator in GROUP_ESTIMATORS:
             require(n > 1, f"--advantage_estimator {algo.advantage_estimator} compares samples of one prompt: "

@@ -9,7 +9,6 @@ user turn (or uses the row's message list as is) with a generation prompt; other
 from __future__ import annotations
 
 import glob
-import json
 import os
 import random
 import warnings
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf.config.ppo import DataConfig
+from rlhf.data.sources import read_json_file
 
 
 @dataclass(frozen=True)
@@ -26,29 +26,6 @@ class Prompt:
     text: str
     token_ids: tuple[int, ...]
     label: Any
-
-
-def _read_json_file(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        if path.endswith(".jsonl"):
-            rows = []
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}, line {lineno}: not valid JSON ({err.msg})") from err
-            return rows
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from err
-    if isinstance(data, dict) and "data" in data:
-        data = data["data"]
-    if not isinstance(data, list):
-        raise ValueError(f"{path}: expected a JSON list of objects (or JSONL, one object per line)")
-    return data
 
 
 def _resolve_files(source: str, split: str) -> list[str]:
@@ -70,7 +47,7 @@ def read_rows(cfg: DataConfig) -> list[tuple[str, int, dict]]:
     """(file, 1-based row number, row) for the first `max_samples` rows of the prompt data."""
     rows = []
     for path in _resolve_files(cfg.prompt_data, cfg.prompt_split):
-        for i, row in enumerate(_read_json_file(path), 1):
+        for i, row in enumerate(read_json_file(path), 1):
             rows.append((path, i, row))
             if len(rows) >= cfg.max_samples:
                 return rows

@@ -6,18 +6,57 @@ rank, in the same order, and is the only place that calls `dist.new_group`; noth
 
 from __future__ import annotations
 
-import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch.distributed as dist
 
 
-class Role(enum.Enum):
-    ACTOR = "actor"
-    CRITIC = "critic"
-    REWARD = "reward"
-    REF = "ref"
-    ROLLOUT = "rollout"
+class _Roles(type):
+    def __iter__(cls) -> Iterator[Role]:
+        return iter(tuple(cls._defined))
+
+
+class Role(metaclass=_Roles):
+    """A model's part in a job. An open set: the RL roles are defined here, and a job defines its own
+    (`Role.define("teacher")`). One object per name (compare with `is`); iterating over `Role` yields the
+    roles in the order they were defined, which is the order `Topology` creates their groups in (the same
+    on every rank, since every rank runs the same code)."""
+
+    _defined: ClassVar[list[Role]] = []
+    ACTOR: ClassVar[Role]
+    CRITIC: ClassVar[Role]
+    REWARD: ClassVar[Role]
+    REF: ClassVar[Role]
+    ROLLOUT: ClassVar[Role]
+    __slots__ = ("value",)
+
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+    @classmethod
+    def define(cls, value: str) -> Role:
+        """The role named `value`, created on first use."""
+        for role in cls._defined:
+            if role.value == value:
+                return role
+        role = cls(value)
+        cls._defined.append(role)
+        return role
+
+    def __repr__(self) -> str:
+        return f"Role({self.value!r})"
+
+    def __reduce__(self):
+        return (Role.define, (self.value,))
+
+
+Role.ACTOR = Role.define("actor")
+Role.CRITIC = Role.define("critic")
+Role.REWARD = Role.define("reward")
+Role.REF = Role.define("ref")
+Role.ROLLOUT = Role.define("rollout")
 
 
 @dataclass(frozen=True)

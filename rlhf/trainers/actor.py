@@ -21,9 +21,10 @@ from rlhf.algorithms.losses import (
 from rlhf.config.ppo import AlgoConfig
 from rlhf.data.pretrain import PtxData
 from rlhf.data.records import Experience
-from rlhf.engines.deepspeed_engine import DeepSpeedModel, first_nonfinite
+from rlhf.engines.deepspeed_engine import DeepSpeedModel
 from rlhf.models.logprobs import policy_forward
 from rlhf.models.micro_batches import MicroBatcher, forward_in_micro_batches
+from rlhf.train.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
 
 
 def batched_logprobs(model: torch.nn.Module, sequences_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
@@ -32,12 +33,6 @@ def batched_logprobs(model: torch.nn.Module, sequences_BT: torch.Tensor, attenti
     return forward_in_micro_batches(
         lambda ids, mask: policy_forward(model, ids, mask, temperature, layout=batcher.layout).logprobs_BT1,
         sequences_BT, attention_mask_BT, batcher, device, width=sequences_BT.shape[1] - 1)
-
-
-def global_sum(values: list[float], group: dist.ProcessGroup) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, group=group)
-    return t.tolist()
 
 
 class Actor:
@@ -84,56 +79,39 @@ class Actor:
                     ptx: PtxData | None = None) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches; token means are over all DP ranks.
 
-        Returns this rank's share of each loss term (sum over ranks = the global value) and the grad norm.
+        Returns this rank's share of each loss term (sum over ranks = the global value), the grad norm and LR.
         """
-        self.model.train()
-        ring = self.layout.ring_size
         local = [sum(float(e.action_mask_BT1.sum()) for e in micro_batches),
                  sum(float((e.action_mask_BT1.sum(-1) > 0).sum()) for e in micro_batches)]
-        num_tokens, num_seqs = (max(v / ring, 1.0) for v in global_sum(local, self.group))
+        num_tokens, num_seqs = global_counts(local, self.group, self.layout.ring_size)
         num_micro = len(micro_batches) * dist.get_world_size(self.group)  # aux loss: per rank's own tokens
-        num_replica_micro = num_micro // ring  # ptx: one loss per ring
-        stats = {"policy_loss": 0.0, "clip_frac": 0.0}  # optional terms appear only when they apply
-        nonfinite = None  # the first non-finite loss term of this optimizer step on this rank
-        for i, exp in enumerate(micro_batches):
+        num_replica_micro = num_micro // self.layout.ring_size  # ptx: one loss per ring
+
+        def micro_loss(exp: Experience) -> MicroLoss:
             action = exp.action_mask_BT1.to(self.device)
             out = policy_forward(self.model.engine, exp.sequences_BT.to(self.device),
                                  exp.attention_mask_BT.to(self.device), self.temperature,
                                  with_entropy=self.algo.entropy_loss_coef is not None, layout=self.layout)
             policy_loss, clipped = self._policy_term(exp, out.logprobs_BT1, action, num_tokens, num_seqs)
             loss = policy_loss
-            stats["policy_loss"] += float(policy_loss.detach())
-            stats["clip_frac"] += float(token_sum_over_global_count(clipped, action, num_tokens))
-            if exp.ref_logprobs_BT1 is not None:
+            terms = {"policy_loss": policy_loss, "clip_frac": token_sum_over_global_count(clipped, action, num_tokens)}
+            if exp.ref_logprobs_BT1 is not None:  # optional terms appear only when they apply
                 kl = kl_estimate(out.logprobs_BT1, exp.ref_logprobs_BT1.to(self.device), self.algo.kl_estimator)
-                kl_mean = token_sum_over_global_count(kl, action, num_tokens)
-                stats["train_kl"] = stats.get("train_kl", 0.0) + float(kl_mean.detach())
+                terms["train_kl"] = token_sum_over_global_count(kl, action, num_tokens)
                 if self.algo.use_kl_loss:
-                    loss = loss + kl_coef * kl_mean
+                    loss = loss + kl_coef * terms["train_kl"]
             if out.entropy_BT1 is not None:
-                entropy = token_sum_over_global_count(out.entropy_BT1, action, num_tokens)
-                stats["entropy"] = stats.get("entropy", 0.0) + float(entropy.detach())
+                terms["entropy"] = token_sum_over_global_count(out.entropy_BT1, action, num_tokens)
                 if self.algo.entropy_loss_coef:
-                    loss = loss - self.algo.entropy_loss_coef * entropy
+                    loss = loss - self.algo.entropy_loss_coef * terms["entropy"]
             if out.aux_loss is not None and self.algo.aux_loss_coef:
                 loss = loss + self.algo.aux_loss_coef * out.aux_loss / num_micro
             if ptx is not None:
-                ptx_loss = self._ptx_loss(*ptx.next())
-                stats["ptx_loss"] = stats.get("ptx_loss", 0.0) + float(ptx_loss.detach()) / num_replica_micro
-                loss = loss + self.algo.ptx_coef * ptx_loss / num_replica_micro
-            nonfinite = nonfinite or first_nonfinite({
-                "policy_loss": policy_loss, "train_kl": kl_mean if exp.ref_logprobs_BT1 is not None else None,
-                "entropy": entropy if out.entropy_BT1 is not None else None, "aux_loss": out.aux_loss,
-                "ptx_loss": ptx_loss if ptx is not None else None, "loss": loss})
-            self.model.backward(loss, last_micro_batch=i == len(micro_batches) - 1)
-            applied = self.model.step(nonfinite)
-        if not applied:  # skipped for a non-finite term (see DeepSpeedModel.step): its losses are not logged
-            return {"nonfinite_skipped": 1.0, "lr": self.model.learning_rate()}
-        stats["grad_norm"] = self.model.grad_norm()
-        stats["lr"] = self.model.learning_rate()
-        if self.model.max_nonfinite_steps:
-            stats["nonfinite_skipped"] = 0.0
-        return stats
+                terms["ptx_loss"] = self._ptx_loss(*ptx.next()) / num_replica_micro
+                loss = loss + self.algo.ptx_coef * terms["ptx_loss"]
+            return MicroLoss(loss, terms, checked={"aux_loss": out.aux_loss})
+
+        return step_metrics(self.model, optimizer_step(self.model, micro_batches, micro_loss))
 
     def _ptx_loss(self, ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
         """Mean next-token NLL of a pretraining micro-batch (the SFT loss), in the model's layout."""

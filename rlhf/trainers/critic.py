@@ -11,10 +11,10 @@ import torch.distributed as dist
 
 from rlhf.algorithms.losses import token_sum_over_global_count, value_loss_BT1
 from rlhf.data.records import Experience
-from rlhf.engines.deepspeed_engine import DeepSpeedModel, first_nonfinite
+from rlhf.engines.deepspeed_engine import DeepSpeedModel
 from rlhf.models.micro_batches import MicroBatcher, forward_in_micro_batches
 from rlhf.models.value import token_values
-from rlhf.trainers.actor import global_sum
+from rlhf.train.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
 
 
 class Critic:
@@ -36,25 +36,16 @@ class Critic:
 
     def train_batch(self, micro_batches: list[Experience]) -> dict[str, float]:
         """One optimizer step; the value loss is the token mean over all critic DP ranks."""
-        self.model.train()
-        (num_tokens,) = global_sum([sum(float(e.action_mask_BT1.sum()) for e in micro_batches)], self.group)
-        num_tokens = max(num_tokens / self.layout.ring_size, 1.0)
-        stats = {"value_loss": 0.0}
-        nonfinite = None  # the first non-finite loss of this optimizer step on this rank
-        for i, exp in enumerate(micro_batches):
-            action = exp.action_mask_BT1.to(self.device)
+        (num_tokens,) = global_counts([sum(float(e.action_mask_BT1.sum()) for e in micro_batches)], self.group,
+                                      self.layout.ring_size)
+
+        def micro_loss(exp: Experience) -> MicroLoss:
             values = token_values(self.model.engine, exp.sequences_BT.to(self.device),
                                   exp.attention_mask_BT.to(self.device), self.layout)
             token_loss = value_loss_BT1(values[:, :-1], exp.values_BT1.to(self.device),
                                         exp.returns_BT1.to(self.device), self.value_clip)
-            loss = token_sum_over_global_count(token_loss, action, num_tokens)
-            nonfinite = nonfinite or first_nonfinite({"value_loss": loss})
-            self.model.backward(loss, last_micro_batch=i == len(micro_batches) - 1)
-            applied = self.model.step(nonfinite)
-            stats["value_loss"] += float(loss.detach())
-        if not applied:  # skipped for a non-finite loss (see DeepSpeedModel.step): its loss is not logged
-            return {"critic_nonfinite_skipped": 1.0}
-        stats["critic_grad_norm"] = self.model.grad_norm()
-        if self.model.max_nonfinite_steps:
-            stats["critic_nonfinite_skipped"] = 0.0
-        return stats
+            loss = token_sum_over_global_count(token_loss, exp.action_mask_BT1.to(self.device), num_tokens)
+            return MicroLoss(loss, {"value_loss": loss})
+
+        result = optimizer_step(self.model, micro_batches, micro_loss)
+        return step_metrics(self.model, result, prefix="critic_", with_lr=False)

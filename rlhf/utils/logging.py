@@ -47,8 +47,11 @@ class MetricsLogger:
     """Writes metrics on the writer rank only; other ranks hold a no-op logger."""
 
     def __init__(self, out_dir: str, tensorboard_dir: str | None, total_steps: int, enabled: bool,
-                 wandb: WandbSettings | None = None) -> None:
+                 wandb: WandbSettings | None = None, bar_desc: str = "rl steps",
+                 bar_metrics: dict[str, str] | None = None) -> None:
+        """`bar_metrics`: progress-bar label -> metric shown after each step (default: the RL reward)."""
         self.enabled = enabled
+        self.bar_metrics = bar_metrics if bar_metrics is not None else {"reward": "reward_mean"}
         self.writer = None
         self.bar = None
         self.wandb = None
@@ -64,7 +67,7 @@ class MetricsLogger:
             self.writer = SummaryWriter(log_dir=tensorboard_dir)
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total_steps, desc="rl steps", dynamic_ncols=True)
+        self.bar = tqdm(total=total_steps, desc=bar_desc, dynamic_ncols=True)
 
     def continue_from(self, step: int, resuming: bool) -> str | None:
         """Line metrics.jsonl up with where training starts (writer rank; a no-op elsewhere). Resuming after
@@ -105,8 +108,8 @@ class MetricsLogger:
 
     def advance(self, metrics: dict[str, float]) -> None:
         if self.bar is not None:
-            self.bar.set_postfix(reward=f"{metrics.get('reward_mean', float('nan')):.3f}",
-                                 step_s=f"{metrics.get('time/step', float('nan')):.2f}")
+            shown = {label: f"{metrics[key]:.3f}" for label, key in self.bar_metrics.items() if key in metrics}
+            self.bar.set_postfix(**shown, step_s=f"{metrics.get('time/step', float('nan')):.2f}")
             self.bar.update(1)
 
     def skip(self, steps: int) -> None:

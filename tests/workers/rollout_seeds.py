@@ -49,7 +49,7 @@ def main(out_path: str, tp: int, temperature: float) -> None:
     device = init_distributed(launch)
     topology = Topology(plan_ranks(placement_from_config(cfg), launch.world_size), rollout_tp=tp)
     engine = build_rollout_engine(cfg, device, tok)
-    trainer = PPOTrainer(cfg, topology, None, engine, sampler, tok, None, device)
+    trainer = PPOTrainer(cfg, topology, None, engine, sampler, tok, device)
     report: dict = {"steps": {}}
     for step in STEPS:
         r = all_gather_rollout(trainer.generate(step), tok.pad_token_id)

@@ -1,0 +1,136 @@
+"""The config roots of the supervised jobs (`train_sft`, `train_rm`, `train_prm`, `train_kd`): the shared
+sub-configs of `rlhf.config.common`, a learning rate, a global batch, and each job's dataset columns, with
+OpenRLHF v0.9.5's flag names and per-job defaults. Knows nothing of argparse or of training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_SFT, EMBEDDED_SFT_EVAL
+from rlhf.config.common import (
+    CheckpointConfig,
+    EngineConfig,
+    JobConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    opt,
+    require,
+)
+
+SUPERVISED_PENDING_FLAGS = tuple((
+    "lora_rank lora_alpha target_modules lora_dropout load_in_4bit ds_tensor_parallel_size use_ms "
+    "use_ds_universal_ckpt deepcompile zpg grad_accum_dtype"
+).split())
+"""OpenRLHF flags of the supervised jobs whose features are not built yet: refused, never silently ignored."""
+
+DEMO_TEMPLATE = "{} "
+"""The embedded demo data's --input_template: its word-level tokenizer splits on spaces, so prompt and
+response need one between them (OpenRLHF's default "User: {}\\nAssistant: " is not in its vocabulary)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearningRateConfig(OptimConfig):
+    """The shared optimizer settings and the one learning rate of a supervised job."""
+
+    learning_rate: float = opt(5e-6, "learning rate")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.learning_rate > 0, "--learning_rate must be positive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SupervisedBatchConfig:
+    """Global batch, micro-batches and passes over the dataset."""
+
+    train_batch_size: int = opt(128, "samples per optimizer step, over all ranks")
+    micro_train_batch_size: int = opt(8, "samples per forward/backward, per rank")
+    max_epochs: int = opt(2, "passes over the dataset")
+    max_steps: int | None = opt(None, "stop after this many optimizer steps (default: until the epochs end)")
+
+    def __post_init__(self) -> None:
+        for name in ("train_batch_size", "micro_train_batch_size", "max_epochs"):
+            require(getattr(self, name) >= 1, f"--{name} must be >= 1")
+        require(self.max_steps is None or self.max_steps >= 1, "--max_steps must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetConfig:
+    """Where a supervised job's samples come from and how they are formatted (every supervised job)."""
+
+    dataset: str | None = opt(None, "training data: comma-separated local JSON/JSONL/parquet files or directories, "
+                              "HF save_to_disk directories, or json@DIR (not given with --pretrain: an error; "
+                              "without --pretrain: the embedded demo data)")
+    dataset_probs: str | None = opt(None, "sampling probabilities of the --dataset sources, comma separated")
+    dataset_split: str = opt("train", "split to read from directories and saved datasets with splits")
+    eval_dataset: str | None = opt(None, "held-out data in the same format (evaluated every --eval_steps, or once "
+                                   "per epoch with --eval_steps -1)")
+    eval_split: str = opt("train", "split of --eval_dataset")
+    max_samples: int = opt(1_000_000, "read at most this many samples (per source, then in all)")
+    max_len: int = opt(2048, "maximum tokens per sample (longer ones are cut, as in OpenRLHF)")
+    input_template: str | None = opt(None, "format string with one {} wrapped around each prompt")
+    apply_chat_template: bool = opt(False, "format with the tokenizer's chat template")
+    tokenizer_chat_template: str | None = opt(None, "a Jinja chat template overriding the tokenizer's")
+
+    def __post_init__(self) -> None:
+        require(self.max_samples >= 1, "--max_samples must be >= 1")
+        require(self.max_len >= 2, "--max_len must be >= 2")
+        if self.input_template is not None:
+            require(self.input_template.count("{}") == 1,
+                    f"--input_template {self.input_template!r} must contain exactly one '{{}}' for the prompt")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTDataConfig(DatasetConfig):
+    """SFT columns and loss masks."""
+
+    input_key: str = opt("input", "column of the prompt (or of the messages with --apply_chat_template)")
+    output_key: str | None = opt(None, "column of the response")
+    multiturn: bool = opt(False, "loss on every assistant turn of a conversation (with --apply_chat_template)")
+    pretrain_mode: bool = opt(False, "loss on every token of --input_key (continued pretraining)")
+
+
+def _with_demo(cfg, data_path: str, eval_path: str, **data_changes):
+    """`cfg` with the embedded demo model and, where no --dataset was given, the demo data (its template where
+    the default one is still set). With --pretrain nothing is filled in; --dataset is then required."""
+    if cfg.model.pretrain is not None:
+        require(cfg.data.dataset is not None, f"--pretrain {cfg.model.pretrain} is given but --dataset is not: "
+                "name the training data (the embedded demo data is used only without --pretrain)")
+        return cfg
+    data = cfg.data
+    if data.dataset is None:
+        default_template = type(cfg)().data.input_template
+        changes = {"dataset": data_path, "eval_dataset": data.eval_dataset or eval_path, **data_changes}
+        if data.input_template == default_template and not data.apply_chat_template:
+            changes["input_template"] = DEMO_TEMPLATE
+        data = replace(data, **changes)
+    return replace(cfg, model=replace(cfg.model, pretrain=EMBEDDED_MODEL_DIR), data=data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSFTConfig(JobConfig):
+    """Everything `train_sft` needs."""
+
+    PENDING_FLAGS: ClassVar[tuple[str, ...]] = SUPERVISED_PENDING_FLAGS
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: LearningRateConfig = field(default_factory=LearningRateConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    data: SFTDataConfig = field(default_factory=lambda: SFTDataConfig(input_template="User: {}\nAssistant: "))
+    batch: SupervisedBatchConfig = field(default_factory=SupervisedBatchConfig)
+    logging: LoggingConfig = field(default_factory=lambda: LoggingConfig(wandb_project="openrlhf_train_sft"))
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(
+        ckpt_path="./ckpt/checkpoints_sft"))
+    aux_loss_coef: float = opt(0.0, "MoE auxiliary loss coefficient (models that return aux_loss)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.aux_loss_coef >= 0, "--aux_loss_coef must be >= 0")
+        if self.data.multiturn and not self.data.apply_chat_template:
+            require(False, "--multiturn finds the assistant turns with the chat template: add --apply_chat_template")
+
+    def with_demo_defaults(self) -> TrainSFTConfig:
+        return _with_demo(self, EMBEDDED_SFT, EMBEDDED_SFT_EVAL, output_key=self.data.output_key or "output")
+

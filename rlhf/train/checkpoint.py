@@ -1,0 +1,102 @@
+"""Save and resume a job's registered state (`CheckpointedState`) with the file-level machinery of
+`rlhf.utils.checkpoint` (atomic rename, manifest, fallback to the newest intact checkpoint, pruning,
+metrics truncation). Knows nothing about any job: engines and components arrive by name.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from rlhf.config.common import CheckpointConfig
+from rlhf.train.state import CheckpointedState
+from rlhf.utils.checkpoint import (
+    CheckpointWriter,
+    decided_by_rank0,
+    load_rank_state,
+    load_trainer_state,
+    pick_checkpoint,
+    prune,
+)
+from rlhf.utils.logging import MetricsLogger
+
+
+def restarted_by_launcher() -> bool:
+    """Whether torchrun restarted the workers (--max-restarts): such a run resumes without --load_checkpoint."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+class Checkpointer:
+    """Writes and finds checkpoints under --ckpt_path. Construct on every rank; `save` and `resume` are
+    collective over the world. `default_ckpt_path`: the job's default --ckpt_path (a user-chosen directory
+    that is empty is an error when resuming; the default one may be)."""
+
+    def __init__(self, cfg: CheckpointConfig, *, default_ckpt_path: str, rank: int, world_size: int,
+                 logger: MetricsLogger) -> None:
+        self.cfg, self.rank, self.world_size, self.logger = cfg, rank, world_size, logger
+        self.explicit_path = cfg.ckpt_path != default_ckpt_path
+
+    def save(self, state: CheckpointedState, done_steps: int) -> str:
+        """Everything needed to continue after `done_steps` steps."""
+        c = self.cfg
+        writer = CheckpointWriter(c.ckpt_path, done_steps, is_writer=self.rank == 0)
+        tmp = writer.begin()
+        for name, engine in state.engines.items():
+            if engine is not None and not c.disable_ds_ckpt:
+                with writer.writing(f"the {name}'s DeepSpeed state"):
+                    engine.save_state(os.path.join(tmp, name))
+        if c.save_hf_ckpt and state.hf_export is not None:
+            with writer.writing("the model in HF format"):
+                state.hf_export(os.path.join(tmp, "hf"))
+        writer.save_rank_state(self.rank)
+        trainer_state = {"step": done_steps, "world_size": self.world_size, "has_engine_states": not c.disable_ds_ckpt}
+        for name, component in state.components.items():
+            trainer_state[name] = component.state_dict() if component is not None else None
+        writer.save_trainer_state(trainer_state)
+        final = writer.commit()
+        if self.rank == 0:
+            prune(c.ckpt_path, c.max_ckpt_num, c.max_ckpt_mem)
+        dist.barrier()
+        return final
+
+    def resume(self, state: CheckpointedState) -> int:
+        """Load the newest intact checkpoint when --load_checkpoint is set (or torchrun restarted the workers);
+        returns the steps done. Rank 0 removes stale temporary checkpoints, picks the checkpoint (verified
+        against its manifest) and lines metrics.jsonl up with it, then broadcasts the choice (or its error),
+        so every rank loads the same checkpoint or raises the same error."""
+        restarted = restarted_by_launcher()
+        resuming = self.cfg.load_checkpoint or restarted
+
+        def pick() -> tuple[int, str | None]:
+            done, path, notes = pick_checkpoint(self.cfg.ckpt_path, resuming=resuming, restarted=restarted,
+                                                explicit_path=self.explicit_path)
+            for note in filter(None, [*notes, self.logger.continue_from(done, resuming)]):
+                print(note, flush=True)
+            return done, path
+
+        done, path = decided_by_rank0(pick, self.rank)
+        if path is None:
+            return 0
+        saved = load_trainer_state(path)
+        if saved["world_size"] != self.world_size or not saved["has_engine_states"]:
+            raise ValueError(f"checkpoint {path} cannot be resumed exactly: written by {saved['world_size']} ranks "
+                             f"(now {self.world_size}), engine states saved: {saved['has_engine_states']}")
+        for name, engine in state.engines.items():
+            if engine is not None:
+                try:
+                    engine.load_state(os.path.join(path, name))
+                except (OSError, RuntimeError) as err:
+                    raise ValueError(f"loading {os.path.join(path, name)} (the {name}'s DeepSpeed state) failed: "
+                                     f"{err}") from err
+        for name, component in state.components.items():
+            if component is None:
+                continue
+            if saved.get(name) is None:
+                raise ValueError(f"checkpoint {path} holds no state for {name!r}: it was written by a run with other "
+                                 "settings; resume with the same flags or start a new --ckpt_path")
+            component.load_state_dict(saved[name])
+        load_rank_state(path, self.rank)
+        if self.rank == 0:
+            print(f"resumed from {path} after {done} steps", flush=True)
+        return done
