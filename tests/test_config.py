@@ -167,14 +167,15 @@ def test_dynamic_batch_needs_packing_and_a_budget_that_holds_one_sample():
 
 def test_ring_head_stride_must_divide_the_kv_heads():
     from rlhf.assets import EMBEDDED_MODEL_DIR
-    from rlhf.trainers.build import check_ring_head_stride
+    from rlhf.trainers.build import check_models
 
-    check_ring_head_stride(parse("--packing_samples", "--ring_attn_size", "2", "--ring_head_stride", "2")
-                           .with_demo_defaults())
+    short = ("--prompt_max_len", "16", "--generate_max_len", "16")
+    check_models(parse(*short, "--packing_samples", "--ring_attn_size", "2", "--ring_head_stride", "2")
+                 .with_demo_defaults())
     with pytest.raises(ValueError, match=f"--ring_head_stride 3 must divide the 2 key/value heads of "
                                          f"--pretrain {EMBEDDED_MODEL_DIR}"):
-        check_ring_head_stride(parse("--packing_samples", "--ring_attn_size", "2", "--ring_head_stride", "3")
-                               .with_demo_defaults())
+        check_models(parse(*short, "--packing_samples", "--ring_attn_size", "2", "--ring_head_stride", "3")
+                     .with_demo_defaults())
 
 
 def test_dynamic_batch_budget_errors_name_the_flag():
@@ -256,7 +257,7 @@ def test_reward_pretrain_with_remote_rm_url_follows_openrlhf():
 
 
 def test_flash_attention_without_cuda_warns_and_uses_sdpa():
-    from rlhf.cli.train_ppo import for_this_machine
+    from rlhf.cli.common import for_this_machine
 
     if torch.cuda.is_available():
         pytest.skip("this machine can run flash-attn; the fallback is for CPU machines")
@@ -271,13 +272,13 @@ def test_flash_attention_without_cuda_warns_and_uses_sdpa():
 
 def test_prompt_and_generation_lengths_must_fit_the_model():
     from rlhf.assets import EMBEDDED_MODEL_DIR
-    from rlhf.trainers.build import check_model_lengths
+    from rlhf.trainers.build import check_models
 
     limit = json.load(open(os.path.join(EMBEDDED_MODEL_DIR, "config.json")))["max_position_embeddings"]
-    check_model_lengths(parse("--prompt_max_len", "16", "--generate_max_len", str(limit - 16)).with_demo_defaults())
+    check_models(parse("--prompt_max_len", "16", "--generate_max_len", str(limit - 16)).with_demo_defaults())
     with pytest.raises(ValueError, match=rf"--prompt_max_len 16 \+ --generate_max_len {limit} = {limit + 16} tokens "
                                          rf"exceeds the {limit} positions of --pretrain"):
-        check_model_lengths(parse("--prompt_max_len", "16", "--generate_max_len", str(limit)).with_demo_defaults())
+        check_models(parse("--prompt_max_len", "16", "--generate_max_len", str(limit)).with_demo_defaults())
 
 
 def test_offload_flags_that_do_nothing_at_a_zero_stage_warn():

@@ -6,41 +6,34 @@ the topology, the roles, the rollout engine and the reward source, and runs the 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
-import tempfile
 import urllib.parse
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from rlhf.config.errors import UsageError, usage_errors_exit
-from rlhf.config.flags import parse_config
+from rlhf.cli.common import begin, check_outputs, for_this_machine, main_for, metrics_logger
+from rlhf.config.errors import UsageError
 from rlhf.config.ppo import TrainPPOConfig
 from rlhf.data.prompts import PromptSampler, load_prompts
-from rlhf.distributed.launch import init_distributed, read_launch_env
+from rlhf.distributed.launch import init_distributed
 from rlhf.distributed.topology import Role, Topology, plan_ranks
-from rlhf.models.loading import check_liger_kernel, check_local_model, load_tokenizer, resolve_attention
+from rlhf.models.loading import check_liger_kernel, check_local_model, load_tokenizer
 from rlhf.models.value import check_scalar_head, save_scalar_head_model
 from rlhf.rewards.base import RewardSource
-from rlhf.train.checkpoint import Checkpointer, restarted_by_launcher
+from rlhf.train.checkpoint import Checkpointer
 from rlhf.train.loop import Loop
 from rlhf.trainers.build import (
     ROLE_NAMES,
     build_roles,
-    check_model_lengths,
-    check_ring_head_stride,
+    check_models,
     describe_algorithm,
     describe_layout,
     placement_from_config,
 )
 from rlhf.trainers.ppo import PPOTrainer, Roles, total_steps
-from rlhf.utils.checkpoint import check_resume_path
-from rlhf.utils.console import route_library_output
-from rlhf.utils.logging import MetricsLogger, WandbSettings, check_no_earlier_run
-from rlhf.utils.preemption import PreemptionWatch
 from rlhf.utils.seeding import seed_everything
 from rlhf.utils.watchdog import Watchdog
 
@@ -97,22 +90,6 @@ def save_models(cfg: TrainPPOConfig, roles: Roles, topology: Topology, tokenizer
             save_scalar_head_model(state, module.config, module.head_prefix, os.path.join(out, "critic"), tokenizer)
 
 
-def for_this_machine(cfg: TrainPPOConfig) -> TrainPPOConfig:
-    """The config with what this machine decides: fp16 needs CUDA (DeepSpeed's loss scaling);
-    flash_attention_2 without CUDA and flash-attn runs SDPA, with a warning."""
-    m = cfg.model
-    if m.param_dtype == "fp16" and not torch.cuda.is_available():
-        raise UsageError("--param_dtype fp16 needs CUDA (DeepSpeed's fp16 loss scaling); on CPU pass "
-                         "--param_dtype bf16 or --param_dtype fp32")
-    flag = "--flash_attn" if m.flash_attn else f"--attn_implementation {m.attn_implementation}"
-    if m.attn == "flash_attention_2" and m.attn_implementation == "flash_attention_2" and not m.flash_attn:
-        flag += " (the default)"
-    attn = resolve_attention(m.attn, flag)
-    if attn == m.attn:
-        return cfg
-    return dataclasses.replace(cfg, model=dataclasses.replace(m, attn_implementation=attn, flash_attn=False))
-
-
 def check_before_engines(cfg: TrainPPOConfig, world_size: int) -> dict[Role, tuple[int, ...]]:
     """The checks of flags and model files that need no engine (engines take minutes on real models), and
     the rank plan they validate. Reading the data and the reward file follows in `run`, also before."""
@@ -122,44 +99,14 @@ def check_before_engines(cfg: TrainPPOConfig, world_size: int) -> dict[Role, tup
                          trainable=("actor", "critic"))
     if cfg.engine.use_liger_kernel:
         check_liger_kernel()
-    check_ring_head_stride(cfg)
-    check_model_lengths(cfg)
+    check_models(cfg)
     for path in cfg.reward.reward_paths:  # a reward model with a random head trains against noise
         check_local_model(path, "--reward_pretrain")
         check_scalar_head(path, cfg.model.value_head_prefix, "--reward_pretrain")
-    check_writable("--save_path", cfg.logging.save_path)
-    restarted = restarted_by_launcher()
-    c = cfg.checkpoint
-    if c.load_checkpoint:
-        check_resume_path(c.ckpt_path, explicit_path=c.ckpt_path != TrainPPOConfig().checkpoint.ckpt_path,
-                          restarted=restarted)
-    elif not restarted:
-        check_no_earlier_run(cfg.logging.save_path)
-    if cfg.checkpoint.save_steps != -1:
-        check_writable("--ckpt_path", cfg.checkpoint.ckpt_path)
+    check_outputs(cfg.logging, cfg.checkpoint, TrainPPOConfig().checkpoint.ckpt_path)
     if cfg.reward.source.startswith(("http://", "https://")):
         check_reachable("--remote_rm_url", cfg.reward.source, min(cfg.reward.remote_rm_timeout, 5.0))
     return plan
-
-
-def check_writable(flag: str, path: str) -> None:
-    """Write a temporary file in directory `path` (or, while it does not exist, a temporary directory in its
-    nearest existing parent, so a failed run leaves nothing behind): an unwritable output fails now, not
-    after the first training step. Every rank calls it (a node may lack the mount)."""
-    existing = os.path.abspath(path)
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    try:
-        if not os.path.isdir(existing):
-            raise NotADirectoryError(20, f"{existing} is not a directory")
-        if existing == os.path.abspath(path):
-            with tempfile.NamedTemporaryFile(dir=existing, prefix=".write_test"):
-                pass
-        else:
-            os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".write_test"))
-    except OSError as err:
-        raise UsageError(f"{flag} {path} is not writable ({err.strerror or err}); choose a directory this "
-                         "user can write") from err
 
 
 def check_reachable(flag: str, url: str, timeout_s: float) -> None:
@@ -182,13 +129,7 @@ def check_reachable(flag: str, url: str, timeout_s: float) -> None:
 def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ()) -> None:
     """Train. `parse_warnings`: warnings raised while the flags were parsed, shown now that the console
     routing is in place (rank 0 shows ours; library ones are collected)."""
-    launch = read_launch_env()
-    route_library_output(cfg.logging, launch.rank)  # library warnings: once on the console, all in a file
-    # From here on SIGTERM/SIGUSR1 mean "checkpoint at the first step boundary and stop" (one during setup
-    # is remembered, not fatal).
-    preemption = PreemptionWatch()
-    for w in parse_warnings:
-        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    launch, preemption = begin(cfg.logging, parse_warnings)
     demo = cfg.model.pretrain is None
     cfg = for_this_machine(cfg.with_demo_defaults())
     plan = check_before_engines(cfg, launch.world_size)
@@ -209,9 +150,7 @@ def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ())
     steps = total_steps(cfg, sampler)
     roles = build_roles(cfg, topology, device, steps, reward_source, tokenizer)
     log = cfg.logging
-    wandb = WandbSettings(log.use_wandb, log.wandb_project, log.wandb_group, log.wandb_run_name,
-                          dataclasses.asdict(cfg)) if log.use_wandb else None
-    logger = MetricsLogger(log.save_path, log.use_tensorboard, steps, enabled=is_writer, wandb=wandb)
+    logger = metrics_logger(cfg, steps, is_writer, "rl steps", {"reward": "reward_mean"})
     trainer = PPOTrainer(cfg, topology, roles, engine, sampler, tokenizer, device)
     checkpointer = Checkpointer(cfg.checkpoint, default_ckpt_path=TrainPPOConfig().checkpoint.ckpt_path,
                                 rank=launch.rank, world_size=launch.world_size, logger=logger)
@@ -227,13 +166,7 @@ def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ())
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Flag and input mistakes exit 2 with one `error:` line from rank 0 (see `rlhf.config.errors`);
-    failures after torch.distributed is initialised keep their traceback."""
-    with usage_errors_exit(started=dist.is_initialized):
-        with warnings.catch_warnings(record=True) as parse_warnings:
-            warnings.simplefilter("default")
-            cfg = parse_config(TrainPPOConfig, argv, prog="python -m rlhf.cli.train_ppo")
-        run(cfg, parse_warnings)
+    main_for(TrainPPOConfig, run, "python -m rlhf.cli.train_ppo", argv)
 
 
 if __name__ == "__main__":

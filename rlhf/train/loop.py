@@ -37,7 +37,8 @@ class Job(Protocol):
 
 @dataclass
 class Loop:
-    """Runs a job's steps. `eval_every`: evaluate after every N steps and after the last (None: never)."""
+    """Runs a job's steps. `eval_every`: evaluate before the first step, after every N steps and after the
+    last (None: never)."""
 
     total_steps: int
     logging_steps: int
@@ -48,7 +49,11 @@ class Loop:
     rank: int
 
     def fit(self, job: Job, start_step: int = 0, preemption: PreemptionWatch | None = None) -> bool:
-        """Run steps until the end (True) or until a preemption signal, after checkpointing (False)."""
+        """Run steps until the end (True) or until a preemption signal, after checkpointing (False). A fresh
+        run with evaluation also evaluates the initial model (logged as step 0), the baseline of the curve."""
+        if self.eval_every and start_step == 0:
+            with watchdog.stage("evaluate"):
+                self.logger.log(0, job.evaluate())
         for step in range(start_step, self.total_steps):
             done = step + 1
             watchdog.set_step(done)

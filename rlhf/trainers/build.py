@@ -16,14 +16,15 @@ from rlhf.data.pretrain import PtxData, tokenize_texts
 from rlhf.data.prompts import load_texts
 from rlhf.distributed.topology import Placement, Role, Topology
 from rlhf.engines.deepspeed_compat import install_subgroup_patches
-from rlhf.engines.deepspeed_engine import DeepSpeedModel, GroupMPU
+from rlhf.engines.deepspeed_engine import DeepSpeedModel
 from rlhf.engines.weight_sync import meta_param_specs
 from rlhf.models.layout import SequenceLayout
-from rlhf.models.loading import apply_liger_kernel, load_causal_lm
+from rlhf.models.loading import load_causal_lm
 from rlhf.models.micro_batches import MicroBatcher
 from rlhf.models.value import load_scalar_head_model
 from rlhf.rewards.base import RewardSource
 from rlhf.rewards.models import RewardModelEnsemble
+from rlhf.train.build import check_model_configs, micro_batcher, model_builder, role_model
 from rlhf.trainers.actor import Actor
 from rlhf.trainers.critic import Critic
 from rlhf.trainers.experience import ExperienceMaker
@@ -66,71 +67,32 @@ def _engine(cfg: TrainPPOConfig, topology: Topology, role: Role, build, device: 
     dp = topology.dp_size(role)
     samples = b.rollout_batch_size * cfg.rollout.n_samples_per_prompt
     steps = cfg.batch.max_steps or 1_000_000
-    mpu = GroupMPU(topology.group(role), topology.self_group) if topology.has_subgroups else None
-    return DeepSpeedModel(
-        build, cfg.engine, cfg.optim, learning_rate=learning_rate, bf16=cfg.model.param_dtype == "bf16",
-        fp16=cfg.model.param_dtype == "fp16",
-        micro_batch_size=b.micro_train_batch_size if trainable else b.micro_rollout_batch_size,
-        grad_accum_steps=max(b.train_batch_size // (b.micro_train_batch_size * dp), 1) if trainable else 1,
-        num_optimizer_steps=max(steps * b.max_epochs * samples // b.train_batch_size, 1), device=device,
-        dp_group=topology.group(role), mpu=mpu, trainable=trainable,
-        gradient_checkpointing=cfg.model.gradient_checkpointing and trainable, name=ROLE_NAMES[role])
-
-
-def layout_for(cfg: TrainPPOConfig, topology: Topology, role: Role) -> SequenceLayout:
-    """How `role`'s model sees its micro-batches: padded, packed, or packed over its ring."""
-    e = cfg.engine
-    return SequenceLayout(packing=e.packing_samples, ring_group=topology.ring_group(role),
-                          ring_head_stride=e.ring_head_stride)
+    return role_model(build, cfg.model, cfg.engine, cfg.optim, topology, role, device, trainable=trainable,
+                      micro_batch_size=b.micro_train_batch_size if trainable else b.micro_rollout_batch_size,
+                      grad_accum_steps=b.train_batch_size // (b.micro_train_batch_size * dp) if trainable else 1,
+                      num_optimizer_steps=steps * b.max_epochs * samples // b.train_batch_size,
+                      learning_rate=learning_rate, name=ROLE_NAMES[role])
 
 
 def batchers_for(cfg: TrainPPOConfig, topology: Topology, role: Role) -> tuple[MicroBatcher, MicroBatcher]:
     """(experience-time, training) micro-batchers of `role`, sample-count or token-budget based."""
-    e, b, layout, group = cfg.engine, cfg.batch, layout_for(cfg, topology, role), topology.group(role)
-    dynamic = e.use_dynamic_batch
-    infer = MicroBatcher(b.micro_rollout_batch_size, e.rollout_tokens_per_gpu if dynamic else None, group, layout,
-                         "--rollout_max_tokens_per_gpu" if e.rollout_max_tokens_per_gpu else
-                         "--train_max_tokens_per_gpu")
-    train = MicroBatcher(b.micro_train_batch_size, e.train_max_tokens_per_gpu if dynamic else None, group, layout,
-                         "--train_max_tokens_per_gpu")
-    return infer, train
+    e, b = cfg.engine, cfg.batch
+    infer = micro_batcher(e, b.micro_rollout_batch_size, topology, role, e.rollout_tokens_per_gpu,
+                          "--rollout_max_tokens_per_gpu" if e.rollout_max_tokens_per_gpu else
+                          "--train_max_tokens_per_gpu")
+    return infer, micro_batcher(e, b.micro_train_batch_size, topology, role)
 
 
-def check_ring_head_stride(cfg: TrainPPOConfig) -> None:
-    """--ring_head_stride must divide the key/value heads of every model that runs ring attention."""
-    e, m = cfg.engine, cfg.model
-    if e.ring_attn_size == 1:
-        return
-    from transformers import AutoConfig
-
-    paths = [("--pretrain", m.pretrain)] + [("--reward_pretrain", p) for p in cfg.reward.reward_paths]
-    if cfg.uses_critic and m.critic_pretrain:
-        paths.append(("--critic_pretrain", m.critic_pretrain))
-    for flag, path in paths:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code, local_files_only=True)
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        if kv_heads % e.ring_head_stride:
-            raise ValueError(f"--ring_head_stride {e.ring_head_stride} must divide the {kv_heads} key/value heads "
-                             f"of {flag} {path}")
-
-
-def check_model_lengths(cfg: TrainPPOConfig) -> None:
-    """--prompt_max_len + --generate_max_len must fit every model's max_position_embeddings (checked
-    before any engine starts, so the error names our flags rather than vLLM's)."""
-    from transformers import AutoConfig
-
+def check_models(cfg: TrainPPOConfig) -> None:
+    """Every model's positions hold --prompt_max_len + --generate_max_len; with ring attention,
+    --ring_head_stride divides its key/value heads."""
     m = cfg.model
-    longest = cfg.data.prompt_max_len + cfg.rollout.generate_max_len
     paths = [("--pretrain", m.pretrain)] + [("--reward_pretrain", p) for p in cfg.reward.reward_paths]
     if cfg.uses_critic and m.critic_pretrain:
         paths.append(("--critic_pretrain", m.critic_pretrain))
-    for flag, path in paths:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code, local_files_only=True)
-        limit = getattr(config, "max_position_embeddings", None)
-        if limit is not None and longest > limit:
-            raise ValueError(f"--prompt_max_len {cfg.data.prompt_max_len} + --generate_max_len "
-                             f"{cfg.rollout.generate_max_len} = {longest} tokens exceeds the {limit} positions of "
-                             f"{flag} {path} (max_position_embeddings): lower them to a total of at most {limit}")
+    check_model_configs(paths, m, cfg.engine, longest=cfg.data.prompt_max_len + cfg.rollout.generate_max_len,
+                        length_flags=f"--prompt_max_len {cfg.data.prompt_max_len} + --generate_max_len "
+                                     f"{cfg.rollout.generate_max_len}")
 
 
 def describe_algorithm(cfg: TrainPPOConfig, topology: Topology) -> str:
@@ -175,11 +137,7 @@ def describe_layout(cfg: TrainPPOConfig, topology: Topology) -> str:
 
 
 def _model_builder(cfg: TrainPPOConfig, layout: SequenceLayout, load: Callable[[str], torch.nn.Module]):
-    """A `build()` for DeepSpeedModel: `load(attn_implementation)`, then Liger when asked."""
-    def build() -> torch.nn.Module:
-        model = load(layout.attn_implementation(cfg.model.attn))
-        return apply_liger_kernel(model) if cfg.engine.use_liger_kernel else model
-    return build
+    return model_builder(cfg.model, cfg.engine, layout, load)
 
 
 def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, total_steps: int,
