@@ -46,7 +46,7 @@ def test_sft_learns_and_splits_and_layouts_agree(tmp_path):
     initial, final = rows[0]["eval_gpt_loss"], rows[-1]["eval_gpt_loss"]
     assert final < 0.5 * initial, (initial, final)
     assert rows[-1]["gpt_loss"] < rows[1]["gpt_loss"]
-    assert "SFT: 1024 samples, 1 epoch(s) of 64 steps of 16 samples (32 steps); 2 data-parallel replica(s)" in ref[2]
+    assert "sft: 1024 samples, 1 epoch(s) of 64 steps of 16 samples (32 steps); 2 data-parallel replica(s)" in ref[2]
     _assert_same_run(ref, train(1, tmp_path / "dp1", "--eval_steps", "16"), rel=1e-4)
     _assert_same_run(ref, train(2, tmp_path / "packed", "--eval_steps", "16", "--packing_samples"), rel=1e-4)
 

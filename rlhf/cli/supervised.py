@@ -1,0 +1,145 @@
+"""The run of every supervised job (SFT, reward model, process reward model, distillation): checks before
+any engine, data, topology, sampler, model, the core loop and the final HF model. A job's CLI module gives
+a `SupervisedJob` (its samples, its model, its step and its saved model) and nothing else.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlhf.cli.common import begin, check_outputs, for_this_machine, metrics_logger
+from rlhf.config.errors import UsageError
+from rlhf.data.sampler import DistributedBatchSampler
+from rlhf.data.sources import read_rows
+from rlhf.distributed.launch import init_distributed
+from rlhf.distributed.topology import Role, Topology
+from rlhf.engines.deepspeed_engine import DeepSpeedModel
+from rlhf.models.loading import check_liger_kernel, check_local_model, load_tokenizer
+from rlhf.models.micro_batches import MicroBatcher
+from rlhf.train.build import check_model_configs, micro_batcher, model_builder, role_model
+from rlhf.train.checkpoint import Checkpointer
+from rlhf.train.loop import Job, Loop
+from rlhf.utils.seeding import seed_everything
+from rlhf.utils.watchdog import Watchdog
+
+
+@dataclass(frozen=True)
+class Built:
+    """What `SupervisedJob.make_trainer` receives."""
+
+    model: DeepSpeedModel
+    topology: Topology
+    samples: list
+    eval_samples: list
+    sampler: DistributedBatchSampler
+    batcher: MicroBatcher
+    tokenizer: Any
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class SupervisedJob:
+    """One supervised job. `name`: shown in the startup line and the progress bar. `samples(cfg, tokenizer,
+    rows)`: the job's samples of some rows (errors name the row). `load_model(cfg, attn)`: the trainable
+    module. `make_trainer(cfg, built)`: the step (a `Job`). `save(cfg, trainer, built)`: the final model
+    under --save_path (collective). `bar`: progress-bar label -> metric."""
+
+    name: str
+    samples: Callable[[Any, Any, list], list]
+    load_model: Callable[[Any, str], torch.nn.Module]
+    make_trainer: Callable[[Any, Built], Job]
+    save: Callable[[Any, Job, Built], None]
+    bar: dict[str, str]
+    demo_line: str
+
+
+def check_before_engines(cfg, world_size: int, default_ckpt_path: str) -> None:
+    """Flags, model files and outputs, before any engine or process group starts."""
+    e, b, d = cfg.engine, cfg.batch, cfg.data
+    if world_size % e.ring_attn_size:
+        raise UsageError(f"the {world_size} ranks do not split into rings of --ring_attn_size {e.ring_attn_size}")
+    dp = world_size // e.ring_attn_size
+    per = 1 if e.use_dynamic_batch else b.micro_train_batch_size
+    if b.train_batch_size % (per * dp):
+        raise UsageError(f"--train_batch_size {b.train_batch_size} must be a multiple of "
+                         + ("" if e.use_dynamic_batch else f"--micro_train_batch_size {b.micro_train_batch_size} x ")
+                         + f"the {dp} data-parallel replicas")
+    if e.use_dynamic_batch:
+        per_rank = -(-d.max_len // (2 * e.ring_attn_size)) * 2 if e.ring_attn_size > 1 else d.max_len
+        if e.train_max_tokens_per_gpu < per_rank:
+            raise UsageError(f"--train_max_tokens_per_gpu {e.train_max_tokens_per_gpu} cannot hold one sample of "
+                             f"--max_len {d.max_len} tokens ({per_rank} per rank): raise it to at least {per_rank}")
+    if e.use_liger_kernel:
+        check_liger_kernel()
+    check_local_model(cfg.model.pretrain, "--pretrain")
+    check_model_configs([("--pretrain", cfg.model.pretrain)], cfg.model, e, longest=d.max_len,
+                        length_flags=f"--max_len {d.max_len}")
+    check_outputs(cfg.logging, cfg.checkpoint, default_ckpt_path)
+
+
+def read_samples(job: SupervisedJob, cfg, tokenizer, dataset: str, split: str, probs: str | None, flag: str) -> list:
+    rows = read_rows(dataset, probs=probs, split=split, max_samples=cfg.data.max_samples, seed=cfg.seed, flag=flag)
+    return job.samples(cfg, tokenizer, rows)
+
+
+def run_supervised(job: SupervisedJob, cfg, parse_warnings: Sequence[warnings.WarningMessage] = ()) -> None:
+    """Train `job` with `cfg` (a supervised root config) on every rank."""
+    launch, preemption = begin(cfg.logging, parse_warnings)
+    demo = cfg.model.pretrain is None
+    default_ckpt_path = type(cfg)().checkpoint.ckpt_path
+    cfg = for_this_machine(cfg.with_demo_defaults())
+    check_before_engines(cfg, launch.world_size, default_ckpt_path)
+    m, e, b, d = cfg.model, cfg.engine, cfg.batch, cfg.data
+    tokenizer = load_tokenizer(m.pretrain, m.trust_remote_code)
+    samples = read_samples(job, cfg, tokenizer, d.dataset, d.dataset_split, d.dataset_probs, "--dataset")
+    eval_samples = (read_samples(job, cfg, tokenizer, d.eval_dataset, d.eval_split, None, "--eval_dataset")
+                    if d.eval_dataset else [])
+    if len(samples) < b.train_batch_size:
+        raise UsageError(f"--dataset {d.dataset}: {len(samples)} usable samples, fewer than one --train_batch_size "
+                         f"{b.train_batch_size}; lower it or add data")
+    device = init_distributed(launch, cfg.dist_timeout)
+    Watchdog(launch.rank, cfg.watchdog_interval).start()
+    topology = Topology({Role.ACTOR: tuple(range(launch.world_size))}, ring_size=e.ring_attn_size)
+    dp = topology.dp_size(Role.ACTOR)
+    sampler = DistributedBatchSampler(len(samples), b.train_batch_size, dp, topology.dp_rank(Role.ACTOR), cfg.seed)
+    steps = sampler.steps_per_epoch * b.max_epochs
+    steps = min(steps, b.max_steps) if b.max_steps else steps
+    eval_every = None
+    if eval_samples:
+        eval_every = cfg.logging.eval_steps if cfg.logging.eval_steps > 0 else sampler.steps_per_epoch
+    elif cfg.logging.eval_steps > 0:
+        warnings.warn(f"--eval_steps {cfg.logging.eval_steps} has no effect without --eval_dataset", stacklevel=2)
+    is_writer = launch.rank == 0
+    if is_writer:
+        if demo:
+            print(job.demo_line, flush=True)
+        print(f"{job.name}: {len(samples)} samples, {b.max_epochs} epoch(s) of {sampler.steps_per_epoch} steps of "
+              f"{b.train_batch_size} samples ({steps} steps); {dp} data-parallel replica(s)"
+              + (f"; held-out metrics of {len(eval_samples)} samples every {eval_every} steps" if eval_every else ""),
+              flush=True)
+    seed_everything(cfg.seed + launch.rank, cfg.full_determinism)
+    batcher = micro_batcher(e, b.micro_train_batch_size, topology, Role.ACTOR)
+    model = role_model(model_builder(m, e, batcher.layout, lambda attn: job.load_model(cfg, attn)), m, e, cfg.optim,
+                       topology, Role.ACTOR, device, trainable=True, micro_batch_size=b.micro_train_batch_size,
+                       grad_accum_steps=b.train_batch_size // (b.micro_train_batch_size * dp),
+                       num_optimizer_steps=steps, learning_rate=cfg.optim.learning_rate, name="model")
+    built = Built(model, topology, samples, eval_samples, sampler, batcher, tokenizer, device)
+    trainer = job.make_trainer(cfg, built)
+    logger = metrics_logger(cfg, steps, is_writer, f"{job.name} steps", job.bar)
+    checkpointer = Checkpointer(cfg.checkpoint, default_ckpt_path=default_ckpt_path, rank=launch.rank,
+                                world_size=launch.world_size, logger=logger)
+    loop = Loop(steps, cfg.logging.logging_steps, cfg.checkpoint.save_steps, eval_every, logger, checkpointer,
+                launch.rank)
+    start = loop.resume(trainer)
+    try:
+        if loop.fit(trainer, start, preemption):
+            job.save(cfg, trainer, built)
+    finally:
+        logger.close()
+    dist.barrier()
