@@ -45,14 +45,21 @@ def build_source(args: argparse.Namespace) -> tuple[RewardSource, object | None]
         return RewardFuncFile(args.remote_rm_url), None
     from rlhf.models.loading import load_tokenizer
     from rlhf.models.micro_batches import MicroBatcher
-    from rlhf.models.value import load_scalar_head_model
+    from rlhf.models.value import load_scalar_head_model, stored_reward_norm
     from rlhf.rewards.models import RewardModelEnsemble
 
     paths = [p for p in args.reward_pretrain.split(",") if p]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     models = [load_scalar_head_model(p, args.value_head_prefix, dtype, "sdpa").to(device).eval() for p in paths]
-    return RewardModelEnsemble(models, device, MicroBatcher(args.batch_size)), load_tokenizer(paths[0])
+    norms = None
+    if args.normalize_reward:
+        norms = [stored_reward_norm(p) for p in paths]
+        missing = [p for p, n in zip(paths, norms) if n is None]
+        if missing:
+            raise ValueError(f"--normalize_reward: {', '.join(missing)} stores no reward mean/std (train_rm writes "
+                             "them when it evaluates); drop --normalize_reward to serve raw rewards")
+    return RewardModelEnsemble(models, device, MicroBatcher(args.batch_size), norms), load_tokenizer(paths[0])
 
 
 class RewardServer(ThreadingHTTPServer):
@@ -287,6 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--remote_rm_url", default=None, help="a .py file defining reward_func instead")
     parser.add_argument("--value_head_prefix", default="score")
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--normalize_reward", action="store_true",
+                        help="serve (reward - mean) / std with the statistics stored by train_rm")
     parser.add_argument("--max_len", type=int, default=4096)
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--host", default="127.0.0.1")

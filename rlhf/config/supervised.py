@@ -5,10 +5,11 @@ OpenRLHF v0.9.5's flag names and per-job defaults. Knows nothing of argparse or 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
-from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_SFT, EMBEDDED_SFT_EVAL
+from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_PAIRS, EMBEDDED_PAIRS_EVAL, EMBEDDED_SFT, EMBEDDED_SFT_EVAL
 from rlhf.config.common import (
     CheckpointConfig,
     EngineConfig,
@@ -134,3 +135,55 @@ class TrainSFTConfig(JobConfig):
     def with_demo_defaults(self) -> TrainSFTConfig:
         return _with_demo(self, EMBEDDED_SFT, EMBEDDED_SFT_EVAL, output_key=self.data.output_key or "output")
 
+
+
+@dataclass(frozen=True, kw_only=True)
+class PairDataConfig(DatasetConfig):
+    """Preference-pair columns."""
+
+    prompt_key: str | None = opt(None, "column of the prompt (not given: chosen/rejected hold whole texts)")
+    chosen_key: str = opt("chosen", "column of the preferred response")
+    rejected_key: str = opt("rejected", "column of the rejected response")
+    margin_loss: bool = opt(False, "subtract each pair's margin (column 'margin') inside the sigmoid loss")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScalarHeadModelConfig(ModelConfig):
+    """The model, and the name of the scalar head put on it."""
+
+    value_head_prefix: str = opt("score", "attribute name of the scalar head (saved as <prefix>.weight)")
+
+
+PAIRWISE_LOSS_NAMES = ("sigmoid", "logexp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainRMConfig(JobConfig):
+    """Everything `train_rm` needs."""
+
+    PENDING_FLAGS: ClassVar[tuple[str, ...]] = SUPERVISED_PENDING_FLAGS
+    model: ScalarHeadModelConfig = field(default_factory=ScalarHeadModelConfig)
+    optim: LearningRateConfig = field(default_factory=lambda: LearningRateConfig(learning_rate=9e-6))
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    data: PairDataConfig = field(default_factory=lambda: PairDataConfig(max_len=512))
+    batch: SupervisedBatchConfig = field(default_factory=lambda: SupervisedBatchConfig(micro_train_batch_size=1,
+                                                                                       max_epochs=1))
+    logging: LoggingConfig = field(default_factory=lambda: LoggingConfig(wandb_project="openrlhf_train_rm"))
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(ckpt_path="./ckpt/checkpoints_rm"))
+    loss: str = opt("sigmoid", "pairwise loss: sigmoid (-log sigmoid(chosen - rejected [- margin])) or logexp "
+                    "(log(1 + exp(rejected - chosen)), no margin)")
+    aux_loss_coef: float = opt(0.0, "MoE auxiliary loss coefficient (models that return aux_loss)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.loss in PAIRWISE_LOSS_NAMES, f"--loss {self.loss!r}: choose sigmoid or logexp")
+        require(self.aux_loss_coef >= 0, "--aux_loss_coef must be >= 0")
+        if self.aux_loss_coef:
+            warnings.warn(f"--aux_loss_coef {self.aux_loss_coef} has no effect in train_rm: the scalar-head model "
+                          "does not return the MoE auxiliary loss in this build", stacklevel=2)
+        if self.data.margin_loss and self.loss == "logexp":
+            warnings.warn("--margin_loss has no effect with --loss logexp (its loss has no margin, as in OpenRLHF); "
+                          "use --loss sigmoid", stacklevel=2)
+
+    def with_demo_defaults(self) -> TrainRMConfig:
+        return _with_demo(self, EMBEDDED_PAIRS, EMBEDDED_PAIRS_EVAL, prompt_key=self.data.prompt_key or "prompt")

@@ -127,8 +127,9 @@ def load_scalar_head_model(path: str, head_prefix: str, dtype: torch.dtype, attn
     check_local_model(path, flag)
     if not fresh_head:
         check_scalar_head(path, head_prefix, flag)
-    base = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                     trust_remote_code=trust_remote_code, local_files_only=True)
+    with _quiet_transformers():  # its load report lists a causal LM's lm_head as "unexpected": expected here
+        base = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                         trust_remote_code=trust_remote_code, local_files_only=True)
     model = ScalarHeadModel(base, head_prefix)
     weight = _head_weight(path, f"{head_prefix}.weight")
     if weight is None:
@@ -139,6 +140,19 @@ def load_scalar_head_model(path: str, head_prefix: str, dtype: torch.dtype, attn
     return model
 
 
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' warnings off (errors still shown) for the duration."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def _full_param(param: torch.nn.Parameter):
     """A context in which `param` is whole: ZeRO-3 partitions parameters built under its Init, so the
     head is gathered (and re-partitioned from rank 0's copy) around the assignment."""
@@ -147,6 +161,17 @@ def _full_param(param: torch.nn.Parameter):
     import deepspeed
 
     return deepspeed.zero.GatheredParameters([param], modifier_rank=0)
+
+
+def stored_reward_norm(path: str) -> tuple[float, float] | None:
+    """(mean, std) that reward-model training stored in the checkpoint's config (OpenRLHF's "mean"/"std"
+    keys), or None when it has none. Applied as (reward - mean) / std with --normalize_reward."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    mean, std = config.get("mean"), config.get("std")
+    if isinstance(mean, (int, float)) and isinstance(std, (int, float)) and std > 0:
+        return float(mean), float(std)
+    return None
 
 
 def save_scalar_head_model(state: dict[str, torch.Tensor], config, head_prefix: str, path: str,

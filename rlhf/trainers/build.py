@@ -21,7 +21,7 @@ from rlhf.engines.weight_sync import meta_param_specs
 from rlhf.models.layout import SequenceLayout
 from rlhf.models.loading import load_causal_lm
 from rlhf.models.micro_batches import MicroBatcher
-from rlhf.models.value import load_scalar_head_model
+from rlhf.models.value import load_scalar_head_model, stored_reward_norm
 from rlhf.rewards.base import RewardSource
 from rlhf.rewards.models import RewardModelEnsemble
 from rlhf.train.build import check_model_configs, micro_batcher, model_builder, role_model
@@ -175,16 +175,35 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
                               trainable=False))
         ref_model = frozen[-1].engine
     reward = reward_source
+    norms = stored_reward_norms(cfg)
     if cfg.reward.reward_paths and topology.hosts(Role.REWARD):
         reward_batcher, _ = batchers_for(cfg, topology, Role.REWARD)
         reward_models = _reward_models(cfg, topology, device, reward_batcher.layout)
         frozen.extend(reward_models)
-        reward = RewardModelEnsemble([m.engine for m in reward_models], device, reward_batcher)
+        reward = RewardModelEnsemble([m.engine for m in reward_models], device, reward_batcher, norms)
     experience = ExperienceMaker(cfg, topology, actor=actor, critic=critic, ref_model=ref_model, reward=reward,
-                                 device=device, ref_batcher=ref_batcher)
+                                 device=device, ref_batcher=ref_batcher,
+                                 running_reward_norm=cfg.algo.normalize_reward and norms is None)
     specs = meta_param_specs(m.pretrain, dtype, m.trust_remote_code)
     return Roles(actor, critic, experience, specs, _ptx_data(cfg, topology, tokenizer) if actor is not None else None,
                  frozen)
+
+
+def stored_reward_norms(cfg: TrainPPOConfig) -> list[tuple[float, float]] | None:
+    """With --normalize_reward and reward models that all carry the mean/std stored by reward-model training
+    (OpenRLHF's normalisation): those statistics, one pair per model. Otherwise None, and --normalize_reward
+    (when set) normalises with running statistics over the run's rewards (a warning says why when reward
+    models lack them). Reads only the models' config files; the same on every rank."""
+    paths = cfg.reward.reward_paths
+    if not (cfg.algo.normalize_reward and paths):
+        return None
+    norms = [stored_reward_norm(p) for p in paths]
+    missing = [p for p, n in zip(paths, norms) if n is None]
+    if missing:
+        warnings.warn(f"--normalize_reward: {', '.join(missing)} stores no reward mean/std (train_rm writes them "
+                      "when it evaluates): rewards are normalised with running statistics instead", stacklevel=2)
+        return None
+    return norms
 
 
 def _with_steps(cfg: TrainPPOConfig, total_steps: int) -> TrainPPOConfig:

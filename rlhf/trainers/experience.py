@@ -42,8 +42,11 @@ class ExperienceMaker:
 
     def __init__(self, cfg: TrainPPOConfig, topology: Topology, *, actor: Actor | None, critic: Critic | None,
                  ref_model: torch.nn.Module | None, reward: RewardSource | None, device: torch.device,
-                 ref_batcher: MicroBatcher | None = None) -> None:
+                 ref_batcher: MicroBatcher | None = None, running_reward_norm: bool | None = None) -> None:
+        """`running_reward_norm`: normalise rewards with running statistics (default: --normalize_reward;
+        False when the reward models normalise with their stored statistics instead)."""
         self.cfg, self.topology, self.device = cfg, topology, device
+        self.running_reward_norm = cfg.algo.normalize_reward if running_reward_norm is None else running_reward_norm
         self.actor, self.critic, self.ref_model, self.reward = actor, critic, ref_model, reward
         self.ref_batcher = ref_batcher
         self.estimator = ESTIMATORS[cfg.algo.advantage_estimator]
@@ -87,7 +90,7 @@ class ExperienceMaker:
         if algo.stop_properly_penalty_coef is not None:
             truncated = torch.tensor([f == "length" for f in batch.finish_reasons])
             rewards_B = stop_properly_penalty(rewards_B, truncated, algo.stop_properly_penalty_coef)
-        if algo.normalize_reward:
+        if self.running_reward_norm:
             r = rewards_B.double()
             self.reward_stats.update(float(r.sum()), float((r * r).sum()), r.numel())
             rewards_B = self.reward_stats.normalize(rewards_B)
