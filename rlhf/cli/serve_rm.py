@@ -51,6 +51,8 @@ def build_source(args: argparse.Namespace) -> tuple[RewardSource, object | None]
     paths = [p for p in args.reward_pretrain.split(",") if p]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if args.bf16 else torch.float32
+    if args.prm:
+        return build_prm_source(args, paths, device, dtype)
     models = [load_scalar_head_model(p, args.value_head_prefix, dtype, "sdpa").to(device).eval() for p in paths]
     norms = None
     if args.normalize_reward:
@@ -60,6 +62,26 @@ def build_source(args: argparse.Namespace) -> tuple[RewardSource, object | None]
             raise ValueError(f"--normalize_reward: {', '.join(missing)} stores no reward mean/std (train_rm writes "
                              "them when it evaluates); drop --normalize_reward to serve raw rewards")
     return RewardModelEnsemble(models, device, MicroBatcher(args.batch_size), norms), load_tokenizer(paths[0])
+
+
+def build_prm_source(args: argparse.Namespace, paths: list[str], device: torch.device,
+                     dtype: torch.dtype) -> tuple[RewardSource, object]:
+    """A process reward model (one causal LM from train_prm) scoring the steps marked by the placeholder."""
+    from rlhf.data.supervised import token_id
+    from rlhf.models.loading import load_causal_lm, load_tokenizer
+    from rlhf.rewards.prm import ProcessRewardSource
+
+    if args.normalize_reward:
+        raise ValueError("--normalize_reward applies reward-model statistics; a process reward model's step "
+                         "scores are probabilities and have none: drop one of --prm / --normalize_reward")
+    if len(paths) != 1 or not args.placeholder_token or not args.reward_tokens:
+        raise ValueError("--prm serves one process reward model: give one --reward_pretrain directory, "
+                         "--placeholder_token and --reward_tokens (the positive token first)")
+    tokenizer = load_tokenizer(paths[0])
+    model = load_causal_lm(paths[0], dtype, "sdpa").to(device).eval()
+    return ProcessRewardSource(model, device, token_id(tokenizer, args.placeholder_token, "--placeholder_token"),
+                               [token_id(tokenizer, t, "--reward_tokens") for t in args.reward_tokens],
+                               args.prm_reduction, args.batch_size), tokenizer
 
 
 class RewardServer(ThreadingHTTPServer):
@@ -294,6 +316,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--remote_rm_url", default=None, help="a .py file defining reward_func instead")
     parser.add_argument("--value_head_prefix", default="score")
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--prm", action="store_true",
+                        help="--reward_pretrain is a process reward model (train_prm): score each step at its "
+                             "--placeholder_token, reduce over steps with --prm_reduction")
+    parser.add_argument("--placeholder_token", default=None, help="with --prm: the token after each step")
+    parser.add_argument("--reward_tokens", nargs="*", default=None,
+                        help="with --prm: the reward tokens, the positive one first")
+    parser.add_argument("--prm_reduction", default="min", choices=("min", "mean", "last"),
+                        help="with --prm: one reward per sample from its step scores")
     parser.add_argument("--normalize_reward", action="store_true",
                         help="serve (reward - mean) / std with the statistics stored by train_rm")
     parser.add_argument("--max_len", type=int, default=4096)

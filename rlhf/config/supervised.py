@@ -9,7 +9,17 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
-from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_PAIRS, EMBEDDED_PAIRS_EVAL, EMBEDDED_SFT, EMBEDDED_SFT_EVAL
+from rlhf.assets import (
+    EMBEDDED_MODEL_DIR,
+    EMBEDDED_PAIRS,
+    EMBEDDED_PAIRS_EVAL,
+    EMBEDDED_PRM,
+    EMBEDDED_PRM_EVAL,
+    EMBEDDED_PRM_PLACEHOLDER,
+    EMBEDDED_PRM_REWARD_TOKENS,
+    EMBEDDED_SFT,
+    EMBEDDED_SFT_EVAL,
+)
 from rlhf.config.common import (
     CheckpointConfig,
     EngineConfig,
@@ -72,20 +82,29 @@ class DatasetConfig:
     eval_split: str = opt("train", "split of --eval_dataset")
     max_samples: int = opt(1_000_000, "read at most this many samples (per source, then in all)")
     max_len: int = opt(2048, "maximum tokens per sample (longer ones are cut, as in OpenRLHF)")
+
+    def __post_init__(self) -> None:
+        require(self.max_samples >= 1, "--max_samples must be >= 1")
+        require(self.max_len >= 2, "--max_len must be >= 2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FormattedDataConfig(DatasetConfig):
+    """A dataset whose prompts are formatted with a template or the tokenizer's chat template."""
+
     input_template: str | None = opt(None, "format string with one {} wrapped around each prompt")
     apply_chat_template: bool = opt(False, "format with the tokenizer's chat template")
     tokenizer_chat_template: str | None = opt(None, "a Jinja chat template overriding the tokenizer's")
 
     def __post_init__(self) -> None:
-        require(self.max_samples >= 1, "--max_samples must be >= 1")
-        require(self.max_len >= 2, "--max_len must be >= 2")
+        super().__post_init__()
         if self.input_template is not None:
             require(self.input_template.count("{}") == 1,
                     f"--input_template {self.input_template!r} must contain exactly one '{{}}' for the prompt")
 
 
 @dataclass(frozen=True, kw_only=True)
-class SFTDataConfig(DatasetConfig):
+class SFTDataConfig(FormattedDataConfig):
     """SFT columns and loss masks."""
 
     input_key: str = opt("input", "column of the prompt (or of the messages with --apply_chat_template)")
@@ -103,9 +122,9 @@ def _with_demo(cfg, data_path: str, eval_path: str, **data_changes):
         return cfg
     data = cfg.data
     if data.dataset is None:
-        default_template = type(cfg)().data.input_template
         changes = {"dataset": data_path, "eval_dataset": data.eval_dataset or eval_path, **data_changes}
-        if data.input_template == default_template and not data.apply_chat_template:
+        if isinstance(data, FormattedDataConfig) and not data.apply_chat_template \
+                and data.input_template == type(cfg)().data.input_template:  # the job's default template
             changes["input_template"] = DEMO_TEMPLATE
         data = replace(data, **changes)
     return replace(cfg, model=replace(cfg.model, pretrain=EMBEDDED_MODEL_DIR), data=data)
@@ -138,7 +157,7 @@ class TrainSFTConfig(JobConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class PairDataConfig(DatasetConfig):
+class PairDataConfig(FormattedDataConfig):
     """Preference-pair columns."""
 
     prompt_key: str | None = opt(None, "column of the prompt (not given: chosen/rejected hold whole texts)")
@@ -187,3 +206,45 @@ class TrainRMConfig(JobConfig):
 
     def with_demo_defaults(self) -> TrainRMConfig:
         return _with_demo(self, EMBEDDED_PAIRS, EMBEDDED_PAIRS_EVAL, prompt_key=self.data.prompt_key or "prompt")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PRMDataConfig(DatasetConfig):
+    """Step-labelled answers: one --placeholder_token after each step, one label per placeholder."""
+
+    input_key: str = opt("input", "column of the text with a placeholder token after each step")
+    label_key: str = opt("label", "column of the per-step labels (reward-token strings, or probabilities of the "
+                         "first reward token)")
+    placeholder_token: str | None = opt(None, "the token after each step whose logits are scored (required)")
+    reward_tokens: tuple[str, ...] | None = opt(None, "the label tokens, the positive one first (not given: the "
+                                                "labels are vocabulary tokens and every token competes)",
+                                                nargs="*")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainPRMConfig(JobConfig):
+    """Everything `train_prm` needs."""
+
+    PENDING_FLAGS: ClassVar[tuple[str, ...]] = SUPERVISED_PENDING_FLAGS
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: LearningRateConfig = field(default_factory=lambda: LearningRateConfig(learning_rate=1e-6))
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    data: PRMDataConfig = field(default_factory=lambda: PRMDataConfig(eval_split="test"))
+    batch: SupervisedBatchConfig = field(default_factory=lambda: SupervisedBatchConfig(micro_train_batch_size=1,
+                                                                                       max_epochs=1))
+    logging: LoggingConfig = field(default_factory=lambda: LoggingConfig(wandb_project="openrlhf_train_prm"))
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(
+        ckpt_path="./ckpt/checkpoints_prm"))
+    aux_loss_coef: float = opt(0.0, "MoE auxiliary loss coefficient (models that return aux_loss)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.aux_loss_coef >= 0, "--aux_loss_coef must be >= 0")
+
+    def with_demo_defaults(self) -> TrainPRMConfig:
+        cfg = _with_demo(self, EMBEDDED_PRM, EMBEDDED_PRM_EVAL, eval_split="train",
+                         placeholder_token=self.data.placeholder_token or EMBEDDED_PRM_PLACEHOLDER,
+                         reward_tokens=self.data.reward_tokens or EMBEDDED_PRM_REWARD_TOKENS)
+        require(cfg.data.placeholder_token is not None, "--placeholder_token is required: the token after each "
+                "step (e.g. --placeholder_token ки for Math-Shepherd data)")
+        return cfg

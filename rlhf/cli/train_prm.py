@@ -1,0 +1,51 @@
+"""Entry point of process-reward-model training: `torchrun ... -m rlhf.cli.train_prm --pretrain ... --dataset
+... --placeholder_token TOK --reward_tokens + -` (or srun), with OpenRLHF v0.9.5's train_prm flags. Without
+--pretrain: the embedded tiny model learns the embedded step-labelled copy-task answers. The model (a causal
+LM whose placeholder logits score steps) is written in HF format to --save_path; `serve_rm --prm` serves it.
+"""
+
+from __future__ import annotations
+
+from rlhf.cli.common import main_for
+from rlhf.cli.supervised import Built, SupervisedJob, run_supervised
+from rlhf.config.supervised import TrainPRMConfig
+from rlhf.data.supervised import load_prm_samples, token_id
+from rlhf.distributed.topology import Role
+from rlhf.models.loading import load_causal_lm
+from rlhf.trainers.prm import ProcessRewardTrainer
+
+
+def _samples(cfg: TrainPRMConfig, tokenizer, rows: list) -> list:
+    d = cfg.data
+    samples, _ = load_prm_samples(rows, tokenizer, input_key=d.input_key, label_key=d.label_key,
+                                  placeholder_token=d.placeholder_token,
+                                  reward_tokens=list(d.reward_tokens) if d.reward_tokens else None, max_len=d.max_len)
+    return samples
+
+
+def _trainer(cfg: TrainPRMConfig, b: Built) -> ProcessRewardTrainer:
+    tokens = cfg.data.reward_tokens
+    ids = [token_id(b.tokenizer, t, "--reward_tokens") for t in tokens] if tokens else None
+    return ProcessRewardTrainer(b.model, b.topology, b.samples, b.eval_samples, b.sampler, b.batcher, b.tokenizer,
+                                b.device, ids)
+
+
+def _save(cfg: TrainPRMConfig, trainer: ProcessRewardTrainer, b: Built) -> None:
+    b.model.save_hf(cfg.logging.save_path, b.tokenizer, b.topology.leads(Role.ACTOR))
+
+
+PRM_JOB = SupervisedJob(
+    name="prm", samples=_samples,
+    load_model=lambda cfg, attn: load_causal_lm(cfg.model.pretrain, cfg.model.dtype, attn,
+                                                cfg.model.trust_remote_code),
+    make_trainer=_trainer, save=_save, bar={"loss": "prm_loss", "acc": "acc"},
+    demo_line="no --pretrain given: training a process reward model from the embedded tiny demo model on its "
+              "step-labelled answers")
+
+
+def main(argv: list[str] | None = None) -> None:
+    main_for(TrainPRMConfig, lambda cfg, w: run_supervised(PRM_JOB, cfg, w), "python -m rlhf.cli.train_prm", argv)
+
+
+if __name__ == "__main__":
+    main()
