@@ -40,6 +40,7 @@ def test_rm_reaches_90_percent_held_out(trained):
     assert rows[-1]["step"] == 64 and rows[-1]["eval_acc"] >= 0.9, rows[-1]
 
 
+@pytest.mark.slow
 def test_rm_dp_split_and_packing_give_the_same_steps(tmp_path):
     short = ("--max_steps", "4", "--eval_steps", "2")
     ref = train(2, tmp_path / "dp2", *short)

@@ -57,6 +57,8 @@ class SupervisedJob:
     save: Callable[[Any, Job, Built], None]
     bar: dict[str, str]
     demo_line: str
+    colocated_roles: tuple[Role, ...] = ()  # frozen roles on every rank next to the trained model
+    check: Callable[[Any], None] | None = None  # the job's own checks before any engine starts
 
 
 def check_before_engines(cfg, world_size: int, default_ckpt_path: str) -> None:
@@ -95,6 +97,8 @@ def run_supervised(job: SupervisedJob, cfg, parse_warnings: Sequence[warnings.Wa
     default_ckpt_path = type(cfg)().checkpoint.ckpt_path
     cfg = for_this_machine(cfg.with_demo_defaults())
     check_before_engines(cfg, launch.world_size, default_ckpt_path)
+    if job.check is not None:
+        job.check(cfg)
     m, e, b, d = cfg.model, cfg.engine, cfg.batch, cfg.data
     tokenizer = load_tokenizer(m.pretrain, m.trust_remote_code)
     samples = read_samples(job, cfg, tokenizer, d.dataset, d.dataset_split, d.dataset_probs, "--dataset")
@@ -105,7 +109,8 @@ def run_supervised(job: SupervisedJob, cfg, parse_warnings: Sequence[warnings.Wa
                          f"{b.train_batch_size}; lower it or add data")
     device = init_distributed(launch, cfg.dist_timeout)
     Watchdog(launch.rank, cfg.watchdog_interval).start()
-    topology = Topology({Role.ACTOR: tuple(range(launch.world_size))}, ring_size=e.ring_attn_size)
+    everyone = tuple(range(launch.world_size))
+    topology = Topology({role: everyone for role in (Role.ACTOR, *job.colocated_roles)}, ring_size=e.ring_attn_size)
     dp = topology.dp_size(Role.ACTOR)
     sampler = DistributedBatchSampler(len(samples), b.train_batch_size, dp, topology.dp_rank(Role.ACTOR), cfg.seed)
     steps = sampler.steps_per_epoch * b.max_epochs

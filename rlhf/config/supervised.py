@@ -248,3 +248,48 @@ class TrainPRMConfig(JobConfig):
         require(cfg.data.placeholder_token is not None, "--placeholder_token is required: the token after each "
                 "step (e.g. --placeholder_token ки for Math-Shepherd data)")
         return cfg
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeacherConfig:
+    """The frozen teacher of knowledge distillation."""
+
+    teacher_model: str | None = opt(None, "HF model directory of the teacher (required; it must share the "
+                                    "student's tokenizer/vocabulary)")
+    kd_coef: float = opt(0.4, "loss = (1 - kd_coef) x NLL + kd_coef x distillation (forward KL to the teacher)")
+    teacher_offload: bool = opt(False, "keep the teacher's parameters in host memory outside its forward "
+                                "(below ZeRO-3; at ZeRO-3 they are sharded over the ranks instead)")
+
+    def __post_init__(self) -> None:
+        require(0 <= self.kd_coef <= 1, "--kd_coef must lie in [0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainKDConfig(JobConfig):
+    """Everything `train_kd` needs."""
+
+    PENDING_FLAGS: ClassVar[tuple[str, ...]] = SUPERVISED_PENDING_FLAGS
+    model: ModelConfig = field(default_factory=ModelConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    optim: LearningRateConfig = field(default_factory=LearningRateConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    data: SFTDataConfig = field(default_factory=lambda: SFTDataConfig(input_template="User: {}\nAssistant: ",
+                                                                      output_key="output", eval_split="test"))
+    batch: SupervisedBatchConfig = field(default_factory=lambda: SupervisedBatchConfig(max_epochs=1))
+    logging: LoggingConfig = field(default_factory=lambda: LoggingConfig(wandb_project="openrlhf_train_kd"))
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(ckpt_path="./ckpt/checkpoints_kd"))
+    aux_loss_coef: float = opt(0.0, "MoE auxiliary loss coefficient (models that return aux_loss)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.aux_loss_coef >= 0, "--aux_loss_coef must be >= 0")
+        if self.teacher.teacher_offload and self.engine.zero_stage == 3:
+            warnings.warn("--teacher_offload has no effect at --zero_stage 3: the teacher's parameters are already "
+                          "sharded over the ranks", stacklevel=2)
+        if self.data.multiturn and not self.data.apply_chat_template:
+            require(False, "--multiturn finds the assistant turns with the chat template: add --apply_chat_template")
+
+    def with_demo_defaults(self) -> TrainKDConfig:
+        require(self.teacher.teacher_model is not None, "--teacher_model is required: the HF directory of the "
+                "teacher (e.g. a model trained with train_sft); it must share the student's vocabulary")
+        return _with_demo(self, EMBEDDED_SFT, EMBEDDED_SFT_EVAL, eval_split="train")

@@ -1,0 +1,66 @@
+"""Entry point of knowledge distillation: `torchrun ... -m rlhf.cli.train_kd --pretrain STUDENT --teacher_model
+TEACHER --dataset ...` (or srun), with OpenRLHF v0.9.5's train_kd flags. The teacher is a frozen role on the
+student's ranks (sharded at ZeRO-3, in host memory between forwards with --teacher_offload). Without
+--pretrain: the embedded tiny model is the student on the embedded demonstrations (the teacher is always
+named). The student is written in HF format to --save_path.
+"""
+
+from __future__ import annotations
+
+from rlhf.cli.common import main_for
+from rlhf.cli.supervised import Built, SupervisedJob, run_supervised
+from rlhf.cli.train_sft import SFT_JOB
+from rlhf.config.errors import UsageError
+from rlhf.config.supervised import TrainKDConfig
+from rlhf.distributed.topology import Role
+from rlhf.models.loading import check_local_model, load_causal_lm
+from rlhf.train.build import check_model_configs, model_builder, role_model
+from rlhf.trainers.kd import TEACHER, DistillationTrainer
+
+
+def _check(cfg: TrainKDConfig) -> None:
+    """The teacher exists, fits --max_len and shares the student's vocabulary."""
+    from transformers import AutoConfig
+
+    path = cfg.teacher.teacher_model
+    check_local_model(path, "--teacher_model")
+    check_model_configs([("--teacher_model", path)], cfg.model, cfg.engine, longest=cfg.data.max_len,
+                        length_flags=f"--max_len {cfg.data.max_len}")
+    sizes = {flag: AutoConfig.from_pretrained(p, trust_remote_code=cfg.model.trust_remote_code,
+                                              local_files_only=True).vocab_size
+             for flag, p in (("--pretrain", cfg.model.pretrain), ("--teacher_model", path))}
+    if len(set(sizes.values())) != 1:
+        raise UsageError(f"the teacher and the student must share one vocabulary for the KL over it: vocab_size "
+                         f"{sizes['--teacher_model']} (--teacher_model {path}) vs {sizes['--pretrain']} (--pretrain "
+                         f"{cfg.model.pretrain})")
+
+
+def _trainer(cfg: TrainKDConfig, b: Built) -> DistillationTrainer:
+    m, t = cfg.model, cfg.teacher
+    teacher = role_model(model_builder(m, cfg.engine, b.batcher.layout,
+                                       lambda attn: load_causal_lm(t.teacher_model, m.dtype, attn,
+                                                                   m.trust_remote_code)),
+                         m, cfg.engine, cfg.optim, b.topology, TEACHER, b.device, trainable=False,
+                         micro_batch_size=cfg.batch.micro_train_batch_size, name="teacher")
+    if t.teacher_offload:
+        teacher.offload()
+    return DistillationTrainer(b.model, teacher, b.topology, b.samples, b.eval_samples, b.sampler, b.batcher,
+                               b.tokenizer, b.device, kd_coef=t.kd_coef, teacher_offload=t.teacher_offload)
+
+
+def _save(cfg: TrainKDConfig, trainer: DistillationTrainer, b: Built) -> None:
+    b.model.save_hf(cfg.logging.save_path, b.tokenizer, b.topology.leads(Role.ACTOR))
+
+
+KD_JOB = SupervisedJob(
+    name="kd", samples=SFT_JOB.samples, load_model=SFT_JOB.load_model, make_trainer=_trainer, save=_save,
+    bar={"loss": "gpt_loss", "kd": "distil_loss"}, colocated_roles=(TEACHER,), check=_check,
+    demo_line="no --pretrain given: distilling into the embedded tiny demo model on its demonstrations")
+
+
+def main(argv: list[str] | None = None) -> None:
+    main_for(TrainKDConfig, lambda cfg, w: run_supervised(KD_JOB, cfg, w), "python -m rlhf.cli.train_kd", argv)
+
+
+if __name__ == "__main__":
+    main()
