@@ -9,9 +9,46 @@ N = samples per prompt, V = vocabulary. Log-prob tensors are float32 and aligned
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, ClassVar, TypeVar
 
 import torch
+
+BatchT = TypeVar("BatchT", bound="TokenBatch")
+
+
+class TokenBatch:
+    """Select and trim for right-padded batch dataclasses. Every tensor field has the samples on dim 0;
+    each 2-D field has T columns (aligned with the tokens) or T - 1 (next-token positions); fields named
+    in `_masks` are attention masks [B, T] that say which columns hold tokens. None fields stay None."""
+
+    _masks: ClassVar[tuple[str, ...]] = ("attention_mask_BT",)
+
+    @property
+    def num_samples(self) -> int:
+        return getattr(self, fields(self)[0].name).shape[0]
+
+    def select(self: BatchT, index: torch.Tensor | slice) -> BatchT:
+        """The samples at `index` (int64 indices, a bool mask or a slice over dim 0)."""
+        return replace(self, **{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
+                                for f in fields(self)})
+
+    def trimmed(self: BatchT) -> BatchT:
+        """The same samples without the trailing columns that are padding in every row (one column kept
+        at least)."""
+        width = getattr(self, self._masks[0]).shape[1]
+        used = torch.zeros(width, dtype=torch.bool)
+        for name in self._masks:
+            used |= getattr(self, name).bool().any(0)
+        length = max(int(used.nonzero().max()) + 1 if used.any() else 0, 1)
+
+        def trim(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor) or t.dim() < 2:
+                return t
+            assert t.shape[1] in (width, width - 1), f"column count {t.shape[1]} is neither T={width} nor T-1"
+            return t[:, :length] if t.shape[1] == width else t[:, :length - 1]
+
+        return replace(self, **{f.name: trim(getattr(self, f.name)) for f in fields(self)})
 
 
 @dataclass
@@ -41,7 +78,7 @@ class Rollout:
 
 
 @dataclass
-class Experience:
+class Experience(TokenBatch):
     """The step's samples with everything the losses need (global batch, identical on every rank).
 
     action_mask_BT1: float32 [B, T-1] action tokens that count in the losses (filtered groups are 0).
@@ -62,28 +99,6 @@ class Experience:
     values_BT1: torch.Tensor | None = None
     returns_BT1: torch.Tensor | None = None
 
-    @property
-    def num_samples(self) -> int:
-        return self.sequences_BT.shape[0]
-
-    def select(self, index: torch.Tensor | slice) -> Experience:
-        """The samples at `index` (all tensor fields)."""
-        return Experience(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
-                             for f in fields(self)})
-
     def slice(self, start: int, stop: int) -> Experience:
         """Samples [start, stop), trimmed to the longest real sequence among them."""
         return self.select(slice(start, stop)).trimmed()
-
-    def trimmed(self) -> Experience:
-        """The same samples without the columns that are padding in every row."""
-        part = self
-        length = int(part.attention_mask_BT.sum(-1).max())
-        width = part.sequences_BT.shape[1]
-
-        def trim(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None or t.dim() < 2:
-                return t
-            return t[:, :length] if t.shape[1] == width else t[:, : length - 1]
-
-        return Experience(**{f.name: trim(getattr(part, f.name)) for f in fields(part)})

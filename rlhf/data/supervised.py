@@ -25,8 +25,8 @@ Matched to OpenRLHF v0.9.5:
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, ClassVar, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
@@ -43,6 +43,7 @@ from rlhf.data.formatting import (
     response_text,
     split_last_turn,
 )
+from rlhf.data.records import TokenBatch
 from rlhf.data.sources import Row
 
 IGNORE_INDEX = -100  # label of PRM positions that are not placeholders (torch cross-entropy's default)
@@ -415,49 +416,12 @@ def load_prm_samples(rows: list[Row], tokenizer, *, input_key: str, label_key: s
 
 # --- batches --------------------------------------------------------------------------------------
 
-BatchT = TypeVar("BatchT", bound="TokenBatch")
-
-
 def _pad(seqs: list[torch.Tensor], width: int, value: float | int) -> torch.Tensor:
     """Right-pad 1-D tensors to `width` and stack them: [len(seqs), width]."""
     out = torch.full((len(seqs), width), value, dtype=seqs[0].dtype)
     for i, seq in enumerate(seqs):
         out[i, :len(seq)] = seq
     return out
-
-
-class TokenBatch:
-    """Select and trim for right-padded batch dataclasses. Every tensor field has the samples on dim 0;
-    each 2-D field has T columns (aligned with the tokens) or T - 1 (next-token positions); fields named
-    in `_masks` are attention masks [B, T] that say which columns hold tokens. None fields stay None."""
-
-    _masks: ClassVar[tuple[str, ...]] = ("attention_mask_BT",)
-
-    @property
-    def num_samples(self) -> int:
-        return getattr(self, fields(self)[0].name).shape[0]
-
-    def select(self: BatchT, index: torch.Tensor | slice) -> BatchT:
-        """The samples at `index` (int64 indices, a bool mask or a slice over dim 0)."""
-        return replace(self, **{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
-                                for f in fields(self)})
-
-    def trimmed(self: BatchT) -> BatchT:
-        """The same samples without the trailing columns that are padding in every row (one column kept
-        at least)."""
-        width = getattr(self, self._masks[0]).shape[1]
-        used = torch.zeros(width, dtype=torch.bool)
-        for name in self._masks:
-            used |= getattr(self, name).bool().any(0)
-        length = max(int(used.nonzero().max()) + 1 if used.any() else 0, 1)
-
-        def trim(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor) or t.dim() < 2:
-                return t
-            assert t.shape[1] in (width, width - 1), f"column count {t.shape[1]} is neither T={width} nor T-1"
-            return t[:, :length] if t.shape[1] == width else t[:, :length - 1]
-
-        return replace(self, **{f.name: trim(getattr(self, f.name)) for f in fields(self)})
 
 
 @dataclass
