@@ -85,3 +85,29 @@ def test_sft_bad_inputs_name_the_row_and_the_fix(tmp_path, capsys):
         main([*SFT, "--pretrain", model, "--save_path", str(tmp_path / "out2")])
     assert exit_info.value.code == 2
     assert f"--pretrain {model} is given but --dataset is not" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", ["train_sft", "train_rm"])
+def test_zero3_gradient_checkpointing_and_ring_attention_match_zero2(module, tmp_path):
+    """The same 4 steps at ZeRO-2 (padded), ZeRO-3 with gradient checkpointing, and ring attention over the 2
+    ranks (one data-parallel replica: twice the micro-batches per rank, so the global batch is the same)."""
+    def run(out, *extra):
+        args = [*SFT, "--max_steps", "4", "--eval_steps", "2", "--save_path", str(out), *extra]
+        proc = run_torchrun(2, f"-m rlhf.cli.{module}", *args)
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        with open(out / "metrics.jsonl") as f:
+            return [json.loads(line) for line in f], load_file(out / "model.safetensors"), proc.stdout
+
+    ref = run(tmp_path / "zero2")
+    for other in (run(tmp_path / "zero3", "--zero_stage", "3", "--gradient_checkpointing"),
+                  run(tmp_path / "ring", "--packing_samples", "--ring_attn_size", "2",
+                      "--micro_train_batch_size", "16")):
+        keys = ("gpt_loss", "eval_gpt_loss", "loss", "acc", "eval_acc", "eval_loss", "grad_norm", "lr")
+        for a, b in zip(ref[0], other[0]):
+            assert a["step"] == b["step"]
+            for key in keys:
+                if key in a:
+                    assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (module, a["step"], key)
+        for name, w in ref[1].items():
+            torch.testing.assert_close(other[1][name], w, rtol=1e-4, atol=1e-5, msg=name)
