@@ -1,6 +1,7 @@
-"""train_kd end to end (torchrun, 1-2 CPU ranks) with a teacher trained by train_sft: the student learns
-from it, DP=2 == DP=1 x accumulation 2, packed == padded (with the teacher offloaded between forwards), and a
-teacher with another vocabulary is refused before any engine starts."""
+"""train_kd end to end (torchrun, 1-3 CPU ranks) with a teacher trained by train_sft: the student learns
+from it, DP=2 == DP=1 x accumulation 2, packed == padded (with the teacher offloaded between forwards), a
+teacher on its own rank gives exactly the colocated steps, and a teacher with another vocabulary is refused
+before any engine starts."""
 
 from __future__ import annotations
 
@@ -55,6 +56,20 @@ def test_kd_dp_split_and_packing_give_the_same_steps(teacher, tmp_path):
                     assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
         for name, w in ref[1].items():
             torch.testing.assert_close(other[1][name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_teacher_on_its_own_rank_gives_the_colocated_steps(teacher, tmp_path):
+    """2 student ranks with the teacher colocated == the same 2 students with the teacher on a third rank."""
+    short = ("--teacher_model", str(teacher), "--max_steps", "3", "--eval_steps", "2")
+    colocated = run("train_kd", 2, tmp_path / "colocated", *short)
+    own = run("train_kd", 3, tmp_path / "own", *short, "--teacher_num_gpus_per_node", "1")
+    assert "teacher on ranks 2-2" in own[2]
+    assert [r["step"] for r in own[0]] == [0, 1, 2, 3]
+    for a, b in zip(colocated[0], own[0]):
+        assert {k: v for k, v in a.items() if not k.startswith("time/")} == \
+            {k: v for k, v in b.items() if not k.startswith("time/")}
+    for name, w in colocated[1].items():
+        assert torch.equal(own[1][name], w), name
 
 
 def test_a_teacher_with_another_vocabulary_is_refused(tmp_path, capsys):

@@ -19,6 +19,7 @@ from rlhf.data.sampler import DistributedBatchSampler
 from rlhf.data.sources import read_rows
 from rlhf.distributed.launch import init_distributed
 from rlhf.distributed.topology import Role, Topology
+from rlhf.engines.deepspeed_compat import install_subgroup_patches
 from rlhf.engines.deepspeed_engine import DeepSpeedModel
 from rlhf.models.loading import check_liger_kernel, check_local_model, load_tokenizer
 from rlhf.models.micro_batches import MicroBatcher
@@ -31,9 +32,9 @@ from rlhf.utils.watchdog import Watchdog
 
 @dataclass(frozen=True)
 class Built:
-    """What `SupervisedJob.make_trainer` receives."""
+    """What `SupervisedJob.make_trainer` receives (`model` is None on ranks that do not host the student)."""
 
-    model: DeepSpeedModel
+    model: DeepSpeedModel | None
     topology: Topology
     samples: list
     eval_samples: list
@@ -59,14 +60,16 @@ class SupervisedJob:
     demo_line: str
     colocated_roles: tuple[Role, ...] = ()  # frozen roles on every rank next to the trained model
     check: Callable[[Any], None] | None = None  # the job's own checks before any engine starts
+    plan: Callable[[Any, int], dict[Role, tuple[int, ...]]] | None = None  # own rank ranges (default: colocated)
 
 
-def check_before_engines(cfg, world_size: int, default_ckpt_path: str) -> None:
-    """Flags, model files and outputs, before any engine or process group starts."""
+def check_before_engines(cfg, num_ranks: int, default_ckpt_path: str) -> None:
+    """Flags, model files and outputs, before any engine or process group starts (`num_ranks`: the trained
+    model's)."""
     e, b, d = cfg.engine, cfg.batch, cfg.data
-    if world_size % e.ring_attn_size:
-        raise UsageError(f"the {world_size} ranks do not split into rings of --ring_attn_size {e.ring_attn_size}")
-    dp = world_size // e.ring_attn_size
+    if num_ranks % e.ring_attn_size:
+        raise UsageError(f"the {num_ranks} ranks do not split into rings of --ring_attn_size {e.ring_attn_size}")
+    dp = num_ranks // e.ring_attn_size
     per = 1 if e.use_dynamic_batch else b.micro_train_batch_size
     if b.train_batch_size % (per * dp):
         raise UsageError(f"--train_batch_size {b.train_batch_size} must be a multiple of "
@@ -96,7 +99,10 @@ def run_supervised(job: SupervisedJob, cfg, parse_warnings: Sequence[warnings.Wa
     demo = cfg.model.pretrain is None
     default_ckpt_path = type(cfg)().checkpoint.ckpt_path
     cfg = for_this_machine(cfg.with_demo_defaults())
-    check_before_engines(cfg, launch.world_size, default_ckpt_path)
+    everyone = tuple(range(launch.world_size))
+    plan = (job.plan(cfg, launch.world_size) if job.plan is not None
+            else {role: everyone for role in (Role.ACTOR, *job.colocated_roles)})
+    check_before_engines(cfg, len(plan[Role.ACTOR]), default_ckpt_path)
     if job.check is not None:
         job.check(cfg)
     m, e, b, d = cfg.model, cfg.engine, cfg.batch, cfg.data
@@ -109,10 +115,13 @@ def run_supervised(job: SupervisedJob, cfg, parse_warnings: Sequence[warnings.Wa
                          f"{b.train_batch_size}; lower it or add data")
     device = init_distributed(launch, cfg.dist_timeout)
     Watchdog(launch.rank, cfg.watchdog_interval).start()
-    everyone = tuple(range(launch.world_size))
-    topology = Topology({role: everyone for role in (Role.ACTOR, *job.colocated_roles)}, ring_size=e.ring_attn_size)
+    topology = Topology(plan, ring_size=e.ring_attn_size)
+    if topology.has_subgroups:
+        install_subgroup_patches()
     dp = topology.dp_size(Role.ACTOR)
-    sampler = DistributedBatchSampler(len(samples), b.train_batch_size, dp, topology.dp_rank(Role.ACTOR), cfg.seed)
+    student = topology.hosts(Role.ACTOR)
+    sampler = DistributedBatchSampler(len(samples), b.train_batch_size, dp,
+                                      topology.dp_rank(Role.ACTOR) if student else 0, cfg.seed)
     steps = sampler.steps_per_epoch * b.max_epochs
     steps = min(steps, b.max_steps) if b.max_steps else steps
     eval_every = None
@@ -126,6 +135,8 @@ def run_supervised(job: SupervisedJob, cfg, parse_warnings: Sequence[warnings.Wa
             print(job.demo_line, flush=True)
         print(f"{job.name}: {len(samples)} samples, {b.max_epochs} epoch(s) of {sampler.steps_per_epoch} steps of "
               f"{b.train_batch_size} samples ({steps} steps); {dp} data-parallel replica(s)"
+              + "".join(f"; {role.value} on ranks {ranks[0]}-{ranks[-1]}" for role, ranks in plan.items()
+                        if role is not Role.ACTOR and ranks != everyone)
               + (f"; held-out metrics of {len(eval_samples)} samples every {eval_every} steps" if eval_every else ""),
               flush=True)
     seed_everything(cfg.seed + launch.rank, cfg.full_determinism)
@@ -133,7 +144,8 @@ def run_supervised(job: SupervisedJob, cfg, parse_warnings: Sequence[warnings.Wa
     model = role_model(model_builder(m, e, batcher.layout, lambda attn: job.load_model(cfg, attn)), m, e, cfg.optim,
                        topology, Role.ACTOR, device, trainable=True, micro_batch_size=b.micro_train_batch_size,
                        grad_accum_steps=b.train_batch_size // (b.micro_train_batch_size * dp),
-                       num_optimizer_steps=steps, learning_rate=cfg.optim.learning_rate, name="model")
+                       num_optimizer_steps=steps, learning_rate=cfg.optim.learning_rate,
+                       name="model") if student else None
     built = Built(model, topology, samples, eval_samples, sampler, batcher, tokenizer, device)
     trainer = job.make_trainer(cfg, built)
     logger = metrics_logger(cfg, steps, is_writer, f"{job.name} steps", job.bar)

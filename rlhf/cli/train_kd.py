@@ -7,15 +7,18 @@ named). The student is written in HF format to --save_path.
 
 from __future__ import annotations
 
+import dataclasses
+
 from rlhf.cli.common import main_for
 from rlhf.cli.supervised import Built, SupervisedJob, run_supervised
 from rlhf.cli.train_sft import SFT_JOB
 from rlhf.config.errors import UsageError
 from rlhf.config.supervised import TrainKDConfig
 from rlhf.distributed.topology import Role
+from rlhf.models.layout import SequenceLayout
 from rlhf.models.loading import check_local_model, load_causal_lm
 from rlhf.train.build import check_model_configs, model_builder, role_model
-from rlhf.trainers.kd import TEACHER, DistillationTrainer
+from rlhf.trainers.kd import TEACHER, DistillationTrainer, TeacherLink, TeacherService, teacher_rank_of
 
 
 def _check(cfg: TrainKDConfig) -> None:
@@ -35,26 +38,49 @@ def _check(cfg: TrainKDConfig) -> None:
                          f"{cfg.model.pretrain})")
 
 
-def _trainer(cfg: TrainKDConfig, b: Built) -> DistillationTrainer:
-    m, t = cfg.model, cfg.teacher
-    teacher = role_model(model_builder(m, cfg.engine, b.batcher.layout,
-                                       lambda attn: load_causal_lm(t.teacher_model, m.dtype, attn,
-                                                                   m.trust_remote_code)),
-                         m, cfg.engine, cfg.optim, b.topology, TEACHER, b.device, trainable=False,
+def _plan(cfg: TrainKDConfig, world_size: int) -> dict[Role, tuple[int, ...]]:
+    """The student on every rank with a colocated teacher, or on the first ranks with the teacher on the last
+    --teacher_num_nodes x --teacher_num_gpus_per_node."""
+    everyone = tuple(range(world_size))
+    teacher_ranks = cfg.teacher.num_ranks
+    if not teacher_ranks:
+        return {Role.ACTOR: everyone, TEACHER: everyone}
+    if teacher_ranks >= world_size:
+        raise UsageError(f"the teacher's {teacher_ranks} ranks (--teacher_num_nodes x --teacher_num_gpus_per_node) "
+                         f"leave none of the {world_size} for the student: lower them or add ranks")
+    return {Role.ACTOR: everyone[:-teacher_ranks], TEACHER: everyone[-teacher_ranks:]}
+
+
+def _trainer(cfg: TrainKDConfig, b: Built) -> DistillationTrainer | TeacherService:
+    m, t, topology = cfg.model, cfg.teacher, b.topology
+    own_ranks = topology.ranks(TEACHER) != topology.ranks(Role.ACTOR)
+    if own_ranks and not topology.hosts(TEACHER):  # a student rank: its teacher is elsewhere
+        link = TeacherLink(teacher_rank_of(topology, topology.rank), b.model.module.config.vocab_size)
+        return DistillationTrainer(b.model, link, topology, b.samples, b.eval_samples, b.sampler, b.batcher,
+                                   b.tokenizer, b.device, kd_coef=t.kd_coef, teacher_offload=False)
+    # on its own ranks the teacher is replicated (each serves its students alone) and keeps whole sequences
+    engine = dataclasses.replace(cfg.engine, zero_stage=0) if own_ranks else cfg.engine
+    layout = SequenceLayout(packing=cfg.engine.packing_samples) if own_ranks else b.batcher.layout
+    teacher = role_model(model_builder(m, engine, layout, lambda attn: load_causal_lm(t.teacher_model, m.dtype, attn,
+                                                                                     m.trust_remote_code)),
+                         m, engine, cfg.optim, topology, TEACHER, b.device, trainable=False,
                          micro_batch_size=cfg.batch.micro_train_batch_size, name="teacher")
+    if own_ranks:
+        return TeacherService(teacher, topology, layout, b.device, has_eval=bool(b.eval_samples))
     if t.teacher_offload:
         teacher.offload()
-    return DistillationTrainer(b.model, teacher, b.topology, b.samples, b.eval_samples, b.sampler, b.batcher,
+    return DistillationTrainer(b.model, teacher, topology, b.samples, b.eval_samples, b.sampler, b.batcher,
                                b.tokenizer, b.device, kd_coef=t.kd_coef, teacher_offload=t.teacher_offload)
 
 
-def _save(cfg: TrainKDConfig, trainer: DistillationTrainer, b: Built) -> None:
-    b.model.save_hf(cfg.logging.save_path, b.tokenizer, b.topology.leads(Role.ACTOR))
+def _save(cfg: TrainKDConfig, trainer: DistillationTrainer | TeacherService, b: Built) -> None:
+    if b.model is not None:  # the student's ranks
+        b.model.save_hf(cfg.logging.save_path, b.tokenizer, b.topology.leads(Role.ACTOR))
 
 
 KD_JOB = SupervisedJob(
     name="kd", samples=SFT_JOB.samples, load_model=SFT_JOB.load_model, make_trainer=_trainer, save=_save,
-    bar={"loss": "gpt_loss", "kd": "distil_loss"}, colocated_roles=(TEACHER,), check=_check,
+    bar={"loss": "gpt_loss", "kd": "distil_loss"}, check=_check, plan=_plan,
     demo_line="no --pretrain given: distilling into the embedded tiny demo model on its demonstrations")
 
 

@@ -259,9 +259,19 @@ class TeacherConfig:
     kd_coef: float = opt(0.4, "loss = (1 - kd_coef) x NLL + kd_coef x distillation (forward KL to the teacher)")
     teacher_offload: bool = opt(False, "keep the teacher's parameters in host memory outside its forward "
                                 "(below ZeRO-3; at ZeRO-3 they are sharded over the ranks instead)")
+    teacher_num_nodes: int = opt(1, "nodes of the teacher's own rank range (with --teacher_num_gpus_per_node)")
+    teacher_num_gpus_per_node: int = opt(0, "ranks per node of the teacher's own ranks, the last ranks of the "
+                                         "world (0: the teacher is colocated with the student on every rank)")
 
     def __post_init__(self) -> None:
         require(0 <= self.kd_coef <= 1, "--kd_coef must lie in [0, 1]")
+        require(self.teacher_num_nodes >= 1 and self.teacher_num_gpus_per_node >= 0,
+                "--teacher_num_nodes must be >= 1 and --teacher_num_gpus_per_node >= 0")
+
+    @property
+    def num_ranks(self) -> int:
+        """The teacher's own ranks (0: colocated with the student)."""
+        return self.teacher_num_nodes * self.teacher_num_gpus_per_node
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -283,6 +293,9 @@ class TrainKDConfig(JobConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.aux_loss_coef >= 0, "--aux_loss_coef must be >= 0")
+        if self.teacher.num_ranks:
+            require(self.engine.ring_attn_size == 1, "a teacher on its own ranks serves whole sequences: drop "
+                    "--ring_attn_size or colocate the teacher (--teacher_num_gpus_per_node 0)")
         if self.teacher.teacher_offload and self.engine.zero_stage == 3:
             warnings.warn("--teacher_offload has no effect at --zero_stage 3: the teacher's parameters are already "
                           "sharded over the ranks", stacklevel=2)

@@ -27,6 +27,51 @@ from rlhf.utils.timers import StageTimer
 
 TEACHER = Role.define("teacher")
 
+
+class TeacherLink:
+    """A student rank's connection to its teacher rank when the teacher runs on its own ranks (point-to-point,
+    in the order `serve_teacher` answers: a phase's micro-batch count, then per micro-batch the batch shape,
+    the token ids and the attention mask, answered with float32 padded logits [B, T, V])."""
+
+    def __init__(self, teacher_rank: int, vocab_size: int) -> None:
+        self.teacher_rank, self.vocab_size = teacher_rank, vocab_size
+
+    def begin(self, num_micro_batches: int) -> None:
+        dist.send(torch.tensor([num_micro_batches], dtype=torch.int64), self.teacher_rank)
+
+    def logits(self, ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+        dist.send(torch.tensor(list(ids_BT.shape), dtype=torch.int64), self.teacher_rank)
+        dist.send(ids_BT.cpu().to(torch.int64).contiguous(), self.teacher_rank)
+        dist.send(mask_BT.cpu().to(torch.int64).contiguous(), self.teacher_rank)
+        out = torch.empty(*ids_BT.shape, self.vocab_size, dtype=torch.float32)
+        dist.recv(out, self.teacher_rank)
+        return out.to(ids_BT.device)
+
+
+def serve_teacher(teacher: DeepSpeedModel, students: list[int], layout, device: torch.device) -> None:
+    """One phase (a training step or an evaluation) on a teacher rank: read each student's micro-batch count,
+    then answer round-robin, micro-batch i of every student before micro-batch i + 1 of any, so students that
+    meet in a collective between micro-batches are never waiting on each other's logits."""
+    counts = []
+    for rank in students:
+        n = torch.zeros(1, dtype=torch.int64)
+        dist.recv(n, rank)
+        counts.append(int(n))
+    teacher.eval()
+    for i in range(max(counts, default=0)):
+        for rank, n in zip(students, counts):
+            if i >= n:
+                continue
+            shape = torch.zeros(2, dtype=torch.int64)
+            dist.recv(shape, rank)
+            ids, mask = torch.empty(*shape.tolist(), dtype=torch.int64), torch.empty(*shape.tolist(), dtype=torch.int64)
+            dist.recv(ids, rank)
+            dist.recv(mask, rank)
+            with torch.no_grad():
+                laid = layout.lay_out(ids.to(device), mask.to(device))
+                logits = laid.to_padded(teacher.engine(**laid.kwargs).logits)
+            dist.send(logits.float().cpu().contiguous(), rank)
+
 KD_METRICS = {**dict.fromkeys(("gpt_loss", "distil_loss"), Reduce.SHARE),
               **dict.fromkeys(("grad_norm", "lr", "nonfinite_skipped"), Reduce.LEAD)}
 
@@ -34,10 +79,15 @@ KD_METRICS = {**dict.fromkeys(("gpt_loss", "distil_loss"), Reduce.SHARE),
 class DistillationTrainer:
     """KD on the ranks of `Role.ACTOR` with the teacher (`TEACHER`) on the same ranks."""
 
-    def __init__(self, model: DeepSpeedModel, teacher: DeepSpeedModel, topology: Topology, samples: list[SFTSample],
-                 eval_samples: list[SFTSample], sampler: DistributedBatchSampler, batcher: MicroBatcher,
-                 tokenizer, device: torch.device, *, kd_coef: float, teacher_offload: bool) -> None:
-        self.model, self.teacher, self.topology = model, teacher, topology
+    def __init__(self, model: DeepSpeedModel, teacher: DeepSpeedModel | TeacherLink, topology: Topology,
+                 samples: list[SFTSample], eval_samples: list[SFTSample], sampler: DistributedBatchSampler,
+                 batcher: MicroBatcher, tokenizer, device: torch.device, *, kd_coef: float,
+                 teacher_offload: bool) -> None:
+        """`teacher`: the colocated teacher model, or the link to the teacher's own rank."""
+        self.model, self.topology = model, topology
+        self.teacher = teacher if isinstance(teacher, DeepSpeedModel) else None
+        self.link = teacher if isinstance(teacher, TeacherLink) else None
+        teacher_offload = teacher_offload and self.teacher is not None
         self.samples, self.eval_samples, self.sampler, self.batcher = samples, eval_samples, sampler, batcher
         self.tokenizer, self.device = tokenizer, device
         self.kd_coef, self.teacher_offload = kd_coef, teacher_offload
@@ -53,15 +103,17 @@ class DistillationTrainer:
         ids, mask = batch.input_ids_BT.to(self.device), batch.attention_mask_BT.to(self.device)
         layout = self.batcher.layout
         laid = layout.lay_out(ids, mask)
-        with torch.no_grad():
-            teacher_logits = self.teacher.engine(**laid.kwargs).logits
+        if self.link is not None:
+            teacher_padded = self.link.logits(ids, mask)
+        else:
+            with torch.no_grad():
+                teacher_padded = laid.to_padded(self.teacher.engine(**laid.kwargs).logits)
         logits = self.model.engine(**laid.kwargs).logits
         logprobs, _ = logprobs_entropy(logits, laid.targets)
         loss_mask = batch.loss_mask_BT1.to(self.device)
         nll = nll_over_global_count(laid.to_padded(logprobs)[:, :-1], loss_mask, num_tokens)
         # the logits at position t predict token t + 1: distil exactly where the NLL has a target
-        kd = kd_loss_chunked(laid.to_padded(logits)[:, :-1], laid.to_padded(teacher_logits)[:, :-1],
-                             loss_mask, num_tokens=num_tokens)
+        kd = kd_loss_chunked(laid.to_padded(logits)[:, :-1], teacher_padded[:, :-1], loss_mask, num_tokens=num_tokens)
         return nll, kd
 
     def step(self, step: int) -> dict[str, float]:
@@ -72,7 +124,10 @@ class DistillationTrainer:
         with self.timer.stage("train"):
             if self.teacher_offload:
                 self.teacher.reload(self.device)
-            self.teacher.eval()
+            if self.teacher is not None:
+                self.teacher.eval()
+            if self.link is not None:
+                self.link.begin(len(micro_batches))
 
             def micro_loss(batch: SFTBatch) -> MicroLoss:
                 nll, kd = self._terms(batch, num_tokens)
@@ -94,7 +149,10 @@ class DistillationTrainer:
         dp, rank = self.topology.dp_size(Role.ACTOR), self.topology.dp_rank(Role.ACTOR)
         mine = [self.eval_samples[i] for i in range(rank, len(self.eval_samples), dp)]
         sums = torch.zeros(3, dtype=torch.float64)  # NLL sum, KD sum, tokens
-        for batch in self._micro_batches(mine) if mine else []:
+        batches = self._micro_batches(mine) if mine else []
+        if self.link is not None:
+            self.link.begin(len(batches))
+        for batch in batches:
             nll, kd = self._terms(batch, 1.0)  # sums over the micro-batch's targets
             sums += torch.tensor([float(nll), float(kd), float(batch.loss_mask_BT1.sum())], dtype=torch.float64)
         if self.teacher_offload:
@@ -110,3 +168,38 @@ class DistillationTrainer:
             self.model.save_hf(directory, self.tokenizer, self.topology.leads(Role.ACTOR))
 
         return CheckpointedState(engines={"model": self.model}, components={"sampler": self.sampler}, hf_export=hf)
+
+
+class TeacherService:
+    """The `Job` of a teacher on its own ranks: each step (and evaluation) answers its students' requests, then
+    takes part in the step's metric reduction with nothing of its own. Holds no checkpointed state."""
+
+    def __init__(self, teacher: DeepSpeedModel, topology: Topology, layout, device: torch.device,
+                 has_eval: bool) -> None:
+        self.teacher, self.topology, self.layout, self.device = teacher, topology, layout, device
+        self.has_eval = has_eval
+        teachers, students = topology.ranks(TEACHER), topology.ranks(Role.ACTOR)
+        mine = teachers.index(topology.rank)
+        self.students = [r for i, r in enumerate(students) if i % len(teachers) == mine]
+        self.timer = StageTimer()
+
+    def step(self, step: int) -> dict[str, float]:
+        with self.timer.stage("train"):
+            serve_teacher(self.teacher, self.students, self.layout, self.device)
+        return reduce_metrics({}, KD_METRICS, self.topology)
+
+    def evaluate(self) -> dict[str, float]:
+        if not self.has_eval:
+            return {}
+        serve_teacher(self.teacher, self.students, self.layout, self.device)
+        dist.all_reduce(torch.zeros(3, dtype=torch.float64))  # the students' sums
+        return {}
+
+    def checkpointed(self) -> CheckpointedState:
+        return CheckpointedState(engines={"model": None}, components={"sampler": None})
+
+
+def teacher_rank_of(topology: Topology, student_rank: int) -> int:
+    """The teacher rank serving `student_rank` (students are dealt round-robin over the teacher's ranks)."""
+    teachers, students = topology.ranks(TEACHER), topology.ranks(Role.ACTOR)
+    return teachers[students.index(student_rank) % len(teachers)]

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Reward-model training on the embedded copy-task preference pairs, 2 CPU ranks: the OpenRLHF docs' train_rm
+# command scaled down (fp32, sdpa, a 32-token max_len, a high learning rate for a 140k-parameter model; the
+# embedded model stands in for the SFT model, --pretrain another one to start from it). Held-out accuracy
+# (eval_acc) is measured before training and at the end. Writes a sequence-classification checkpoint (held-out
+# reward mean/std in its config.json), metrics.jsonl and tensorboard/ into OUT_DIR.
+# Usage: bash launch/examples/rm_tiny_cpu.sh OUT_DIR [extra train_rm flags...]
+set -euo pipefail
+# shellcheck source=launch/examples/common.sh
+source "$(dirname "$0")/common.sh"
+shift
+exec torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_rm \
+  --save_path "$out" --save_steps -1 --logging_steps 1 --eval_steps -1 \
+  --train_batch_size 32 --micro_train_batch_size 8 \
+  --pretrain "$tiny/policy" \
+  --param_dtype fp32 --max_epochs 2 --max_len 32 --zero_stage 3 \
+  --learning_rate 3e-3 --lr_warmup_ratio 0.05 \
+  --dataset "$tiny/pairs.jsonl" --eval_dataset "$tiny/pairs_eval.jsonl" \
+  --prompt_key prompt --chosen_key chosen --rejected_key rejected --input_template "{} " \
+  --attn_implementation sdpa \
+  --seed 1 \
+  --use_tensorboard "$out/tensorboard" \
+  "$@"

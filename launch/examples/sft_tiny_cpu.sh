@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Supervised fine-tuning of the embedded tiny model (randomly initialised) on the embedded copy-task
+# demonstrations, 2 CPU ranks: the OpenRLHF docs' train_sft command scaled down (fp32, sdpa, a 32-token
+# max_len, a high learning rate for a 140k-parameter model). Held-out NLL (eval_gpt_loss) is measured before
+# training and at the end. Writes the HF model, metrics.jsonl and tensorboard/ into OUT_DIR.
+# Usage: bash launch/examples/sft_tiny_cpu.sh OUT_DIR [extra train_sft flags...]
+set -euo pipefail
+# shellcheck source=launch/examples/common.sh
+source "$(dirname "$0")/common.sh"
+shift
+exec torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_sft \
+  --max_len 32 \
+  --dataset "$tiny/sft.jsonl" --eval_dataset "$tiny/sft_eval.jsonl" \
+  --input_key input --output_key output --input_template "{} " \
+  --train_batch_size 32 --micro_train_batch_size 8 \
+  --max_samples 500000 \
+  --pretrain "$tiny/policy" \
+  --save_path "$out" --save_steps -1 --logging_steps 1 --eval_steps -1 \
+  --zero_stage 2 --max_epochs 1 \
+  --param_dtype fp32 --attn_implementation sdpa \
+  --learning_rate 3e-3 --lr_warmup_ratio 0.05 \
+  --seed 1 \
+  --use_tensorboard "$out/tensorboard" \
+  "$@"
