@@ -77,7 +77,8 @@ def test_saved_rm_loads_as_classifier_in_serve_rm_and_in_ppo_with_its_normalisat
     assert hf[0] > hf[1]  # it learned the task
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     inputs = RewardInputs(texts, texts, [None, None], enc["input_ids"], enc["attention_mask"])
-    args = dict(reward_pretrain=str(out), remote_rm_url=None, value_head_prefix="score", bf16=False, batch_size=4)
+    args = dict(reward_pretrain=str(out), remote_rm_url=None, value_head_prefix="score", bf16=False, batch_size=4,
+                prm=False)
     raw = build_source(SimpleNamespace(**args, normalize_reward=False))[0].score(inputs).rewards_B
     normalized = build_source(SimpleNamespace(**args, normalize_reward=True))[0].score(inputs).rewards_B
     torch.testing.assert_close(raw, hf.float(), rtol=1e-4, atol=1e-5)

@@ -43,6 +43,18 @@ class Built:
     tokenizer: Any
     device: torch.device
 
+    @property
+    def trainer_args(self) -> tuple:
+        """The positional arguments of a `SupervisedTrainer`."""
+        return (self.model, self.topology, self.samples, self.eval_samples, self.sampler, self.batcher,
+                self.tokenizer, self.device)
+
+
+def save_trained_model(cfg, trainer, built: Built) -> None:
+    """The trained model in HF format into --save_path (its `save_hf`; ranks without the model skip it)."""
+    if built.model is not None:
+        trainer.save_hf(cfg.logging.save_path)
+
 
 @dataclass(frozen=True)
 class SupervisedJob:

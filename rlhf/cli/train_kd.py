@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from rlhf.cli.common import main_for
-from rlhf.cli.supervised import Built, SupervisedJob, run_supervised
+from rlhf.cli.supervised import Built, SupervisedJob, run_supervised, save_trained_model
 from rlhf.cli.train_sft import SFT_JOB
 from rlhf.config.errors import UsageError
 from rlhf.config.supervised import TrainKDConfig
@@ -56,8 +56,7 @@ def _trainer(cfg: TrainKDConfig, b: Built) -> DistillationTrainer | TeacherServi
     own_ranks = topology.ranks(TEACHER) != topology.ranks(Role.ACTOR)
     if own_ranks and not topology.hosts(TEACHER):  # a student rank: its teacher is elsewhere
         link = TeacherLink(teacher_rank_of(topology, topology.rank), b.model.module.config.vocab_size)
-        return DistillationTrainer(b.model, link, topology, b.samples, b.eval_samples, b.sampler, b.batcher,
-                                   b.tokenizer, b.device, kd_coef=t.kd_coef, teacher_offload=False)
+        return DistillationTrainer(*b.trainer_args, teacher=link, kd_coef=t.kd_coef, teacher_offload=False)
     # on its own ranks the teacher is replicated (each serves its students alone) and keeps whole sequences
     engine = dataclasses.replace(cfg.engine, zero_stage=0) if own_ranks else cfg.engine
     layout = SequenceLayout(packing=cfg.engine.packing_samples) if own_ranks else b.batcher.layout
@@ -69,17 +68,11 @@ def _trainer(cfg: TrainKDConfig, b: Built) -> DistillationTrainer | TeacherServi
         return TeacherService(teacher, topology, layout, b.device, has_eval=bool(b.eval_samples))
     if t.teacher_offload:
         teacher.offload()
-    return DistillationTrainer(b.model, teacher, topology, b.samples, b.eval_samples, b.sampler, b.batcher,
-                               b.tokenizer, b.device, kd_coef=t.kd_coef, teacher_offload=t.teacher_offload)
-
-
-def _save(cfg: TrainKDConfig, trainer: DistillationTrainer | TeacherService, b: Built) -> None:
-    if b.model is not None:  # the student's ranks
-        b.model.save_hf(cfg.logging.save_path, b.tokenizer, b.topology.leads(Role.ACTOR))
+    return DistillationTrainer(*b.trainer_args, teacher=teacher, kd_coef=t.kd_coef, teacher_offload=t.teacher_offload)
 
 
 KD_JOB = SupervisedJob(
-    name="kd", samples=SFT_JOB.samples, load_model=SFT_JOB.load_model, make_trainer=_trainer, save=_save,
+    name="kd", samples=SFT_JOB.samples, load_model=SFT_JOB.load_model, make_trainer=_trainer, save=save_trained_model,
     bar={"loss": "gpt_loss", "kd": "distil_loss"}, check=_check, plan=_plan,
     demo_line="no --pretrain given: distilling into the embedded tiny demo model on its demonstrations")
 

@@ -7,10 +7,9 @@ LM whose placeholder logits score steps) is written in HF format to --save_path;
 from __future__ import annotations
 
 from rlhf.cli.common import main_for
-from rlhf.cli.supervised import Built, SupervisedJob, run_supervised
+from rlhf.cli.supervised import Built, SupervisedJob, run_supervised, save_trained_model
 from rlhf.config.supervised import TrainPRMConfig
 from rlhf.data.supervised import load_prm_samples, token_id
-from rlhf.distributed.topology import Role
 from rlhf.models.loading import load_causal_lm
 from rlhf.trainers.prm import ProcessRewardTrainer
 
@@ -26,19 +25,14 @@ def _samples(cfg: TrainPRMConfig, tokenizer, rows: list) -> list:
 def _trainer(cfg: TrainPRMConfig, b: Built) -> ProcessRewardTrainer:
     tokens = cfg.data.reward_tokens
     ids = [token_id(b.tokenizer, t, "--reward_tokens") for t in tokens] if tokens else None
-    return ProcessRewardTrainer(b.model, b.topology, b.samples, b.eval_samples, b.sampler, b.batcher, b.tokenizer,
-                                b.device, ids)
-
-
-def _save(cfg: TrainPRMConfig, trainer: ProcessRewardTrainer, b: Built) -> None:
-    b.model.save_hf(cfg.logging.save_path, b.tokenizer, b.topology.leads(Role.ACTOR))
+    return ProcessRewardTrainer(*b.trainer_args, reward_token_ids=ids)
 
 
 PRM_JOB = SupervisedJob(
     name="prm", samples=_samples,
     load_model=lambda cfg, attn: load_causal_lm(cfg.model.pretrain, cfg.model.dtype, attn,
                                                 cfg.model.trust_remote_code),
-    make_trainer=_trainer, save=_save, bar={"loss": "prm_loss", "acc": "acc"},
+    make_trainer=_trainer, save=save_trained_model, bar={"loss": "prm_loss", "acc": "acc"},
     demo_line="no --pretrain given: training a process reward model from the embedded tiny demo model on its "
               "step-labelled answers")
 

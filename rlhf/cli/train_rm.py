@@ -8,7 +8,7 @@ sequence-classification checkpoint (loads in `AutoModelForSequenceClassification
 from __future__ import annotations
 
 from rlhf.cli.common import main_for
-from rlhf.cli.supervised import Built, SupervisedJob, run_supervised
+from rlhf.cli.supervised import Built, SupervisedJob, run_supervised, save_trained_model
 from rlhf.config.supervised import TrainRMConfig
 from rlhf.data.supervised import load_pair_samples
 from rlhf.models.value import load_scalar_head_model
@@ -25,8 +25,7 @@ def _samples(cfg: TrainRMConfig, tokenizer, rows: list) -> list:
 
 
 def _trainer(cfg: TrainRMConfig, b: Built) -> RewardModelTrainer:
-    return RewardModelTrainer(b.model, b.topology, b.samples, b.eval_samples, b.sampler, b.batcher, b.tokenizer,
-                              b.device, loss=cfg.loss, margin_loss=cfg.data.margin_loss)
+    return RewardModelTrainer(*b.trainer_args, loss=cfg.loss, margin_loss=cfg.data.margin_loss)
 
 
 RM_JOB = SupervisedJob(
@@ -34,7 +33,7 @@ RM_JOB = SupervisedJob(
     load_model=lambda cfg, attn: load_scalar_head_model(cfg.model.pretrain, cfg.model.value_head_prefix,
                                                         cfg.model.dtype, attn, cfg.model.trust_remote_code,
                                                         "--pretrain", fresh_head=True),
-    make_trainer=_trainer, save=lambda cfg, trainer, b: trainer.save_hf(cfg.logging.save_path),
+    make_trainer=_trainer, save=save_trained_model,
     bar={"loss": "loss", "acc": "acc"},
     demo_line="no --pretrain given: training a reward model from the embedded tiny demo model on its pairs")
 

@@ -6,10 +6,9 @@ embedded copy-task demonstrations. The model is written in HF format to --save_p
 from __future__ import annotations
 
 from rlhf.cli.common import main_for
-from rlhf.cli.supervised import Built, SupervisedJob, run_supervised
+from rlhf.cli.supervised import Built, SupervisedJob, run_supervised, save_trained_model
 from rlhf.config.supervised import TrainSFTConfig
 from rlhf.data.supervised import load_sft_samples
-from rlhf.distributed.topology import Role
 from rlhf.models.loading import load_causal_lm
 from rlhf.trainers.sft import SFTTrainer
 
@@ -24,19 +23,14 @@ def _samples(cfg: TrainSFTConfig, tokenizer, rows: list) -> list:
 
 
 def _trainer(cfg: TrainSFTConfig, b: Built) -> SFTTrainer:
-    return SFTTrainer(b.model, b.topology, b.samples, b.eval_samples, b.sampler, b.batcher, b.tokenizer, b.device,
-                      cfg.aux_loss_coef)
-
-
-def _save(cfg: TrainSFTConfig, trainer: SFTTrainer, b: Built) -> None:
-    b.model.save_hf(cfg.logging.save_path, b.tokenizer, b.topology.leads(Role.ACTOR))
+    return SFTTrainer(*b.trainer_args, aux_loss_coef=cfg.aux_loss_coef)
 
 
 SFT_JOB = SupervisedJob(
     name="sft", samples=_samples,
     load_model=lambda cfg, attn: load_causal_lm(cfg.model.pretrain, cfg.model.dtype, attn,
                                                 cfg.model.trust_remote_code),
-    make_trainer=_trainer, save=_save, bar={"loss": "gpt_loss"},
+    make_trainer=_trainer, save=save_trained_model, bar={"loss": "gpt_loss"},
     demo_line="no --pretrain given: fine-tuning the embedded tiny demo model on its demonstrations")
 
 

@@ -13,16 +13,15 @@ import torch
 import torch.distributed as dist
 
 from rlhf.algorithms.sft import nll_over_global_count
-from rlhf.data.sampler import DistributedBatchSampler
-from rlhf.data.supervised import SFTBatch, SFTSample
+from rlhf.data.supervised import SFTBatch
 from rlhf.distributed.topology import Role, Topology
 from rlhf.engines.deepspeed_engine import DeepSpeedModel
 from rlhf.kernels import kd_loss_chunked
 from rlhf.models.logprobs import logprobs_entropy
-from rlhf.models.micro_batches import MicroBatcher
 from rlhf.train.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
 from rlhf.train.metrics import Reduce, reduce_metrics
 from rlhf.train.state import CheckpointedState
+from rlhf.trainers.supervised import SupervisedTrainer
 from rlhf.utils.timers import StageTimer
 
 TEACHER = Role.define("teacher")
@@ -76,33 +75,22 @@ KD_METRICS = {**dict.fromkeys(("gpt_loss", "distil_loss"), Reduce.SHARE),
               **dict.fromkeys(("grad_norm", "lr", "nonfinite_skipped"), Reduce.LEAD)}
 
 
-class DistillationTrainer:
-    """KD on the ranks of `Role.ACTOR` with the teacher (`TEACHER`) on the same ranks."""
+class DistillationTrainer(SupervisedTrainer):
+    """KD on the ranks of `Role.ACTOR`, the teacher colocated (a model) or on its own ranks (a link)."""
 
-    def __init__(self, model: DeepSpeedModel, teacher: DeepSpeedModel | TeacherLink, topology: Topology,
-                 samples: list[SFTSample], eval_samples: list[SFTSample], sampler: DistributedBatchSampler,
-                 batcher: MicroBatcher, tokenizer, device: torch.device, *, kd_coef: float,
-                 teacher_offload: bool) -> None:
-        """`teacher`: the colocated teacher model, or the link to the teacher's own rank."""
-        self.model, self.topology = model, topology
+    batch_type = SFTBatch
+    metrics = KD_METRICS
+
+    def __init__(self, *args, teacher: DeepSpeedModel | TeacherLink, kd_coef: float, teacher_offload: bool) -> None:
+        super().__init__(*args)
         self.teacher = teacher if isinstance(teacher, DeepSpeedModel) else None
         self.link = teacher if isinstance(teacher, TeacherLink) else None
-        teacher_offload = teacher_offload and self.teacher is not None
-        self.samples, self.eval_samples, self.sampler, self.batcher = samples, eval_samples, sampler, batcher
-        self.tokenizer, self.device = tokenizer, device
-        self.kd_coef, self.teacher_offload = kd_coef, teacher_offload
-        self.group = topology.group(Role.ACTOR)
-        self.timer = StageTimer()
-
-    def _micro_batches(self, samples: list[SFTSample]) -> list[SFTBatch]:
-        batch = SFTBatch.collate(samples, self.tokenizer.pad_token_id)
-        return [batch.select(torch.tensor(rows)).trimmed() for rows in self.batcher.split(batch.attention_mask_BT)]
+        self.kd_coef, self.teacher_offload = kd_coef, teacher_offload and self.teacher is not None
 
     def _terms(self, batch: SFTBatch, num_tokens: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(NLL, KD) of one micro-batch, each a token sum over its targets / `num_tokens`."""
         ids, mask = batch.input_ids_BT.to(self.device), batch.attention_mask_BT.to(self.device)
-        layout = self.batcher.layout
-        laid = layout.lay_out(ids, mask)
+        laid = self.batcher.layout.lay_out(ids, mask)
         if self.link is not None:
             teacher_padded = self.link.logits(ids, mask)
         else:
@@ -116,27 +104,32 @@ class DistillationTrainer:
         kd = kd_loss_chunked(laid.to_padded(logits)[:, :-1], teacher_padded[:, :-1], loss_mask, num_tokens=num_tokens)
         return nll, kd
 
+    def _teacher_ready(self, num_micro_batches: int) -> None:
+        if self.teacher_offload:
+            self.teacher.reload(self.device)
+        if self.teacher is not None:
+            self.teacher.eval()
+        if self.link is not None:
+            self.link.begin(num_micro_batches)
+
+    def _teacher_done(self) -> None:
+        if self.teacher_offload:
+            self.teacher.offload()
+
     def step(self, step: int) -> dict[str, float]:
-        assert self.sampler.step == step, f"sampler at step {self.sampler.step}, loop at {step}"
-        micro_batches = self._micro_batches([self.samples[i] for i in self.sampler.next()])
+        micro_batches = self.next_micro_batches(step)
         (num_tokens,) = global_counts([sum(float(m.loss_mask_BT1.sum()) for m in micro_batches)], self.group,
                                       self.batcher.layout.ring_size)
         with self.timer.stage("train"):
-            if self.teacher_offload:
-                self.teacher.reload(self.device)
-            if self.teacher is not None:
-                self.teacher.eval()
-            if self.link is not None:
-                self.link.begin(len(micro_batches))
+            self._teacher_ready(len(micro_batches))
 
             def micro_loss(batch: SFTBatch) -> MicroLoss:
                 nll, kd = self._terms(batch, num_tokens)
                 return MicroLoss((1 - self.kd_coef) * nll + self.kd_coef * kd, {"gpt_loss": nll, "distil_loss": kd})
 
             stats = step_metrics(self.model, optimizer_step(self.model, micro_batches, micro_loss))
-            if self.teacher_offload:
-                self.teacher.offload()
-        return reduce_metrics({Role.ACTOR: stats}, KD_METRICS, self.topology)
+            self._teacher_done()
+        return self.reduced(stats)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -144,30 +137,16 @@ class DistillationTrainer:
         if not self.eval_samples:
             return {}
         self.model.eval()
-        if self.teacher_offload:
-            self.teacher.reload(self.device)
-        dp, rank = self.topology.dp_size(Role.ACTOR), self.topology.dp_rank(Role.ACTOR)
-        mine = [self.eval_samples[i] for i in range(rank, len(self.eval_samples), dp)]
-        sums = torch.zeros(3, dtype=torch.float64)  # NLL sum, KD sum, tokens
-        batches = self._micro_batches(mine) if mine else []
-        if self.link is not None:
-            self.link.begin(len(batches))
+        batches = self.eval_micro_batches()
+        self._teacher_ready(len(batches))
+        sums = [0.0, 0.0, 0.0]  # NLL sum, KD sum, tokens
         for batch in batches:
             nll, kd = self._terms(batch, 1.0)  # sums over the micro-batch's targets
-            sums += torch.tensor([float(nll), float(kd), float(batch.loss_mask_BT1.sum())], dtype=torch.float64)
-        if self.teacher_offload:
-            self.teacher.offload()
-        if self.topology.ring_rank(Role.ACTOR) != 0:
-            sums.zero_()
-        dist.all_reduce(sums)
-        nll, kd, tokens = sums.tolist()
+            for i, v in enumerate((float(nll), float(kd), float(batch.loss_mask_BT1.sum()))):
+                sums[i] += v
+        self._teacher_done()
+        nll, kd, tokens = self.world_sums(sums)
         return {"eval_gpt_loss": nll / max(tokens, 1.0), "eval_distil_loss": kd / max(tokens, 1.0)}
-
-    def checkpointed(self) -> CheckpointedState:
-        def hf(directory: str) -> None:
-            self.model.save_hf(directory, self.tokenizer, self.topology.leads(Role.ACTOR))
-
-        return CheckpointedState(engines={"model": self.model}, components={"sampler": self.sampler}, hf_export=hf)
 
 
 class TeacherService:

@@ -11,19 +11,15 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from rlhf.algorithms.reward_model import PAIRWISE_LOSSES
-from rlhf.data.sampler import DistributedBatchSampler
-from rlhf.data.supervised import PairBatch, PairSample
-from rlhf.distributed.topology import Role, Topology
-from rlhf.engines.deepspeed_engine import DeepSpeedModel
-from rlhf.models.micro_batches import MicroBatcher
+from rlhf.data.supervised import PairBatch
+from rlhf.distributed.topology import Role
 from rlhf.models.value import last_token_values, save_scalar_head_model, token_values
 from rlhf.train.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
-from rlhf.train.metrics import Reduce, reduce_metrics
+from rlhf.train.metrics import Reduce
 from rlhf.train.state import CheckpointedState
-from rlhf.utils.timers import StageTimer
+from rlhf.trainers.supervised import SupervisedTrainer
 
 RM_METRICS = {**dict.fromkeys(("loss", "acc", "chosen_reward", "reject_reward"), Reduce.SHARE),
               **dict.fromkeys(("grad_norm", "lr", "nonfinite_skipped"), Reduce.LEAD)}
@@ -43,51 +39,45 @@ class RewardStats:
         self.mean, self.std = state["mean"], state["std"]
 
 
-class RewardModelTrainer:
+class RewardModelTrainer(SupervisedTrainer):
     """Pairwise reward-model training on the ranks of `Role.ACTOR` (every rank)."""
 
-    def __init__(self, model: DeepSpeedModel, topology: Topology, samples: list[PairSample],
-                 eval_samples: list[PairSample], sampler: DistributedBatchSampler, batcher: MicroBatcher,
-                 tokenizer, device: torch.device, *, loss: str, margin_loss: bool) -> None:
-        self.model, self.topology, self.samples, self.eval_samples = model, topology, samples, eval_samples
-        self.sampler, self.batcher, self.tokenizer, self.device = sampler, batcher, tokenizer, device
+    batch_type = PairBatch
+    metrics = RM_METRICS
+
+    def __init__(self, *args, loss: str, margin_loss: bool) -> None:
+        super().__init__(*args)
         self.loss_fn = PAIRWISE_LOSSES[loss]
         self.margin_loss = margin_loss and loss == "sigmoid"
-        self.group = topology.group(Role.ACTOR)
         self.stats = RewardStats()
-        self.timer = StageTimer()
 
-    def _rewards(self, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(chosen_B, rejected_B): both halves of the pairs in one forward."""
+    def cost_mask(self, batch: PairBatch) -> torch.Tensor:
+        return torch.cat([batch.chosen_mask_BT, batch.rejected_mask_BT], dim=1)  # both halves are run
+
+    def _rewards(self, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(chosen_B, rejected_B, margin_B or None): both halves of the pairs in one forward."""
         ids, mask = batch.concatenated()
         ids, mask = ids.to(self.device), mask.to(self.device)
-        values = token_values(self.model.engine, ids, mask, self.batcher.layout)
-        rewards = last_token_values(values, mask)
+        rewards = last_token_values(token_values(self.model.engine, ids, mask, self.batcher.layout), mask)
         B = batch.num_samples
-        return rewards[:B], rewards[B:]
-
-    def _batches(self, samples: list[PairSample]) -> list[PairBatch]:
-        batch = PairBatch.collate(samples, self.tokenizer.pad_token_id)
-        both = torch.cat([batch.chosen_mask_BT, batch.rejected_mask_BT], dim=1)  # cost: the longer of the two
-        return [batch.select(torch.tensor(rows)).trimmed() for rows in self.batcher.split(both)]
+        margin = batch.margins_B.to(self.device) if self.margin_loss and batch.margins_B is not None else None
+        return rewards[:B], rewards[B:], margin
 
     def step(self, step: int) -> dict[str, float]:
-        assert self.sampler.step == step, f"sampler at step {self.sampler.step}, loop at {step}"
         with self.timer.stage("train"):
-            micro_batches = self._batches([self.samples[i] for i in self.sampler.next()])
+            micro_batches = self.next_micro_batches(step)
             (num_pairs,) = global_counts([sum(m.num_samples for m in micro_batches)], self.group,
                                          self.batcher.layout.ring_size)
 
             def micro_loss(batch: PairBatch) -> MicroLoss:
-                chosen, rejected = self._rewards(batch)
-                margin = batch.margins_B.to(self.device) if self.margin_loss and batch.margins_B is not None else None
+                chosen, rejected, margin = self._rewards(batch)
                 loss = self.loss_fn(chosen, rejected, margin).sum() / num_pairs
                 return MicroLoss(loss, {"loss": loss, "acc": (chosen > rejected).float().sum() / num_pairs,
                                         "chosen_reward": chosen.sum() / num_pairs,
                                         "reject_reward": rejected.sum() / num_pairs})
 
             stats = step_metrics(self.model, optimizer_step(self.model, micro_batches, micro_loss))
-        return reduce_metrics({Role.ACTOR: stats}, RM_METRICS, self.topology)
+        return self.reduced(stats)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -96,20 +86,14 @@ class RewardModelTrainer:
         if not self.eval_samples:
             return {}
         self.model.eval()
-        dp, rank = self.topology.dp_size(Role.ACTOR), self.topology.dp_rank(Role.ACTOR)
-        mine = [self.eval_samples[i] for i in range(rank, len(self.eval_samples), dp)]
-        sums = torch.zeros(5, dtype=torch.float64)  # pairs, loss, correct, reward sum, reward square sum
-        for batch in self._batches(mine) if mine else []:
-            chosen, rejected = self._rewards(batch)
-            margin = batch.margins_B.to(self.device) if self.margin_loss and batch.margins_B is not None else None
+        sums = [0.0] * 5  # pairs, loss, correct, reward sum, reward square sum
+        for batch in self.eval_micro_batches():
+            chosen, rejected, margin = self._rewards(batch)
             both = torch.cat([chosen, rejected]).double()
-            sums += torch.tensor([batch.num_samples, float(self.loss_fn(chosen, rejected, margin).sum()),
-                                  float((chosen > rejected).sum()), float(both.sum()), float((both * both).sum())],
-                                 dtype=torch.float64)
-        if self.topology.ring_rank(Role.ACTOR) != 0:  # the ranks of a ring score the same pairs
-            sums.zero_()
-        dist.all_reduce(sums)
-        pairs, loss, correct, total, squares = sums.tolist()
+            for i, v in enumerate((batch.num_samples, float(self.loss_fn(chosen, rejected, margin).sum()),
+                                   float((chosen > rejected).sum()), float(both.sum()), float((both * both).sum()))):
+                sums[i] += v
+        pairs, loss, correct, total, squares = self.world_sums(sums)
         n = 2 * pairs
         mean = total / n
         std = max(math.sqrt(max(squares - n * mean * mean, 0.0) / max(n - 1, 1)), 1e-8)
@@ -128,6 +112,6 @@ class RewardModelTrainer:
             save_scalar_head_model(state, module.config, module.head_prefix, directory, self.tokenizer, extra)
 
     def checkpointed(self) -> CheckpointedState:
-        return CheckpointedState(engines={"model": self.model},
-                                 components={"sampler": self.sampler, "reward_stats": self.stats},
-                                 hf_export=self.save_hf)
+        state = super().checkpointed()
+        state.components["reward_stats"] = self.stats
+        return state

@@ -1,0 +1,75 @@
+"""What the supervised steps (SFT, reward model, process reward model, distillation) share: this rank's
+micro-batches of the sampler's next global batch, its share of the held-out samples, sums over the world
+for evaluation, the declared metric reduction and the checkpointed state (model, sampler, HF export).
+A subclass supplies the batch record, the metric table, `step` and `evaluate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from rlhf.data.sampler import DistributedBatchSampler
+from rlhf.distributed.topology import Role, Topology
+from rlhf.engines.deepspeed_engine import DeepSpeedModel
+from rlhf.models.micro_batches import MicroBatcher
+from rlhf.train.metrics import Reduce, reduce_metrics
+from rlhf.train.state import CheckpointedState
+from rlhf.utils.timers import StageTimer
+
+
+class SupervisedTrainer:
+    """The trained model on the ranks of `Role.ACTOR`. Construct on those ranks with the same samples."""
+
+    batch_type: ClassVar[type]  # the record with `collate(samples, pad_id)`, `select` and `trimmed`
+    metrics: ClassVar[dict[str, Reduce]]
+
+    def __init__(self, model: DeepSpeedModel, topology: Topology, samples: list, eval_samples: list,
+                 sampler: DistributedBatchSampler, batcher: MicroBatcher, tokenizer, device: torch.device) -> None:
+        self.model, self.topology, self.samples, self.eval_samples = model, topology, samples, eval_samples
+        self.sampler, self.batcher, self.tokenizer, self.device = sampler, batcher, tokenizer, device
+        self.group = topology.group(Role.ACTOR)
+        self.timer = StageTimer()
+
+    def cost_mask(self, batch) -> torch.Tensor:
+        """[B, T'] 1 on the tokens a sample costs (what dynamic batching budgets)."""
+        return batch.attention_mask_BT
+
+    def micro_batches(self, samples: list, batcher: MicroBatcher | None = None) -> list:
+        batch = self.batch_type.collate(samples, self.tokenizer.pad_token_id)
+        splits = (batcher or self.batcher).split(self.cost_mask(batch))
+        return [batch.select(torch.tensor(rows)).trimmed() for rows in splits]
+
+    def next_micro_batches(self, step: int) -> list:
+        """This rank's micro-batches of global batch `step` (the sampler's position must be `step`)."""
+        assert self.sampler.step == step, f"sampler at step {self.sampler.step}, loop at {step}"
+        return self.micro_batches([self.samples[i] for i in self.sampler.next()])
+
+    def eval_micro_batches(self) -> list:
+        """This replica's share of the held-out samples, in fixed-size micro-batches (no token budget: the
+        shares may differ by a sample, and budgeting would make the ranks' micro-batch counts a collective)."""
+        dp, rank = self.topology.dp_size(Role.ACTOR), self.topology.dp_rank(Role.ACTOR)
+        mine = [self.eval_samples[i] for i in range(rank, len(self.eval_samples), dp)]
+        return self.micro_batches(mine, dataclasses.replace(self.batcher, max_tokens=None)) if mine else []
+
+    def world_sums(self, sums: list[float]) -> list[float]:
+        """`sums` added over the data-parallel replicas (the ranks of a ring hold the same samples: one counts).
+        Collective over the world."""
+        t = torch.tensor(sums if self.topology.ring_rank(Role.ACTOR) == 0 else [0.0] * len(sums),
+                         dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def reduced(self, stats: dict[str, float]) -> dict[str, float]:
+        return reduce_metrics({Role.ACTOR: stats}, self.metrics, self.topology)
+
+    def save_hf(self, directory: str) -> None:
+        """The trained model in HF format (collective over the model's ranks)."""
+        self.model.save_hf(directory, self.tokenizer, self.topology.leads(Role.ACTOR))
+
+    def checkpointed(self) -> CheckpointedState:
+        return CheckpointedState(engines={"model": self.model}, components={"sampler": self.sampler},
+                                 hf_export=self.save_hf)
