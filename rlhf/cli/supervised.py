@@ -5,6 +5,7 @@ a `SupervisedJob` (its samples, its model, its step and its saved model) and not
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,11 +22,14 @@ from rlhf.distributed.launch import init_distributed
 from rlhf.distributed.topology import Role, Topology
 from rlhf.engines.deepspeed_compat import install_subgroup_patches
 from rlhf.engines.deepspeed_engine import DeepSpeedModel
+from rlhf.models.layout import SequenceLayout
 from rlhf.models.loading import check_liger_kernel, check_local_model, load_tokenizer
 from rlhf.models.micro_batches import MicroBatcher
 from rlhf.train.build import check_model_configs, micro_batcher, model_builder, role_model
 from rlhf.train.checkpoint import Checkpointer
 from rlhf.train.loop import Job, Loop
+from rlhf.train.metrics import Reduce
+from rlhf.trainers.frozen import Answer, Frozen, FrozenLink, FrozenModel, FrozenService, server_rank_of
 from rlhf.utils.seeding import seed_everything
 from rlhf.utils.watchdog import Watchdog
 
@@ -73,6 +77,40 @@ class SupervisedJob:
     colocated_roles: tuple[Role, ...] = ()  # frozen roles on every rank next to the trained model
     check: Callable[[Any], None] | None = None  # the job's own checks before any engine starts
     plan: Callable[[Any, int], dict[Role, tuple[int, ...]]] | None = None  # own rank ranges (default: colocated)
+
+
+def frozen_plan(role: Role, num_ranks: int, flags: str, world_size: int) -> dict[Role, tuple[int, ...]]:
+    """The trained model on every rank with `role` colocated (`num_ranks` 0), or on the first ranks with
+    `role` on the last `num_ranks` (`flags`: the flags that set them, for the error)."""
+    everyone = tuple(range(world_size))
+    if not num_ranks:
+        return {Role.ACTOR: everyone, role: everyone}
+    if num_ranks >= world_size:
+        raise UsageError(f"the {role.value}'s {num_ranks} ranks ({flags}) leave none of the {world_size} for the "
+                         "trained model: lower them or add ranks")
+    return {Role.ACTOR: everyone[:-num_ranks], role: everyone[-num_ranks:]}
+
+
+def frozen_role(cfg, built: Built, role: Role, load: Callable[[str], torch.nn.Module], answer: Answer, *,
+                offload: bool, tail: Sequence[int], make_trainer: Callable[[Frozen], Job],
+                metrics: dict[str, Reduce], eval_sums: Sequence[int]) -> Job:
+    """The job of this rank for a trained model with a frozen `role` (a teacher, a reference): on a rank of
+    the trained model, `make_trainer(frozen)` with the role colocated (a `FrozenModel`, in host memory between
+    phases with `offload`) or reached through a `FrozenLink`; on a rank of the role's own, a `FrozenService`
+    (replicated, whole sequences per rank: ZeRO-0; `metrics` and `eval_sums` mirror the trainer's collectives).
+    `load(attn)`: the frozen module; `tail`: the answer's trailing shape."""
+    m, topology = cfg.model, built.topology
+    own_ranks = topology.ranks(role) != topology.ranks(Role.ACTOR)
+    if own_ranks and not topology.hosts(role):  # a trained-model rank: its frozen role is elsewhere
+        return make_trainer(FrozenLink(server_rank_of(topology, role, topology.rank), tail, built.device))
+    engine = dataclasses.replace(cfg.engine, zero_stage=0) if own_ranks else cfg.engine
+    layout = SequenceLayout(packing=cfg.engine.packing_samples) if own_ranks else built.batcher.layout
+    model = role_model(model_builder(m, engine, layout, load), m, engine, cfg.optim, topology, role, built.device,
+                       trainable=False, micro_batch_size=cfg.batch.micro_train_batch_size, name=role.value)
+    if own_ranks:
+        return FrozenService(model, role, topology, layout, answer, built.device, metrics,
+                             has_eval=bool(built.eval_samples), eval_sums=eval_sums)
+    return make_trainer(FrozenModel(model, layout, answer, built.device, offload))
 
 
 def check_before_engines(cfg, num_ranks: int, default_ckpt_path: str) -> None:

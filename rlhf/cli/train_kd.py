@@ -7,18 +7,17 @@ named). The student is written in HF format to --save_path.
 
 from __future__ import annotations
 
-import dataclasses
-
 from rlhf.cli.common import main_for
-from rlhf.cli.supervised import Built, SupervisedJob, run_supervised, save_trained_model
+from rlhf.cli.supervised import Built, SupervisedJob, frozen_plan, frozen_role, run_supervised, save_trained_model
 from rlhf.cli.train_sft import SFT_JOB
 from rlhf.config.errors import UsageError
 from rlhf.config.supervised import TrainKDConfig
 from rlhf.distributed.topology import Role
-from rlhf.models.layout import SequenceLayout
 from rlhf.models.loading import check_local_model, load_causal_lm
-from rlhf.train.build import check_model_configs, model_builder, role_model
-from rlhf.trainers.kd import TEACHER, DistillationTrainer, TeacherLink, TeacherService, teacher_rank_of
+from rlhf.train.build import check_model_configs
+from rlhf.train.loop import Job
+from rlhf.trainers.frozen import padded_logits
+from rlhf.trainers.kd import KD_METRICS, TEACHER, DistillationTrainer
 
 
 def _check(cfg: TrainKDConfig) -> None:
@@ -39,36 +38,19 @@ def _check(cfg: TrainKDConfig) -> None:
 
 
 def _plan(cfg: TrainKDConfig, world_size: int) -> dict[Role, tuple[int, ...]]:
-    """The student on every rank with a colocated teacher, or on the first ranks with the teacher on the last
-    --teacher_num_nodes x --teacher_num_gpus_per_node."""
-    everyone = tuple(range(world_size))
-    teacher_ranks = cfg.teacher.num_ranks
-    if not teacher_ranks:
-        return {Role.ACTOR: everyone, TEACHER: everyone}
-    if teacher_ranks >= world_size:
-        raise UsageError(f"the teacher's {teacher_ranks} ranks (--teacher_num_nodes x --teacher_num_gpus_per_node) "
-                         f"leave none of the {world_size} for the student: lower them or add ranks")
-    return {Role.ACTOR: everyone[:-teacher_ranks], TEACHER: everyone[-teacher_ranks:]}
+    return frozen_plan(TEACHER, cfg.teacher.num_ranks, "--teacher_num_nodes x --teacher_num_gpus_per_node",
+                       world_size)
 
 
-def _trainer(cfg: TrainKDConfig, b: Built) -> DistillationTrainer | TeacherService:
-    m, t, topology = cfg.model, cfg.teacher, b.topology
-    own_ranks = topology.ranks(TEACHER) != topology.ranks(Role.ACTOR)
-    if own_ranks and not topology.hosts(TEACHER):  # a student rank: its teacher is elsewhere
-        link = TeacherLink(teacher_rank_of(topology, topology.rank), b.model.module.config.vocab_size)
-        return DistillationTrainer(*b.trainer_args, teacher=link, kd_coef=t.kd_coef, teacher_offload=False)
-    # on its own ranks the teacher is replicated (each serves its students alone) and keeps whole sequences
-    engine = dataclasses.replace(cfg.engine, zero_stage=0) if own_ranks else cfg.engine
-    layout = SequenceLayout(packing=cfg.engine.packing_samples) if own_ranks else b.batcher.layout
-    teacher = role_model(model_builder(m, engine, layout, lambda attn: load_causal_lm(t.teacher_model, m.dtype, attn,
-                                                                                     m.trust_remote_code)),
-                         m, engine, cfg.optim, topology, TEACHER, b.device, trainable=False,
-                         micro_batch_size=cfg.batch.micro_train_batch_size, name="teacher")
-    if own_ranks:
-        return TeacherService(teacher, topology, layout, b.device, has_eval=bool(b.eval_samples))
-    if t.teacher_offload:
-        teacher.offload()
-    return DistillationTrainer(*b.trainer_args, teacher=teacher, kd_coef=t.kd_coef, teacher_offload=t.teacher_offload)
+def _trainer(cfg: TrainKDConfig, b: Built) -> Job:
+    """The student with its teacher colocated or on its own ranks (or, there, the teacher's service)."""
+    t, m = cfg.teacher, cfg.model
+    vocab = (b.model.module.config.vocab_size,) if b.model else ()
+    load = lambda attn: load_causal_lm(t.teacher_model, m.dtype, attn, m.trust_remote_code)  # noqa: E731
+    return frozen_role(cfg, b, TEACHER, load, padded_logits, offload=t.teacher_offload, tail=vocab,
+                       make_trainer=lambda teacher: DistillationTrainer(*b.trainer_args, teacher=teacher,
+                                                                        kd_coef=t.kd_coef),
+                       metrics=KD_METRICS, eval_sums=(3,))
 
 
 KD_JOB = SupervisedJob(
