@@ -79,6 +79,22 @@ class SupervisedJob:
     plan: Callable[[Any, int], dict[Role, tuple[int, ...]]] | None = None  # own rank ranges (default: colocated)
 
 
+def check_frozen_model(cfg, path: str, flag: str, what: str) -> None:
+    """The frozen model at `path` (given by `flag`) exists, fits --max_len and shares --pretrain's vocabulary
+    (`what`: the role, for the error)."""
+    from transformers import AutoConfig
+
+    check_local_model(path, flag)
+    check_model_configs([(flag, path)], cfg.model, cfg.engine, longest=cfg.data.max_len,
+                        length_flags=f"--max_len {cfg.data.max_len}")
+    sizes = {f: AutoConfig.from_pretrained(p, trust_remote_code=cfg.model.trust_remote_code,
+                                           local_files_only=True).vocab_size
+             for f, p in (("--pretrain", cfg.model.pretrain), (flag, path))}
+    if len(set(sizes.values())) != 1:
+        raise UsageError(f"{what} and the trained model must share one vocabulary: vocab_size {sizes[flag]} ({flag} "
+                         f"{path}) vs {sizes['--pretrain']} (--pretrain {cfg.model.pretrain})")
+
+
 def frozen_plan(role: Role, num_ranks: int, flags: str, world_size: int) -> dict[Role, tuple[int, ...]]:
     """The trained model on every rank with `role` colocated (`num_ranks` 0), or on the first ranks with
     `role` on the last `num_ranks` (`flags`: the flags that set them, for the error)."""

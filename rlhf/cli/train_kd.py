@@ -8,33 +8,26 @@ named). The student is written in HF format to --save_path.
 from __future__ import annotations
 
 from rlhf.cli.common import main_for
-from rlhf.cli.supervised import Built, SupervisedJob, frozen_plan, frozen_role, run_supervised, save_trained_model
+from rlhf.cli.supervised import (
+    Built,
+    SupervisedJob,
+    check_frozen_model,
+    frozen_plan,
+    frozen_role,
+    run_supervised,
+    save_trained_model,
+)
 from rlhf.cli.train_sft import SFT_JOB
-from rlhf.config.errors import UsageError
 from rlhf.config.supervised import TrainKDConfig
 from rlhf.distributed.topology import Role
-from rlhf.models.loading import check_local_model, load_causal_lm
-from rlhf.train.build import check_model_configs
+from rlhf.models.loading import load_causal_lm
 from rlhf.train.loop import Job
 from rlhf.trainers.frozen import padded_logits
 from rlhf.trainers.kd import KD_METRICS, TEACHER, DistillationTrainer
 
 
 def _check(cfg: TrainKDConfig) -> None:
-    """The teacher exists, fits --max_len and shares the student's vocabulary."""
-    from transformers import AutoConfig
-
-    path = cfg.teacher.teacher_model
-    check_local_model(path, "--teacher_model")
-    check_model_configs([("--teacher_model", path)], cfg.model, cfg.engine, longest=cfg.data.max_len,
-                        length_flags=f"--max_len {cfg.data.max_len}")
-    sizes = {flag: AutoConfig.from_pretrained(p, trust_remote_code=cfg.model.trust_remote_code,
-                                              local_files_only=True).vocab_size
-             for flag, p in (("--pretrain", cfg.model.pretrain), ("--teacher_model", path))}
-    if len(set(sizes.values())) != 1:
-        raise UsageError(f"the teacher and the student must share one vocabulary for the KL over it: vocab_size "
-                         f"{sizes['--teacher_model']} (--teacher_model {path}) vs {sizes['--pretrain']} (--pretrain "
-                         f"{cfg.model.pretrain})")
+    check_frozen_model(cfg, cfg.teacher.teacher_model, "--teacher_model", "the teacher")
 
 
 def _plan(cfg: TrainKDConfig, world_size: int) -> dict[Role, tuple[int, ...]]:

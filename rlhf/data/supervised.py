@@ -64,12 +64,29 @@ class SFTSample:
 @dataclass(frozen=True, eq=False)
 class PairSample:
     """chosen_ids / rejected_ids: int64 [Tc] / [Tr], prompt + response ending in EOS. margin: the row's
-    margin (None without a margin column)."""
+    margin (None without a margin column). prompt_len: the prompt's tokens at the start of both (0 when the
+    columns hold whole conversations)."""
 
     chosen_ids: torch.Tensor
     rejected_ids: torch.Tensor
     margin: float | None
     where: str
+    prompt_len: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class UnpairedSample:
+    """One labelled response (KTO): `sft.input_ids` prompt + response + EOS, `sft.loss_mask` on the response
+    and EOS. desirable: the label. pair: the index of the preference pair it came from (None for unpaired
+    rows), so held-out pairs can be compared."""
+
+    sft: SFTSample
+    desirable: bool
+    pair: int | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.sft.loss_mask.nonzero()[0]) + 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -301,9 +318,13 @@ def _margin(row: Row, margin_key: str | None) -> float | None:
 
 
 def _pair_sample(row: Row, tokenizer, report: LoadReport, *, max_len: int, margin_key: str | None,
-                 **text_args) -> PairSample | None:
+                 skip_long_prompts: bool, **text_args) -> PairSample | None:
     prompt, chosen, rejected = _pair_texts(row, **text_args)
     margin = _margin(row, margin_key)
+    prompt_len = len(_encode(tokenizer, prompt)[:max_len]) if prompt else 0
+    if skip_long_prompts and prompt_len >= max_len - 2:
+        report.skip(f"prompt of max_len - 2 = {max_len - 2} tokens or more", row.where)
+        return None
     if chosen == rejected:
         report.skip("identical chosen and rejected", row.where)
         return None
@@ -317,16 +338,18 @@ def _pair_sample(row: Row, tokenizer, report: LoadReport, *, max_len: int, margi
         return None
     report.num_truncated += chosen_cut or rejected_cut
     return PairSample(torch.tensor(chosen_ids, dtype=torch.int64), torch.tensor(rejected_ids, dtype=torch.int64),
-                      margin, row.where)
+                      margin, row.where, prompt_len)
 
 
 def load_pair_samples(rows: list[Row], tokenizer, *, prompt_key: str | None, chosen_key: str, rejected_key: str,
                       margin_key: str | None = None, input_template: str | None, apply_chat_template: bool,
-                      max_len: int, tokenizer_chat_template: str | None = None) -> tuple[list[PairSample], LoadReport]:
-    """Reward-model pairs of `rows`: prompt + chosen and prompt + rejected token ids, each ending in EOS
-    and at most `max_len` long, and the margin column's value when `margin_key` is given (OpenRLHF's
-    `--margin_loss` reads the column "margin"). Without `prompt_key` the chosen/rejected columns hold
-    whole conversations. Degenerate pairs are skipped and counted in the report (and warned)."""
+                      max_len: int, tokenizer_chat_template: str | None = None,
+                      skip_long_prompts: bool = False) -> tuple[list[PairSample], LoadReport]:
+    """Preference pairs of `rows`: prompt + chosen and prompt + rejected token ids, each ending in EOS
+    and at most `max_len` long, the prompt's token count, and the margin column's value when `margin_key`
+    is given (OpenRLHF's `--margin_loss` reads the column "margin"). Without `prompt_key` the chosen/rejected
+    columns hold whole conversations. Degenerate pairs are skipped and counted in the report (and warned);
+    with `skip_long_prompts` (DPO, as OpenRLHF) so are pairs whose prompt has max_len - 2 tokens or more."""
     _check_max_len(max_len, 2)
     _eos(tokenizer)
     chat = make_chat_template(tokenizer, apply_chat_template, tokenizer_chat_template)
@@ -335,8 +358,63 @@ def load_pair_samples(rows: list[Row], tokenizer, *, prompt_key: str | None, cho
     report = LoadReport("pairs", num_rows=len(rows))
     samples = [_pair_sample(row, tokenizer, report, max_len=max_len, margin_key=margin_key, prompt_key=prompt_key,
                             chosen_key=chosen_key, rejected_key=rejected_key, input_template=input_template,
-                            chat=chat) for row in rows]
+                            chat=chat, skip_long_prompts=skip_long_prompts) for row in rows]
     return _finish([s for s in samples if s is not None], report, "--chosen_key/--rejected_key")
+
+
+# --- unpaired (KTO) -------------------------------------------------------------------------------
+
+
+def _label(row: Row, label_key: str) -> bool:
+    value = column(row, label_key, "--label_key")
+    if isinstance(value, bool) or (isinstance(value, (int, float)) and value in (0, 1)):
+        return bool(value)
+    raise ValueError(f"{row.where}: label column {label_key!r} holds {value!r}; KTO labels are true/false "
+                     "(or 1/0): true for a desirable response")
+
+
+def load_unpaired_samples(rows: list[Row], tokenizer, *, input_key: str, output_key: str | None, label_key: str,
+                          chosen_key: str, rejected_key: str, input_template: str | None,
+                          apply_chat_template: bool, max_len: int,
+                          tokenizer_chat_template: str | None = None) -> tuple[list[UnpairedSample], LoadReport]:
+    """KTO samples of `rows` (OpenRLHF `UnpairedPreferenceDataset`): a row with `label_key` is one response
+    (prompt in `input_key`, response in `output_key`, formatted and cut as SFT samples); a row with
+    `chosen_key` and `rejected_key` instead is a preference pair, turned into a desirable and an undesirable
+    sample that remember their pair. Skips are counted as for SFT."""
+    _check_max_len(max_len, 3)
+    _eos(tokenizer)
+    chat = make_chat_template(tokenizer, apply_chat_template, tokenizer_chat_template)
+    if chat is None:
+        check_input_template(input_template)
+    report = LoadReport("KTO samples", num_rows=len(rows))
+    text_args = dict(input_key=input_key, input_template=input_template, chat=chat, multiturn=False)
+    samples = []
+    for row in rows:
+        if label_key not in row.data and chosen_key in row.data and rejected_key in row.data:
+            both = [(_sft_sample(row, tokenizer, report, max_len=max_len, output_key=key, **text_args), desirable)
+                    for key, desirable in ((chosen_key, True), (rejected_key, False))]
+            kept = [(one, desirable) for one, desirable in both if one is not None]
+            pair = len(samples) if len(kept) == 2 else None  # a pair whose partner was skipped is no pair
+            samples += [UnpairedSample(one, desirable, pair) for one, desirable in kept]
+            continue
+        desirable = _label(row, label_key)
+        if chat is None and output_key is None:
+            raise ValueError(f"{row.where}: a labelled row needs --output_key (the response column) without "
+                             "--apply_chat_template")
+        one = _sft_sample(row, tokenizer, report, max_len=max_len, output_key=output_key, **text_args)
+        if one is not None:
+            samples.append(UnpairedSample(one, desirable))
+    return _finish(samples, report, "--input_key/--output_key/--label_key")
+
+
+def mismatched(prompt_of: UnpairedSample, response_of: UnpairedSample, eos_id: int, max_len: int) -> SFTSample:
+    """The prompt of one sample followed by the response (and EOS) of another, cut to `max_len` with the last
+    token EOS: the KTO paper's mismatched pair for the KL reference point (token-level concatenation)."""
+    prompt_len = prompt_of.prompt_len
+    ids = torch.cat([prompt_of.sft.input_ids[:prompt_len], response_of.sft.input_ids[response_of.prompt_len:]])
+    ids = ids[:max_len].clone()
+    ids[-1] = eos_id
+    return SFTSample(ids, assistant_loss_mask_T1([(prompt_len, len(ids))], len(ids)), prompt_of.sft.where)
 
 
 # --- process reward model -------------------------------------------------------------------------
@@ -454,6 +532,7 @@ class PairBatch(TokenBatch):
     chosen_mask_BT / rejected_mask_BT: int64 [B, T] 1 on real tokens; the reward is read at the last one
         (`mask.sum(-1) - 1`), the EOS.
     margins_B: float32 [B], or None when the data has no margin column.
+    prompt_lens_B: int64 [B], the prompt's tokens at the start of both sequences.
     """
 
     chosen_ids_BT: torch.Tensor
@@ -461,6 +540,7 @@ class PairBatch(TokenBatch):
     rejected_ids_BT: torch.Tensor
     rejected_mask_BT: torch.Tensor
     margins_B: torch.Tensor | None = None
+    prompt_lens_B: torch.Tensor | None = None
 
     _masks: ClassVar[tuple[str, ...]] = ("chosen_mask_BT", "rejected_mask_BT")
 
@@ -474,12 +554,34 @@ class PairBatch(TokenBatch):
         return cls(_pad([s.chosen_ids for s in samples], width, pad_id),
                    _pad([ones(s.chosen_ids) for s in samples], width, 0),
                    _pad([s.rejected_ids for s in samples], width, pad_id),
-                   _pad([ones(s.rejected_ids) for s in samples], width, 0), margins)
+                   _pad([ones(s.rejected_ids) for s in samples], width, 0), margins,
+                   torch.tensor([s.prompt_len for s in samples], dtype=torch.int64))
 
     def concatenated(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids_2BT, attention_mask_2BT): chosen rows then rejected rows."""
         return (torch.cat([self.chosen_ids_BT, self.rejected_ids_BT]),
                 torch.cat([self.chosen_mask_BT, self.rejected_mask_BT]))
+
+
+@dataclass
+class UnpairedBatch(TokenBatch):
+    """KTO micro-batch: an `SFTBatch`'s fields and each sample's label and pair.
+
+    desirable_B: bool [B]. pair_B: int64 [B], the preference pair a sample came from, -1 for none.
+    """
+
+    input_ids_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    loss_mask_BT1: torch.Tensor
+    desirable_B: torch.Tensor
+    pair_B: torch.Tensor
+
+    @classmethod
+    def collate(cls, samples: list[UnpairedSample], pad_id: int) -> UnpairedBatch:
+        sft = SFTBatch.collate([s.sft for s in samples], pad_id)
+        return cls(sft.input_ids_BT, sft.attention_mask_BT, sft.loss_mask_BT1,
+                   torch.tensor([s.desirable for s in samples], dtype=torch.bool),
+                   torch.tensor([-1 if s.pair is None else s.pair for s in samples], dtype=torch.int64))
 
 
 @dataclass

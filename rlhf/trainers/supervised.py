@@ -38,8 +38,9 @@ class SupervisedTrainer:
         """[B, T'] 1 on the tokens a sample costs (what dynamic batching budgets)."""
         return batch.attention_mask_BT
 
-    def micro_batches(self, samples: list, batcher: MicroBatcher | None = None) -> list:
-        batch = self.batch_type.collate(samples, self.tokenizer.pad_token_id)
+    def micro_batches(self, samples: list, batcher: MicroBatcher | None = None, batch_type: type | None = None
+                      ) -> list:
+        batch = (batch_type or self.batch_type).collate(samples, self.tokenizer.pad_token_id)
         splits = (batcher or self.batcher).split(self.cost_mask(batch))
         return [batch.select(torch.tensor(rows)).trimmed() for rows in splits]
 

@@ -1,0 +1,144 @@
+"""The config roots of the preference jobs (`train_dpo`, `train_kto`): the shared sub-configs, a frozen
+reference policy, and each job's loss settings and dataset columns, with OpenRLHF v0.9.5's flag names and
+per-job defaults. Knows nothing of argparse or of training.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from rlhf.assets import EMBEDDED_PAIRS, EMBEDDED_PAIRS_EVAL
+from rlhf.config.common import (
+    CheckpointConfig,
+    EngineConfig,
+    JobConfig,
+    LoggingConfig,
+    ModelConfig,
+    opt,
+    require,
+)
+from rlhf.config.supervised import (
+    SUPERVISED_PENDING_FLAGS,
+    FormattedDataConfig,
+    LearningRateConfig,
+    PairDataConfig,
+    SupervisedBatchConfig,
+    _with_demo,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReferenceConfig:
+    """The frozen reference policy the preference losses are measured against."""
+
+    ref_pretrain: str | None = opt(None, "HF model directory of the reference (default: --pretrain)")
+    ref_offload: bool = opt(False, "keep the reference's parameters in host memory outside its forward "
+                            "(below ZeRO-3; at ZeRO-3 they are sharded over the ranks instead)")
+    ref_num_nodes: int = opt(1, "nodes of the reference's own rank range (with --ref_num_gpus_per_node)")
+    ref_num_gpus_per_node: int = opt(0, "ranks per node of the reference's own ranks, the last ranks of the world "
+                                     "(0: the reference is colocated with the trained model on every rank)")
+
+    def __post_init__(self) -> None:
+        require(self.ref_num_nodes >= 1 and self.ref_num_gpus_per_node >= 0,
+                "--ref_num_nodes must be >= 1 and --ref_num_gpus_per_node >= 0")
+
+    @property
+    def num_ranks(self) -> int:
+        """The reference's own ranks (0: colocated with the trained model)."""
+        return self.ref_num_nodes * self.ref_num_gpus_per_node
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreferenceJobConfig(JobConfig):
+    """What both preference roots check."""
+
+    PENDING_FLAGS: ClassVar[tuple[str, ...]] = SUPERVISED_PENDING_FLAGS
+    model: ModelConfig = field(default_factory=ModelConfig)
+    ref: ReferenceConfig = field(default_factory=ReferenceConfig)
+    optim: LearningRateConfig = field(default_factory=lambda: LearningRateConfig(learning_rate=1e-5))
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    batch: SupervisedBatchConfig = field(default_factory=lambda: SupervisedBatchConfig(max_epochs=1))
+    beta: float = opt(0.1, "strength of the KL regularisation towards the reference (the implicit reward's scale)")
+    aux_loss_coef: float = opt(0.0, "MoE auxiliary loss coefficient (models that return aux_loss)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.beta > 0, "--beta must be positive")
+        require(self.aux_loss_coef >= 0, "--aux_loss_coef must be >= 0")
+        if self.aux_loss_coef:
+            warnings.warn(f"--aux_loss_coef {self.aux_loss_coef} has no effect in the preference jobs of this build: "
+                          "the MoE auxiliary loss is not added", stacklevel=2)
+        if self.ref.num_ranks:
+            require(self.engine.ring_attn_size == 1, "a reference on its own ranks serves whole sequences: drop "
+                    "--ring_attn_size or colocate the reference (--ref_num_gpus_per_node 0)")
+        if self.ref.ref_offload and (self.engine.zero_stage == 3 or self.ref.num_ranks):
+            warnings.warn("--ref_offload has no effect " + ("at --zero_stage 3: the reference's parameters are "
+                          "already sharded over the ranks" if not self.ref.num_ranks else
+                          "with the reference on its own ranks"), stacklevel=2)
+
+    @property
+    def ref_path(self) -> str:
+        return self.ref.ref_pretrain or self.model.pretrain
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainDPOConfig(PreferenceJobConfig):
+    """Everything `train_dpo` needs."""
+
+    data: PairDataConfig = field(default_factory=lambda: PairDataConfig(max_len=512, eval_split="test"))
+    logging: LoggingConfig = field(default_factory=lambda: LoggingConfig(wandb_project="openrlhf_train_dpo"))
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(
+        ckpt_path="./ckpt/checkpoints_dpo"))
+    ipo: bool = opt(False, "IPO loss (h - 1 / (2 beta))^2 instead of DPO's sigmoid loss")
+    label_smoothing: float = opt(0.0, "cDPO: the assumed share of flipped preference labels (0: plain DPO)")
+    nll_loss_coef: float = opt(0.0, "add this x the chosen responses' per-token NLL (Llama 3.1's regulariser)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(0 <= self.label_smoothing < 0.5, "--label_smoothing must lie in [0, 0.5)")
+        require(self.nll_loss_coef >= 0, "--nll_loss_coef must be >= 0")
+        if self.ipo and self.label_smoothing:
+            warnings.warn(f"--label_smoothing {self.label_smoothing} has no effect with --ipo (IPO's loss has no "
+                          "label smoothing, as in OpenRLHF)", stacklevel=2)
+        if self.data.margin_loss:
+            warnings.warn("--margin_loss has no effect in train_dpo (it is a reward-model loss)", stacklevel=2)
+
+    def with_demo_defaults(self) -> TrainDPOConfig:
+        return _with_demo(self, EMBEDDED_PAIRS, EMBEDDED_PAIRS_EVAL, prompt_key=self.data.prompt_key or "prompt",
+                          eval_split="train")
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnpairedDataConfig(FormattedDataConfig):
+    """Labelled responses (or preference pairs, split into a desirable and an undesirable response)."""
+
+    input_key: str = opt("input", "column of the prompt")
+    output_key: str | None = opt(None, "column of the response")
+    label_key: str = opt("label", "column of the label: true for a desirable response, false for an undesirable one")
+    chosen_key: str = opt("chosen", "rows without --label_key but with this and --rejected_key are preference "
+                          "pairs: the chosen response is desirable, the rejected one undesirable")
+    rejected_key: str = opt("rejected", "column of a pair's rejected response (see --chosen_key)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainKTOConfig(PreferenceJobConfig):
+    """Everything `train_kto` needs."""
+
+    data: UnpairedDataConfig = field(default_factory=lambda: UnpairedDataConfig(
+        input_template="User: {}\nAssistant: ", eval_split="test"))
+    logging: LoggingConfig = field(default_factory=lambda: LoggingConfig(wandb_project="openrlhf_train_kto"))
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(
+        ckpt_path="./ckpt/checkpoints_kto"))
+    beta: float = opt(0.01, "strength of the KL regularisation towards the reference (the implicit reward's scale)")
+    desirable_loss_weight: float = opt(1.0, "weight of the desirable responses' loss")
+    undesirable_loss_weight: float = opt(1.0, "weight of the undesirable responses' loss")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.desirable_loss_weight > 0 and self.undesirable_loss_weight > 0,
+                "--desirable_loss_weight and --undesirable_loss_weight must be positive")
+
+    def with_demo_defaults(self) -> TrainKTOConfig:
+        return _with_demo(self, EMBEDDED_PAIRS, EMBEDDED_PAIRS_EVAL, input_key="prompt", eval_split="train")

@@ -1,0 +1,250 @@
+"""One step of preference optimisation against a frozen reference policy: DPO/IPO/cDPO on pairs (`train_dpo`)
+and KTO on labelled single responses (`train_kto`). Sequence log-probs are sums over the response tokens
+(and EOS); the reference's come from a `Frozen` role (colocated, or on its own ranks) in one phase per step,
+before the policy's forward/backward passes. Every loss and metric is a sum over samples divided by the
+count of the whole global batch, so DP ranks x micro-batches give the global mean whatever the split.
+
+`rlhf.train.loop.Job`s; they know the model wrappers, the sampler and the batch records, not flags.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rlhf.algorithms.preference import (
+    dpo_losses_B,
+    kto_losses_B,
+    kto_reference_point,
+    masked_sum_B,
+    response_mask_BT1,
+)
+from rlhf.data.supervised import PairBatch, SFTBatch, UnpairedBatch, mismatched
+from rlhf.distributed.topology import Role
+from rlhf.models.logprobs import policy_forward
+from rlhf.train.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
+from rlhf.train.metrics import Reduce
+from rlhf.trainers.frozen import Frozen
+from rlhf.trainers.supervised import SupervisedTrainer
+
+REFERENCE = Role.REF
+
+DPO_METRICS = {**dict.fromkeys(("loss", "acc", "chosen_reward", "reject_reward", "margin", "nll_loss"), Reduce.SHARE),
+               **dict.fromkeys(("grad_norm", "lr", "nonfinite_skipped"), Reduce.LEAD)}
+KTO_METRICS = {**dict.fromkeys(("kto_loss", "chosen_reward", "reject_reward"), Reduce.SHARE),
+               **dict.fromkeys(("kl", "grad_norm", "lr", "nonfinite_skipped"), Reduce.LEAD)}
+DPO_EVAL_SUMS = (6,)
+KTO_EVAL_SUMS = (2, 8)
+
+
+class PreferenceTrainer(SupervisedTrainer):
+    """What DPO and KTO share: the reference's and the policy's sequence log-probs of a micro-batch."""
+
+    def __init__(self, *args, reference: Frozen) -> None:
+        super().__init__(*args)
+        self.reference = reference
+
+    def reference_logps(self, micro_batches: list) -> list[torch.Tensor]:
+        """The reference's response log-prob sums [B'] of each micro-batch, in one phase."""
+        self.reference.begin(len(micro_batches))
+        out = []
+        for batch in micro_batches:
+            ids, mask, loss_mask = self.tokens(batch)
+            out.append(masked_sum_B(self.reference.request(ids, mask)[:, :-1], loss_mask.to(self.device)))
+        self.reference.end()
+        return out
+
+    def policy_logps(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(response log-prob sums [B'], response token counts [B']) under the trained policy."""
+        ids, mask, loss_mask = self.tokens(batch)
+        logprobs_BT1 = policy_forward(self.model.engine, ids.to(self.device), mask.to(self.device),
+                                      layout=self.batcher.layout).logprobs_BT1
+        loss_mask = loss_mask.to(self.device)
+        return masked_sum_B(logprobs_BT1, loss_mask), loss_mask.sum(-1)
+
+    def tokens(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids [B', T], attention mask [B', T], response mask [B', T1]) of one forward."""
+        return batch.input_ids_BT, batch.attention_mask_BT, batch.loss_mask_BT1
+
+
+class DPOTrainer(PreferenceTrainer):
+    """DPO (sigmoid), IPO or cDPO on the ranks of `Role.ACTOR`: each micro-batch's chosen and rejected
+    sequences in one forward (packed together with --packing_samples), plus `nll_loss_coef` x the chosen
+    responses' per-token NLL (OpenRLHF: each pair's token mean, averaged over pairs)."""
+
+    batch_type = PairBatch
+    metrics = DPO_METRICS
+
+    def __init__(self, *args, reference: Frozen, beta: float, label_smoothing: float, ipo: bool,
+                 nll_loss_coef: float) -> None:
+        super().__init__(*args, reference=reference)
+        self.beta, self.label_smoothing, self.ipo, self.nll_loss_coef = beta, label_smoothing, ipo, nll_loss_coef
+
+    def cost_mask(self, batch: PairBatch) -> torch.Tensor:
+        return torch.cat([batch.chosen_mask_BT, batch.rejected_mask_BT], dim=1)  # both halves are run
+
+    def tokens(self, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids, mask = batch.concatenated()
+        return ids, mask, response_mask_BT1(mask, torch.cat([batch.prompt_lens_B, batch.prompt_lens_B]))
+
+    def _terms(self, batch: PairBatch, ref_2B: torch.Tensor):
+        """(loss_B, chosen_reward_B, rejected_reward_B, nll_B) of one micro-batch of B pairs."""
+        B = batch.num_samples
+        logps_2B, counts_2B = self.policy_logps(batch)
+        loss_B, chosen_B, rejected_B = dpo_losses_B(logps_2B[:B], logps_2B[B:], ref_2B[:B], ref_2B[B:],
+                                                    beta=self.beta, label_smoothing=self.label_smoothing,
+                                                    ipo=self.ipo)
+        nll_B = -logps_2B[:B] / counts_2B[:B].clamp(min=1)
+        return loss_B, chosen_B, rejected_B, nll_B
+
+    def step(self, step: int) -> dict[str, float]:
+        with self.timer.stage("train"):
+            micro_batches = self.next_micro_batches(step)
+            (num_pairs,) = global_counts([sum(m.num_samples for m in micro_batches)], self.group,
+                                         self.batcher.layout.ring_size)
+            refs = self.reference_logps(micro_batches)
+
+            def micro_loss(item: tuple[PairBatch, torch.Tensor]) -> MicroLoss:
+                loss_B, chosen_B, rejected_B, nll_B = self._terms(*item)
+                preference, nll = loss_B.sum() / num_pairs, nll_B.sum() / num_pairs
+                terms = {"loss": preference, "acc": (chosen_B > rejected_B).float().sum() / num_pairs,
+                         "chosen_reward": chosen_B.sum() / num_pairs, "reject_reward": rejected_B.sum() / num_pairs,
+                         "margin": (chosen_B - rejected_B).sum() / num_pairs}
+                if self.nll_loss_coef > 0:
+                    terms["nll_loss"] = nll
+                return MicroLoss(preference + self.nll_loss_coef * nll if self.nll_loss_coef > 0 else preference,
+                                 terms)
+
+            stats = step_metrics(self.model, optimizer_step(self.model, list(zip(micro_batches, refs)), micro_loss))
+        return self.reduced(stats)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out loss, accuracy (chosen reward > rejected reward), margin and mean rewards. Collective over
+        the world."""
+        if not self.eval_samples:
+            return {}
+        self.model.eval()
+        batches = self.eval_micro_batches()
+        refs = self.reference_logps(batches)
+        sums = [0.0] * 6  # pairs, loss, correct, margin, chosen reward, rejected reward
+        for batch, ref in zip(batches, refs):
+            loss_B, chosen_B, rejected_B, _ = self._terms(batch, ref)
+            for i, v in enumerate((batch.num_samples, loss_B.sum(), (chosen_B > rejected_B).sum(),
+                                   (chosen_B - rejected_B).sum(), chosen_B.sum(), rejected_B.sum())):
+                sums[i] += float(v)
+        pairs, loss, correct, margin, chosen, rejected = self.world_sums(sums)
+        pairs = max(pairs, 1.0)
+        return {"eval_loss": loss / pairs, "eval_acc": correct / pairs, "eval_margin": margin / pairs,
+                "eval_chosen_reward": chosen / pairs, "eval_reject_reward": rejected / pairs}
+
+
+class KTOTrainer(PreferenceTrainer):
+    """KTO on the ranks of `Role.ACTOR`. The reference point z0 of a step is the mean policy - reference
+    log-prob of mismatched pairs (each sample's prompt with the next sample's response, over this rank's
+    samples of the step), averaged over the data-parallel group and clamped at 0, as the KTO paper and
+    OpenRLHF's `KTOLoss` (there per micro-batch; here per optimizer step, so it does not depend on the
+    micro-batch size)."""
+
+    batch_type = UnpairedBatch
+    metrics = KTO_METRICS
+
+    def __init__(self, *args, reference: Frozen, beta: float, desirable_weight: float, undesirable_weight: float,
+                 max_len: int) -> None:
+        super().__init__(*args, reference=reference)
+        self.beta, self.desirable_weight, self.undesirable_weight = beta, desirable_weight, undesirable_weight
+        self.max_len = max_len
+
+    def _kl_micro_batches(self, samples: list) -> list[SFTBatch]:
+        n = len(samples)
+        kl = [mismatched(samples[i], samples[(i + 1) % n], self.tokenizer.eos_token_id, self.max_len)
+              for i in range(n)]
+        return self.micro_batches(kl, batch_type=SFTBatch) if kl else []
+
+    def _reference_point(self, kl_batches: list[SFTBatch], kl_refs: list[torch.Tensor], group) -> torch.Tensor:
+        """z0 from this rank's mismatched pairs, summed over `group` (None: the world)."""
+        total, count = 0.0, 0.0
+        with torch.no_grad():
+            for batch, ref in zip(kl_batches, kl_refs):
+                logps, _ = self.policy_logps(batch)
+                total += float((logps - ref).sum())
+                count += batch.num_samples
+        ring = self.batcher.layout.ring_size if group is not None else 1
+        if group is None:
+            kl_sum, kl_count = self.world_sums([total, count])
+        else:
+            t = torch.tensor([total, count], dtype=torch.float64)
+            dist.all_reduce(t, group=group)
+            kl_sum, kl_count = (t / ring).tolist()
+        return kto_reference_point(kl_sum, kl_count)
+
+    def _phase(self, samples: list, group) -> tuple[list[UnpairedBatch], list[torch.Tensor], torch.Tensor]:
+        """The matched micro-batches, their reference log-probs and the reference point z0."""
+        batches, kl_batches = self.micro_batches(samples) if samples else [], self._kl_micro_batches(samples)
+        refs = self.reference_logps(kl_batches + batches)
+        return batches, refs[len(kl_batches):], self._reference_point(kl_batches, refs[:len(kl_batches)], group)
+
+    def _terms(self, batch: UnpairedBatch, ref_B: torch.Tensor, z0: torch.Tensor):
+        logps_B, _ = self.policy_logps(batch)
+        return kto_losses_B(logps_B, ref_B, batch.desirable_B, z0, beta=self.beta,
+                            desirable_weight=self.desirable_weight, undesirable_weight=self.undesirable_weight)
+
+    def step(self, step: int) -> dict[str, float]:
+        assert self.sampler.step == step, f"sampler at step {self.sampler.step}, loop at {step}"
+        with self.timer.stage("train"):
+            samples = [self.samples[i] for i in self.sampler.next()]
+            desirable = sum(s.desirable for s in samples)
+            n, n_desirable, n_undesirable = global_counts([len(samples), desirable, len(samples) - desirable],
+                                                          self.group, self.batcher.layout.ring_size)
+            batches, refs, z0 = self._phase(samples, self.group)
+
+            def micro_loss(item: tuple[UnpairedBatch, torch.Tensor]) -> MicroLoss:
+                batch, ref = item
+                loss_B, reward_B = self._terms(batch, ref, z0)
+                d = batch.desirable_B.to(reward_B.device)
+                loss = loss_B.sum() / n
+                return MicroLoss(loss, {"kto_loss": loss,
+                                        "chosen_reward": torch.where(d, reward_B, 0.0).sum() / n_desirable,
+                                        "reject_reward": torch.where(d, 0.0, reward_B).sum() / n_undesirable})
+
+            stats = step_metrics(self.model, optimizer_step(self.model, list(zip(batches, refs)), micro_loss))
+        if "nonfinite_skipped" not in stats or stats["nonfinite_skipped"] == 0:
+            stats["kl"] = float(z0)
+        return self.reduced(stats)
+
+    def eval_micro_batches(self) -> list:
+        raise NotImplementedError("KTO evaluates its own share of samples (`_eval_share`)")
+
+    def _eval_share(self) -> list:
+        """This replica's held-out samples; both samples of a preference pair go to the same replica."""
+        dp, rank = self.topology.dp_size(Role.ACTOR), self.topology.dp_rank(Role.ACTOR)
+        return [s for i, s in enumerate(self.eval_samples) if (i if s.pair is None else s.pair) % dp == rank]
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out KTO loss (with the held-out reference point), mean rewards of desirable and undesirable
+        samples, and, for samples that came from preference pairs, the pair accuracy (the chosen response's
+        reward above the rejected one's). Collective over the world."""
+        if not self.eval_samples:
+            return {}
+        self.model.eval()
+        batches, refs, z0 = self._phase(self._eval_share(), None)
+        sums = [0.0] * 8  # samples, loss, desirable, their reward, undesirable, their reward, pairs, correct
+        chosen, rejected = {}, {}  # pair -> reward (a pair may straddle micro-batches)
+        for batch, ref in zip(batches, refs):
+            loss_B, reward_B = self._terms(batch, ref, z0)
+            d = batch.desirable_B.to(reward_B.device)
+            for pair, good, r in zip(batch.pair_B.tolist(), d.tolist(), reward_B.tolist()):
+                if pair >= 0:
+                    (chosen if good else rejected)[pair] = r
+            for i, v in enumerate((batch.num_samples, loss_B.sum(), d.sum(), torch.where(d, reward_B, 0.0).sum(),
+                                   (~d).sum(), torch.where(d, 0.0, reward_B).sum())):
+                sums[i] += float(v)
+        both = chosen.keys() & rejected.keys()
+        sums[6], sums[7] = len(both), sum(chosen[p] > rejected[p] for p in both)
+        n, loss, n_d, r_d, n_u, r_u, pairs, correct = self.world_sums(sums)
+        out = {"eval_loss": loss / max(n, 1.0), "eval_kl": float(z0), "eval_chosen_reward": r_d / max(n_d, 1.0),
+               "eval_reject_reward": r_u / max(n_u, 1.0)}
+        if pairs:
+            out["eval_acc"] = correct / pairs
+        return out
