@@ -49,8 +49,9 @@ def test_unknown_flag_suggests_the_close_one(capsys):
 
 def test_pending_flag_is_refused_not_ignored(capsys):
     with pytest.raises(SystemExit):
-        parse("--lora_rank", "8")
-    assert "--lora_rank is an OpenRLHF flag whose feature is not implemented yet" in capsys.readouterr().err
+        parse("--ds_tensor_parallel_size", "2")
+    err = capsys.readouterr().err
+    assert "--ds_tensor_parallel_size is an OpenRLHF flag whose feature is not implemented yet" in err
 
 
 def test_non_finite_float_flags_are_refused(capsys):

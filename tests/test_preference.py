@@ -143,3 +143,20 @@ def test_kto_packing_gives_the_same_steps(tmp_path):
     ref = run("train_kto", 2, tmp_path / "padded", *short)
     assert_same_steps(ref, run("train_kto", 2, tmp_path / "packed", *short, "--packing_samples", "--ref_offload"),
                       KTO_COMPARED)
+
+
+def test_zero3_evaluation_with_unequal_shares_does_not_hang(tmp_path):
+    """9 held-out pairs over 2 ranks in micro-batches of 4: 2 micro-batches on rank 0, 1 on rank 1. At ZeRO-3
+    every forward gathers parameters over the group, so rank 1 must run a discarded copy; the metrics count
+    each pair once (the same as one rank scoring all 9)."""
+    from rlhf.assets import EMBEDDED_PAIRS_EVAL
+
+    with open(EMBEDDED_PAIRS_EVAL) as f:
+        (tmp_path / "eval.jsonl").write_text("".join(f.readlines()[:9]))
+    short = ("--max_steps", "1", "--eval_steps", "1", "--zero_stage", "3", "--eval_dataset",
+             str(tmp_path / "eval.jsonl"), "--eval_split", "train")
+    two = run("train_dpo", 2, tmp_path / "dp2", *short)
+    one = run("train_dpo", 1, tmp_path / "dp1", *short)
+    for a, b in zip(two[0], one[0]):
+        for key in ("eval_loss", "eval_acc", "eval_margin", "eval_chosen_reward"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)

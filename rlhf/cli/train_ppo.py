@@ -78,11 +78,15 @@ def build_reward_source(cfg: TrainPPOConfig) -> RewardSource | None:
 
 
 def save_models(cfg: TrainPPOConfig, roles: Roles, topology: Topology, tokenizer) -> None:
-    """Final HF-format models under --save_path: the actor (with tokenizer) and the critic."""
+    """Final HF-format models under --save_path: the actor (with tokenizer) and the critic. With --lora_rank
+    each is its adapter (with the critic's value head), as OpenRLHF saves it; `rlhf.cli.lora_combiner` merges
+    one into its base (--is_rm for the critic)."""
     out = cfg.logging.save_path
     if roles.actor is not None:
         roles.actor.model.save_hf(os.path.join(out, "model"), tokenizer, topology.leads(Role.ACTOR))
-    if roles.critic is not None:
+    if roles.critic is not None and roles.critic.model.adapted:
+        roles.critic.model.save_hf(os.path.join(out, "critic"), tokenizer, topology.leads(Role.CRITIC))
+    elif roles.critic is not None:
         is_writer = topology.leads(Role.CRITIC)
         state = roles.critic.model.gathered_state_dict(is_writer)
         if is_writer:

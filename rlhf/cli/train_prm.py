@@ -31,7 +31,7 @@ def _trainer(cfg: TrainPRMConfig, b: Built) -> ProcessRewardTrainer:
 PRM_JOB = SupervisedJob(
     name="prm", samples=_samples,
     load_model=lambda cfg, attn: load_causal_lm(cfg.model.pretrain, cfg.model.dtype, attn,
-                                                cfg.model.trust_remote_code),
+                                                cfg.model.trust_remote_code, cfg.model.lora.load_in_4bit),
     make_trainer=_trainer, save=save_trained_model, bar={"loss": "prm_loss", "acc": "acc"},
     demo_line="no --pretrain given: training a process reward model from the embedded tiny demo model on its "
               "step-labelled answers")

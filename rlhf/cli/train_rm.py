@@ -32,7 +32,8 @@ RM_JOB = SupervisedJob(
     name="rm", samples=_samples,
     load_model=lambda cfg, attn: load_scalar_head_model(cfg.model.pretrain, cfg.model.value_head_prefix,
                                                         cfg.model.dtype, attn, cfg.model.trust_remote_code,
-                                                        "--pretrain", fresh_head=True),
+                                                        "--pretrain", fresh_head=True,
+                                                        load_in_4bit=cfg.model.lora.load_in_4bit),
     make_trainer=_trainer, save=save_trained_model,
     bar={"loss": "loss", "acc": "acc"},
     demo_line="no --pretrain given: training a reward model from the embedded tiny demo model on its pairs")

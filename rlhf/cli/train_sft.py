@@ -29,7 +29,7 @@ def _trainer(cfg: TrainSFTConfig, b: Built) -> SFTTrainer:
 SFT_JOB = SupervisedJob(
     name="sft", samples=_samples,
     load_model=lambda cfg, attn: load_causal_lm(cfg.model.pretrain, cfg.model.dtype, attn,
-                                                cfg.model.trust_remote_code),
+                                                cfg.model.trust_remote_code, cfg.model.lora.load_in_4bit),
     make_trainer=_trainer, save=save_trained_model, bar={"loss": "gpt_loss"},
     demo_line="no --pretrain given: fine-tuning the embedded tiny demo model on its demonstrations")
 

@@ -31,6 +31,35 @@ def require(cond: bool, message: str) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """LoRA adapters (peft) on the trained models (actor, critic, the supervised jobs' model); frozen models
+    (reference, reward, teacher) never get them. OpenRLHF's flags and defaults."""
+
+    lora_rank: int = opt(0, "rank of the LoRA adapters (0: train every weight, no adapters)")
+    lora_alpha: int = opt(16, "LoRA scale numerator: the update is lora_alpha / lora_rank x B @ A")
+    target_modules: tuple[str, ...] = opt(("all-linear",), "names of the modules that get adapters (all-linear: "
+                                          "every linear layer but the output layer and value head)", nargs="*")
+    lora_dropout: float = opt(0.0, "dropout on the adapters' input")
+    load_in_4bit: bool = opt(False, "QLoRA: load the base weights in 4-bit NF4 (bitsandbytes; CUDA only; needs "
+                             "--lora_rank > 0 and bf16)")
+
+    def __post_init__(self) -> None:
+        require(self.lora_rank >= 0, "--lora_rank must be >= 0 (0: no adapters)")
+        require(self.lora_alpha > 0, "--lora_alpha must be > 0")
+        require(0 <= self.lora_dropout < 1, "--lora_dropout must lie in [0, 1)")
+        require(len(self.target_modules) > 0 and all(self.target_modules),
+                "--target_modules needs at least one module name, e.g. --target_modules q_proj v_proj "
+                "(default: all-linear)")
+        require(not self.load_in_4bit or self.lora_rank > 0,
+                "--load_in_4bit freezes the base weights in 4 bits: add --lora_rank (e.g. --lora_rank 64) so "
+                "adapters are trained")
+
+    @property
+    def enabled(self) -> bool:
+        return self.lora_rank > 0
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Which model to load and how to run it (every job)."""
 
@@ -44,8 +73,11 @@ class ModelConfig:
     flash_attn: bool = opt(False, "same as --attn_implementation flash_attention_2 (older OpenRLHF scripts)")
     gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
     trust_remote_code: bool = opt(False, "allow model/tokenizer code shipped inside the model directory")
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
+        require(not self.lora.load_in_4bit or self.param_dtype == "bf16",
+                f"--load_in_4bit computes in bf16: drop --param_dtype {self.param_dtype} (bf16 is the default)")
         require(self.pretrain is None or bool(self.pretrain), "--pretrain must name a local HF model directory")
         require(self.param_dtype in PARAM_DTYPES, f"--param_dtype {self.param_dtype!r}: choose bf16, fp16 or fp32")
         require(not (self.bf16 and self.param_dtype != "bf16"),

@@ -292,8 +292,7 @@ class TrainPPOConfig(JobConfig):
     """Everything `train_ppo` needs, one sub-config per component."""
 
     PENDING_FLAGS: ClassVar[tuple[str, ...]] = tuple((
-        "ds_tensor_parallel_size lora_rank lora_alpha target_modules "
-        "lora_dropout load_in_4bit max_len prompt_data_probs eval_dataset eval_split eval_temperature "
+        "ds_tensor_parallel_size max_len prompt_data_probs eval_dataset eval_split eval_temperature "
         "eval_n_samples_per_prompt async_train async_queue_size agent_func_path "
         "save_value_network vllm_generate_batch_size"
     ).split())

@@ -32,7 +32,7 @@ from rlhf.config.common import (
 )
 
 SUPERVISED_PENDING_FLAGS = tuple((
-    "lora_rank lora_alpha target_modules lora_dropout load_in_4bit ds_tensor_parallel_size use_ms "
+    "ds_tensor_parallel_size use_ms "
     "use_ds_universal_ckpt deepcompile zpg grad_accum_dtype"
 ).split())
 """OpenRLHF flags of the supervised jobs whose features are not built yet: refused, never silently ignored."""

@@ -4,6 +4,10 @@ Owns the DeepSpeed config and engine of one role over that role's data-parallel 
 nothing about RL: callers compute losses. `backward` takes a loss already normalised by the global
 token count of the optimizer step and undoes DeepSpeed's own averaging, so the gradient is the
 same for any split of the step over DP ranks and micro-batches.
+
+A model built with LoRA adapters (`adapt`, see `rlhf.models.lora`) trains only its adapters: the optimizer and
+the checkpoints hold them alone, `full_parameters` and `gathered_state_dict` give the merged weights under the
+base model's names, and `save_hf` writes the adapter.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.distributed as dist
 
 from rlhf.config.common import EngineConfig, OptimConfig
 from rlhf.engines.deepspeed_compat import barriers_scoped_to, zero3_construction
+from rlhf.models import lora
 
 
 def ds_config(engine: EngineConfig, optim: OptimConfig, *, bf16: bool, micro_batch_size: int,
@@ -130,16 +135,18 @@ class DeepSpeedModel:
     """One model on DeepSpeed over `dp_group`; construct on every rank of the group, same arguments.
 
     `build()` returns the torch module; under ZeRO-3 it runs while transformers' DeepSpeed config is
-    alive so `from_pretrained` partitions and initialises weights as transformers intends.
-    Trainable models get AdamW and the LR schedule; frozen ones (reference, reward) are plain
-    modules below ZeRO-3 and parameter-sharded DeepSpeed engines at ZeRO-3.
+    alive so `from_pretrained` partitions and initialises weights as transformers intends. `adapt(module)`
+    (LoRA) runs after that context, so the adapters are created whole and initialised as peft intends
+    (DeepSpeed partitions them when the engine starts).
+    Trainable models get AdamW over their trainable parameters and the LR schedule; frozen ones (reference,
+    reward) are plain modules below ZeRO-3 and parameter-sharded DeepSpeed engines at ZeRO-3.
     """
 
     def __init__(self, build: Callable[[], torch.nn.Module], engine_cfg: EngineConfig, optim_cfg: OptimConfig, *,
                  learning_rate: float, bf16: bool, micro_batch_size: int, grad_accum_steps: int, fp16: bool = False,
                  num_optimizer_steps: int, device: torch.device, dp_group: dist.ProcessGroup | None = None,
                  mpu: GroupMPU | None = None, trainable: bool = True, gradient_checkpointing: bool = False,
-                 name: str = "model") -> None:
+                 name: str = "model", adapt: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> None:
         self.name = name
         self.max_nonfinite_steps = optim_cfg.max_nonfinite_steps
         self.optimizer_steps = 0  # boundaries reached, applied or skipped
@@ -154,13 +161,17 @@ class DeepSpeedModel:
         deepspeed.init_distributed(dist_backend="nccl" if "nccl" in dist.get_backend() else "gloo",
                                    auto_mpi_discovery=False)
         model = self._build(build)
+        if adapt is not None:
+            model = adapt(model)
+        self.adapted = lora.is_adapted(model)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.scheduler = None
         with barriers_scoped_to(self.mpu_group):
             if trainable:
-                optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=tuple(optim_cfg.adam_betas),
-                                              weight_decay=optim_cfg.l2)
+                # frozen (LoRA base) weights get no optimizer states
+                optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=learning_rate,
+                                              betas=tuple(optim_cfg.adam_betas), weight_decay=optim_cfg.l2)
                 scheduler = _scheduler(optimizer, optim_cfg, num_optimizer_steps)
                 self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
                     model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.config, mpu=mpu,
@@ -293,33 +304,44 @@ class DeepSpeedModel:
     def learning_rate(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
 
+    def _gather(self, params: list[torch.nn.Parameter]):
+        """A context in which `params` are whole (a collective gather under ZeRO-3)."""
+        if self.zero_stage != 3:
+            return nullcontext()
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
     def full_parameters(self, keep: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) for every parameter, gathering ZeRO-3 shards one module at a time.
+        """(HF name, full tensor) for every parameter, gathering ZeRO-3 shards one module at a time. With LoRA:
+        the base model's parameters with the adapters merged in (W + scale x B @ A), under the base model's
+        names and in its order, so the stream is what the unadapted model would yield.
 
         Collective under ZeRO-3: every rank of the DP group iterates it to the end, in the same order.
         Yielded tensors are private copies (valid after the gather is released). With `keep=False` the
         gathers still run (so a rank can take part without holding the model) but nothing is copied or
         yielded.
         """
+        if self.adapted:
+            yield from lora.merged_parameters(self.module, self._gather, keep)
+            return
         seen: set[int] = set()
         for module_name, module in self.module.named_modules():
             params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
             seen.update(id(p) for _, p in params)
             if not params:
                 continue
-            gather = (deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None)
-                      if self.zero_stage == 3 else nullcontext())
-            with gather:
+            with self._gather([p for _, p in params]):
                 copies = [(f"{module_name}.{n}" if module_name else n, p.detach().clone())
                           for n, p in params] if keep else []
             yield from copies
 
     def gathered_state_dict(self, is_writer: bool) -> dict[str, torch.Tensor]:
-        """The full state dict (HF names) on the writer, {} elsewhere: non-writers take part in every
-        ZeRO-3 gather but drop each tensor at once, so only one rank ever holds the whole model.
-        Collective: every DP rank calls it. Raises `NonFiniteError` on the writer if a weight is not finite
-        (such a model is never saved)."""
-        state = dict(self.full_parameters(keep=is_writer))
+        """The full state dict (HF names; with LoRA the merged weights, see `full_parameters`) on the writer,
+        {} elsewhere: non-writers take part in every ZeRO-3 gather but drop each tensor at once, so only one
+        rank ever holds the whole model. Collective: every DP rank calls it. Raises `NonFiniteError` on the
+        writer if a weight is not finite (such a model is never saved)."""
+        return self._finite(dict(self.full_parameters(keep=is_writer)))
+
+    def _finite(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         bad = [name for name, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
         if bad:
             raise NonFiniteError(f"{self.name} weights are non-finite ({', '.join(bad[:5])}"
@@ -355,20 +377,31 @@ class DeepSpeedModel:
             t.data = t.data.to(device, copy=True)
 
     def save_state(self, directory: str) -> None:
-        """Weights, optimizer and LR-schedule state (DeepSpeed format). Collective over the DP group."""
+        """Weights, optimizer and LR-schedule state (DeepSpeed format); with LoRA the trainable (adapter)
+        weights only, the frozen base being the --pretrain model. Collective over the DP group."""
         with barriers_scoped_to(self.mpu_group):
-            self.engine.save_checkpoint(directory, tag="state", save_latest=False)
+            self.engine.save_checkpoint(directory, tag="state", save_latest=False,
+                                        exclude_frozen_parameters=self.adapted)
 
     def load_state(self, directory: str) -> None:
-        """Restore what `save_state` wrote. Collective over the DP group."""
+        """Restore what `save_state` wrote (with LoRA the frozen base weights stay as loaded). Collective over
+        the DP group."""
         with barriers_scoped_to(self.mpu_group):
             path, _ = self.engine.load_checkpoint(directory, tag="state", load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True)
+                                                  load_lr_scheduler_states=True, load_module_strict=not self.adapted)
         if path is None:
             raise ValueError(f"no DeepSpeed state under {directory}/state")
 
-    def save_hf(self, path: str, tokenizer, is_writer: bool) -> None:
-        """Write the model in HF format (with the tokenizer). Collective: every DP rank calls it."""
+    def save_hf(self, path: str, tokenizer, is_writer: bool, extra_config: dict | None = None) -> None:
+        """Write the model in HF format (with the tokenizer); with LoRA the adapter, as OpenRLHF saves it
+        (`rlhf.models.lora.save_adapter`; `extra_config` goes into its config.json; merge it into the base
+        with `python -m rlhf.cli.lora_combiner`). Collective: every DP rank calls it."""
+        if self.adapted:
+            state = self._finite(lora.adapter_state_dict(self.module, self._gather, keep=is_writer))
+            if is_writer:
+                lora.save_adapter(self.module, state, path, tokenizer, extra_config)
+            return
+        assert extra_config is None, "extra_config applies to adapters (a full model's config is saved as it is)"
         state = self.gathered_state_dict(is_writer)
         if is_writer:
             self.module.save_pretrained(path, state_dict=state, safe_serialization=True)

@@ -1,6 +1,8 @@
 """Streaming the actor's weights into every rank's rollout engine, bucket by bucket.
 
-Actor ranks gather ZeRO-3 shards one module at a time (`DeepSpeedModel.full_parameters`). When some
+Actor ranks gather ZeRO-3 shards one module at a time (`DeepSpeedModel.full_parameters`; a LoRA actor
+yields its merged weights under the base model's names and in its order, so the specs, read from the
+unadapted model, hold for it too and only merged tensors travel). When some
 ranks do not host the actor, the first actor rank packs parameters into flat buckets of at most
 `bucket_bytes` and broadcasts each over the world; every rank unpacks and feeds its own engine. The
 whole stream is one lazy iterator, because vLLM must receive all tensors of a fused module in one

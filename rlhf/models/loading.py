@@ -31,14 +31,18 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tok
 
 
-def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool = False):
-    """An `AutoModelForCausalLM` in `dtype`, with the KV cache disabled (training-time forwards)."""
+def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool = False,
+                   load_in_4bit: bool = False):
+    """An `AutoModelForCausalLM` in `dtype`, with the KV cache disabled (training-time forwards).
+    `load_in_4bit`: linear weights in 4-bit NF4 (QLoRA; CUDA, see `rlhf.models.lora.quantization_config`)."""
     from transformers import AutoModelForCausalLM
+
+    from rlhf.models.lora import quantization_config
 
     check_local_model(path)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
-        local_files_only=True,
+        local_files_only=True, quantization_config=quantization_config(load_in_4bit),
     )
     model.config.use_cache = False
     return model

@@ -28,6 +28,7 @@ class ScalarHeadModel(torch.nn.Module):
         self.base_prefix = base.base_model_prefix
         self.head_prefix = head_prefix
         self.config = base.config
+        self.name_or_path = base.name_or_path  # where the base came from (peft records it in adapter configs)
         setattr(self, self.base_prefix, base)
         setattr(self, head_prefix, torch.nn.Linear(base.config.hidden_size, 1, bias=False, dtype=base.dtype))
 
@@ -118,18 +119,22 @@ def check_scalar_head(path: str, head_prefix: str, flag: str = "--reward_pretrai
 
 def load_scalar_head_model(path: str, head_prefix: str, dtype: torch.dtype, attn_implementation: str,
                            trust_remote_code: bool = False, flag: str = "--reward_pretrain",
-                           fresh_head: bool = False) -> ScalarHeadModel:
+                           fresh_head: bool = False, load_in_4bit: bool = False) -> ScalarHeadModel:
     """Base weights from `path` (a causal LM or a sequence-classification checkpoint) and the head
     `<head_prefix>.weight`. A missing head is a ValueError (see `check_scalar_head`) unless `fresh_head`
-    (a critic may start from the policy): then it is initialised N(0, 1/(hidden+1))."""
+    (a critic may start from the policy): then it is initialised N(0, 1/(hidden+1)). `load_in_4bit`: the base's
+    linear weights in 4-bit NF4 (QLoRA; the head stays in `dtype`)."""
     from transformers import AutoModel
+
+    from rlhf.models.lora import quantization_config
 
     check_local_model(path, flag)
     if not fresh_head:
         check_scalar_head(path, head_prefix, flag)
     with _quiet_transformers():  # its load report lists a causal LM's lm_head as "unexpected": expected here
         base = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                         trust_remote_code=trust_remote_code, local_files_only=True)
+                                         trust_remote_code=trust_remote_code, local_files_only=True,
+                                         quantization_config=quantization_config(load_in_4bit))
     model = ScalarHeadModel(base, head_prefix)
     weight = _head_weight(path, f"{head_prefix}.weight")
     if weight is None:

@@ -14,16 +14,19 @@ from rlhf.distributed.topology import Role, Topology
 from rlhf.engines.deepspeed_engine import DeepSpeedModel, GroupMPU
 from rlhf.models.layout import SequenceLayout
 from rlhf.models.loading import apply_liger_kernel
+from rlhf.models.lora import apply_lora, check_lora
 from rlhf.models.micro_batches import MicroBatcher
 
 
 def check_model_configs(models: list[tuple[str, str]], model: ModelConfig, engine: EngineConfig, *,
                         longest: int, length_flags: str) -> None:
     """For each (flag, local model directory): `longest` tokens (named by `length_flags`) fit its
-    max_position_embeddings, and with ring attention --ring_head_stride divides its key/value heads. Run
-    before any engine starts, so errors name our flags rather than a library's."""
+    max_position_embeddings, and with ring attention --ring_head_stride divides its key/value heads; and the
+    LoRA settings can run here (--load_in_4bit: CUDA). Run before any engine starts, so errors name our flags
+    rather than a library's."""
     from transformers import AutoConfig
 
+    check_lora(model.lora)
     for flag, path in models:
         config = AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code, local_files_only=True)
         limit = getattr(config, "max_position_embeddings", None)
@@ -64,11 +67,13 @@ def role_model(build: Callable[[], torch.nn.Module], model: ModelConfig, engine:
                topology: Topology, role: Role, device: torch.device, *, trainable: bool, micro_batch_size: int,
                grad_accum_steps: int = 1, num_optimizer_steps: int = 1, learning_rate: float = 0.0,
                name: str | None = None) -> DeepSpeedModel:
-    """`role`'s model on DeepSpeed over the role's group (build on every rank hosting the role)."""
+    """`role`'s model on DeepSpeed over the role's group (build on every rank hosting the role). A trainable
+    model gets LoRA adapters when --lora_rank > 0 (frozen ones never do)."""
     mpu = GroupMPU(topology.group(role), topology.self_group) if topology.has_subgroups else None
+    adapt = (lambda module: apply_lora(module, model.lora)) if trainable and model.lora.enabled else None
     return DeepSpeedModel(
         build, engine, optim, learning_rate=learning_rate, bf16=model.param_dtype == "bf16",
         fp16=model.param_dtype == "fp16", micro_batch_size=micro_batch_size,
         grad_accum_steps=max(grad_accum_steps, 1), num_optimizer_steps=max(num_optimizer_steps, 1), device=device,
         dp_group=topology.group(role), mpu=mpu, trainable=trainable,
-        gradient_checkpointing=model.gradient_checkpointing and trainable, name=name or role.value)
+        gradient_checkpointing=model.gradient_checkpointing and trainable, name=name or role.value, adapt=adapt)

@@ -149,13 +149,15 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
     actor = critic = ref_model = ref_batcher = None
     frozen: list[DeepSpeedModel] = []
 
-    def causal_lm(attn: str) -> torch.nn.Module:
-        return load_causal_lm(m.pretrain, dtype, attn, m.trust_remote_code)
+    def causal_lm(attn: str, load_in_4bit: bool = False) -> torch.nn.Module:
+        return load_causal_lm(m.pretrain, dtype, attn, m.trust_remote_code, load_in_4bit)
+
+    four_bit = m.lora.load_in_4bit  # the trained models' bases only (QLoRA); frozen ones load as they are
 
     if topology.hosts(Role.ACTOR):
         infer, train = batchers_for(cfg, topology, Role.ACTOR)
-        model = _engine(_with_steps(cfg, total_steps), topology, Role.ACTOR, _model_builder(cfg, train.layout,
-                                                                                           causal_lm),
+        model = _engine(_with_steps(cfg, total_steps), topology, Role.ACTOR, _model_builder(
+            cfg, train.layout, lambda attn: causal_lm(attn, four_bit)),
                         device, trainable=True, learning_rate=cfg.optim.actor_learning_rate)
         actor = Actor(model, topology.group(Role.ACTOR), device, temperature=cfg.rollout.temperature, algo=cfg.algo,
                       infer_batcher=infer, train_batcher=train)
@@ -165,7 +167,7 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
         model = _engine(_with_steps(cfg, total_steps), topology, Role.CRITIC, _model_builder(
             cfg, train.layout, lambda attn: load_scalar_head_model(path, m.value_head_prefix, dtype, attn,
                                                                    m.trust_remote_code, "--critic_pretrain",
-                                                                   fresh_head=True)),
+                                                                   fresh_head=True, load_in_4bit=four_bit)),
                         device, trainable=True, learning_rate=cfg.optim.critic_learning_rate)
         critic = Critic(model, topology.group(Role.CRITIC), device, cfg.algo.value_clip, infer_batcher=infer,
                         train_batcher=train)

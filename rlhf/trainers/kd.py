@@ -72,12 +72,12 @@ class DistillationTrainer(SupervisedTrainer):
         if not self.eval_samples:
             return {}
         self.model.eval()
-        batches = self.eval_micro_batches()
+        batches, counted = self.eval_micro_batches()
         self.teacher.begin(len(batches))
         sums = [0.0, 0.0, 0.0]  # NLL sum, KD sum, tokens
-        for batch in batches:
+        for b, batch in enumerate(batches):
             nll, kd = self._terms(batch, 1.0)  # sums over the micro-batch's targets
-            for i, v in enumerate((float(nll), float(kd), float(batch.loss_mask_BT1.sum()))):
+            for i, v in enumerate((float(nll), float(kd), float(batch.loss_mask_BT1.sum())) if b < counted else ()):
                 sums[i] += v
         self.teacher.end()
         nll, kd, tokens = self.world_sums(sums)

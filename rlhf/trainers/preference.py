@@ -125,11 +125,13 @@ class DPOTrainer(PreferenceTrainer):
         if not self.eval_samples:
             return {}
         self.model.eval()
-        batches = self.eval_micro_batches()
+        batches, counted = self.eval_micro_batches()
         refs = self.reference_logps(batches)
         sums = [0.0] * 6  # pairs, loss, correct, margin, chosen reward, rejected reward
-        for batch, ref in zip(batches, refs):
+        for b, (batch, ref) in enumerate(zip(batches, refs)):
             loss_B, chosen_B, rejected_B, _ = self._terms(batch, ref)
+            if b >= counted:
+                continue
             for i, v in enumerate((batch.num_samples, loss_B.sum(), (chosen_B > rejected_B).sum(),
                                    (chosen_B - rejected_B).sum(), chosen_B.sum(), rejected_B.sum())):
                 sums[i] += float(v)
@@ -155,34 +157,44 @@ class KTOTrainer(PreferenceTrainer):
         self.beta, self.desirable_weight, self.undesirable_weight = beta, desirable_weight, undesirable_weight
         self.max_len = max_len
 
-    def _kl_micro_batches(self, samples: list) -> list[SFTBatch]:
+    def _kl_samples(self, samples: list) -> list:
         n = len(samples)
-        kl = [mismatched(samples[i], samples[(i + 1) % n], self.tokenizer.eos_token_id, self.max_len)
-              for i in range(n)]
-        return self.micro_batches(kl, batch_type=SFTBatch) if kl else []
+        return [mismatched(samples[i], samples[(i + 1) % n], self.tokenizer.eos_token_id, self.max_len)
+                for i in range(n)]
 
-    def _reference_point(self, kl_batches: list[SFTBatch], kl_refs: list[torch.Tensor], group) -> torch.Tensor:
-        """z0 from this rank's mismatched pairs, summed over `group` (None: the world)."""
+    def _reference_point(self, kl_batches: list[SFTBatch], kl_refs: list[torch.Tensor], counted: int,
+                         world: bool) -> torch.Tensor:
+        """z0 from the first `counted` of this rank's mismatched-pair micro-batches, summed over the model's
+        group (or, with `world`, over the world, as the evaluation's sums)."""
         total, count = 0.0, 0.0
         with torch.no_grad():
-            for batch, ref in zip(kl_batches, kl_refs):
+            for b, (batch, ref) in enumerate(zip(kl_batches, kl_refs)):
                 logps, _ = self.policy_logps(batch)
-                total += float((logps - ref).sum())
-                count += batch.num_samples
-        ring = self.batcher.layout.ring_size if group is not None else 1
-        if group is None:
+                if b < counted:
+                    total += float((logps - ref).sum())
+                    count += batch.num_samples
+        if world:
             kl_sum, kl_count = self.world_sums([total, count])
         else:
             t = torch.tensor([total, count], dtype=torch.float64)
-            dist.all_reduce(t, group=group)
-            kl_sum, kl_count = (t / ring).tolist()
+            dist.all_reduce(t, group=self.group)
+            kl_sum, kl_count = (t / self.batcher.layout.ring_size).tolist()
         return kto_reference_point(kl_sum, kl_count)
 
-    def _phase(self, samples: list, group) -> tuple[list[UnpairedBatch], list[torch.Tensor], torch.Tensor]:
-        """The matched micro-batches, their reference log-probs and the reference point z0."""
-        batches, kl_batches = self.micro_batches(samples) if samples else [], self._kl_micro_batches(samples)
+    def _phase(self, samples: list, evaluation: bool):
+        """(matched micro-batches, how many count, their reference log-probs, z0): the reference answers for
+        the mismatched pairs and the samples in one phase, then the reference point."""
+        if evaluation:  # fixed-size micro-batches, padded to the same count on every rank
+            batches, counted = self.eval_micro_batches(samples)
+            kl_batches, kl_counted = self.eval_micro_batches(self._kl_samples(samples), SFTBatch,
+                                                             fallback=self._kl_samples(self.eval_samples[:1]))
+        else:
+            batches = self.micro_batches(samples)
+            kl_batches = self.micro_batches(self._kl_samples(samples), batch_type=SFTBatch)
+            counted, kl_counted = len(batches), len(kl_batches)
         refs = self.reference_logps(kl_batches + batches)
-        return batches, refs[len(kl_batches):], self._reference_point(kl_batches, refs[:len(kl_batches)], group)
+        z0 = self._reference_point(kl_batches, refs[:len(kl_batches)], kl_counted, evaluation)
+        return batches, counted, refs[len(kl_batches):], z0
 
     def _terms(self, batch: UnpairedBatch, ref_B: torch.Tensor, z0: torch.Tensor):
         logps_B, _ = self.policy_logps(batch)
@@ -196,7 +208,7 @@ class KTOTrainer(PreferenceTrainer):
             desirable = sum(s.desirable for s in samples)
             n, n_desirable, n_undesirable = global_counts([len(samples), desirable, len(samples) - desirable],
                                                           self.group, self.batcher.layout.ring_size)
-            batches, refs, z0 = self._phase(samples, self.group)
+            batches, _, refs, z0 = self._phase(samples, evaluation=False)
 
             def micro_loss(item: tuple[UnpairedBatch, torch.Tensor]) -> MicroLoss:
                 batch, ref = item
@@ -212,13 +224,17 @@ class KTOTrainer(PreferenceTrainer):
             stats["kl"] = float(z0)
         return self.reduced(stats)
 
-    def eval_micro_batches(self) -> list:
-        raise NotImplementedError("KTO evaluates its own share of samples (`_eval_share`)")
-
     def _eval_share(self) -> list:
-        """This replica's held-out samples; both samples of a preference pair go to the same replica."""
+        """This replica's held-out samples, dealt in turn; both samples of a preference pair go to the same
+        replica."""
         dp, rank = self.topology.dp_size(Role.ACTOR), self.topology.dp_rank(Role.ACTOR)
-        return [s for i, s in enumerate(self.eval_samples) if (i if s.pair is None else s.pair) % dp == rank]
+        units: list[list] = []  # a pair or a single sample
+        for s in self.eval_samples:
+            if s.pair is not None and units and units[-1][0].pair == s.pair:
+                units[-1].append(s)
+            else:
+                units.append([s])
+        return [s for unit in units[rank::dp] for s in unit]
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -228,11 +244,13 @@ class KTOTrainer(PreferenceTrainer):
         if not self.eval_samples:
             return {}
         self.model.eval()
-        batches, refs, z0 = self._phase(self._eval_share(), None)
+        batches, counted, refs, z0 = self._phase(self._eval_share(), evaluation=True)
         sums = [0.0] * 8  # samples, loss, desirable, their reward, undesirable, their reward, pairs, correct
         chosen, rejected = {}, {}  # pair -> reward (a pair may straddle micro-batches)
-        for batch, ref in zip(batches, refs):
+        for b, (batch, ref) in enumerate(zip(batches, refs)):
             loss_B, reward_B = self._terms(batch, ref, z0)
+            if b >= counted:
+                continue
             d = batch.desirable_B.to(reward_B.device)
             for pair, good, r in zip(batch.pair_B.tolist(), d.tolist(), reward_B.tolist()):
                 if pair >= 0:

@@ -71,9 +71,10 @@ class ProcessRewardTrainer(SupervisedTrainer):
             return {}
         self.model.eval()
         sums = [0.0, 0.0, 0.0]  # loss, correct, counted
-        for batch in self.eval_micro_batches():
+        batches, counted = self.eval_micro_batches()
+        for b, batch in enumerate(batches):
             loss_N, counted_N, correct_N = self._losses(batch)
-            for i, v in enumerate((loss_N.sum(), correct_N.sum(), counted_N.sum())):
+            for i, v in enumerate((loss_N.sum(), correct_N.sum(), counted_N.sum()) if b < counted else ()):
                 sums[i] += float(v)
         loss, correct, counted = self.world_sums(sums)
         return {"eval_prm_loss": loss / max(counted, 1.0), "eval_acc": correct / max(counted, 1.0)}

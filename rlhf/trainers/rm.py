@@ -87,8 +87,11 @@ class RewardModelTrainer(SupervisedTrainer):
             return {}
         self.model.eval()
         sums = [0.0] * 5  # pairs, loss, correct, reward sum, reward square sum
-        for batch in self.eval_micro_batches():
+        batches, counted = self.eval_micro_batches()
+        for b, batch in enumerate(batches):
             chosen, rejected, margin = self._rewards(batch)
+            if b >= counted:
+                continue
             both = torch.cat([chosen, rejected]).double()
             for i, v in enumerate((batch.num_samples, float(self.loss_fn(chosen, rejected, margin).sum()),
                                    float((chosen > rejected).sum()), float(both.sum()), float((both * both).sum()))):
@@ -103,12 +106,15 @@ class RewardModelTrainer(SupervisedTrainer):
 
     def save_hf(self, directory: str) -> None:
         """The model as a sequence-classification checkpoint, with the reward mean/std of the last evaluation
-        in its config (collective)."""
+        in its config; with LoRA, the adapter and head with the mean/std in its config.json (collective)."""
         is_writer = self.topology.leads(Role.ACTOR)
+        extra = {"mean": self.stats.mean, "std": self.stats.std} if self.stats.mean is not None else {}
+        if self.model.adapted:  # the adapter and head (as OpenRLHF); `lora_combiner --is_rm` merges them
+            self.model.save_hf(directory, self.tokenizer, is_writer, extra or None)
+            return
         state = self.model.gathered_state_dict(is_writer)
         if is_writer:
             module = self.model.module
-            extra = {"mean": self.stats.mean, "std": self.stats.std} if self.stats.mean is not None else {}
             save_scalar_head_model(state, module.config, module.head_prefix, directory, self.tokenizer, extra)
 
     def checkpointed(self) -> CheckpointedState:

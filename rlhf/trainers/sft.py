@@ -62,11 +62,13 @@ class SFTTrainer(SupervisedTrainer):
             return {}
         self.model.eval()
         nll_sum = count = 0.0
-        for micro in self.eval_micro_batches():
+        batches, counted = self.eval_micro_batches()
+        for i, micro in enumerate(batches):
             out = policy_forward(self.model.engine, micro.input_ids_BT.to(self.device),
                                  micro.attention_mask_BT.to(self.device), layout=self.batcher.layout)
             mask = micro.loss_mask_BT1.to(self.device)
-            nll_sum += float(-(out.logprobs_BT1 * mask).sum())
-            count += float(mask.sum())
+            if i < counted:
+                nll_sum += float(-(out.logprobs_BT1 * mask).sum())
+                count += float(mask.sum())
         nll_sum, count = self.world_sums([nll_sum, count])
         return {"eval_gpt_loss": nll_sum / max(count, 1.0)}

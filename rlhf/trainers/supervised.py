@@ -49,12 +49,24 @@ class SupervisedTrainer:
         assert self.sampler.step == step, f"sampler at step {self.sampler.step}, loop at {step}"
         return self.micro_batches([self.samples[i] for i in self.sampler.next()])
 
-    def eval_micro_batches(self) -> list:
-        """This replica's share of the held-out samples, in fixed-size micro-batches (no token budget: the
-        shares may differ by a sample, and budgeting would make the ranks' micro-batch counts a collective)."""
-        dp, rank = self.topology.dp_size(Role.ACTOR), self.topology.dp_rank(Role.ACTOR)
-        mine = [self.eval_samples[i] for i in range(rank, len(self.eval_samples), dp)]
-        return self.micro_batches(mine, dataclasses.replace(self.batcher, max_tokens=None)) if mine else []
+    def eval_micro_batches(self, samples: list | None = None, batch_type: type | None = None,
+                           fallback: list | None = None) -> tuple[list, int]:
+        """(micro-batches, how many of them count): this replica's share of the held-out samples (or of
+        `samples`, already this replica's), in fixed-size micro-batches (no token budget: the shares may differ
+        by a sample, and budgeting would make the ranks' micro-batch counts a collective), then copies of one of
+        them (or of `fallback`, a sample list, for a replica with none) until every replica has as many as the
+        most (at ZeRO-3 each forward gathers the parameters over the
+        group, so every rank must run the same number). Score the copies and drop their results.
+        Collective over the model's group."""
+        if samples is None:
+            dp, rank = self.topology.dp_size(Role.ACTOR), self.topology.dp_rank(Role.ACTOR)
+            samples = [self.eval_samples[i] for i in range(rank, len(self.eval_samples), dp)]
+        fixed = dataclasses.replace(self.batcher, max_tokens=None)
+        batches = self.micro_batches(samples, fixed, batch_type) if samples else []
+        most = torch.tensor([len(batches)], dtype=torch.int64)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
+        filler = batches[-1] if batches else self.micro_batches(fallback or self.eval_samples[:1], fixed, batch_type)[0]
+        return batches + [filler] * (int(most) - len(batches)), len(batches)
 
     def world_sums(self, sums: list[float]) -> list[float]:
         """`sums` added over the data-parallel replicas (the ranks of a ring hold the same samples: one counts).

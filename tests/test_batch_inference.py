@@ -1,0 +1,309 @@
+"""batch_inference: the post-processors against hand-computed rows, the chunked writer across interruptions
+(torn lines included), the config's refusals, and end-to-end runs on the embedded tiny models: HF generate on
+2 ranks == a 1-rank run stopped after its first chunk and rerun, reward-model scores == scoring the rows by hand
+(with the stored mean/std), and vLLM greedy rows == HF greedy decoding."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_PROMPTS, EMBEDDED_REWARD_MODEL_DIR
+from rlhf.config.errors import UsageError
+from rlhf.config.flags import flag_specs, parse_config
+from rlhf.config.inference import BatchInferenceConfig
+from rlhf.inference.generate import generated_text, iter_rows
+from rlhf.inference.output import ChunkedJsonlWriter, progress_path, split_range
+from rlhf.inference.post_process import conditional_sft, iterative_dpo, rejection_sampling, reward_stats
+from tests.distributed import ROOT, free_port, run_torchrun
+
+CPU = ["--param_dtype", "fp32", "--attn_implementation", "sdpa"]
+GEN = [*CPU, "--max_samples", "24", "--best_of_n", "2", "--chunk_size", "6"]
+"""24 demo prompts x 2 samples in 4 chunks of 6 prompts."""
+
+
+# --- post-processors ------------------------------------------------------------------------------
+
+SCORED = [
+    {"input": "p1", "output": "a", "reward": 0.5},
+    {"input": "p2", "output": "x", "reward": -1.0},
+    {"input": "p1", "output": "b", "reward": 2.0},
+    {"input": "p1", "output": "c", "reward": -3.0},
+    {"input": "p2", "output": "y", "reward": -1.0},
+    {"input": "p1", "output": "d", "reward": 2.0},
+]
+
+
+def test_rejection_sampling_keeps_the_first_best_output_per_prompt():
+    assert rejection_sampling(SCORED) == [{"input": "p1", "output": "b", "reward": 2.0},
+                                          {"input": "p2", "output": "x", "reward": -1.0}]
+
+
+def test_iterative_dpo_pairs_best_and_worst_per_prompt():
+    assert iterative_dpo(SCORED) == [
+        {"prompt": "p1", "chosen": "b", "chosen_reward": 2.0, "rejected": "c", "rejected_reward": -3.0},
+        # all outputs tie: chosen == rejected == the first, as in OpenRLHF
+        {"prompt": "p2", "chosen": "x", "chosen_reward": -1.0, "rejected": "x", "rejected_reward": -1.0},
+    ]
+
+
+def test_conditional_sft_writes_the_reward_into_the_prompt():
+    rows = [{"input": "q1", "output": "a", "reward": 1.0}, {"input": "q2", "output": "b", "reward": 3.0},
+            {"input": "q3", "output": "c", "reward": 5.0}]
+    assert [r["input"] for r in conditional_sft(rows)] == ["q1 <rm_score>: 1.00 ", "q2 <rm_score>: 3.00 ",
+                                                           "q3 <rm_score>: 5.00 "]
+    # mean 3, unbiased std 2 -> -1, 0, 1; the row keeps the standardised reward
+    out = conditional_sft(rows, "[{reward}] {input}", normalize_reward=True)
+    assert [(r["input"], r["output"], r["reward"]) for r in out] == [("[-1.00] q1", "a", -1.0), ("[0.00] q2", "b", 0.0),
+                                                                     ("[1.00] q3", "c", 1.0)]
+    assert rows[0]["input"] == "q1" and rows[0]["reward"] == 1.0  # inputs untouched
+    assert reward_stats(rows) == (3.0, 2.0)
+    with pytest.raises(ValueError, match="no spread"):
+        conditional_sft(rows[:1], normalize_reward=True)
+
+
+# --- the chunked writer ---------------------------------------------------------------------------
+
+CHUNKS = [[{"input": f"p{c}{i}", "output": "ü " * i, "reward": c + i / 10} for i in range(3)] for c in range(4)]
+
+
+def _write(path, chunks, fingerprint="f", num_chunks=4):
+    writer = ChunkedJsonlWriter(str(path), fingerprint, num_chunks)
+    for rows in chunks[writer.resume().chunks_done:]:
+        writer.append_chunk(rows)
+    return writer
+
+
+def test_writer_restart_after_a_torn_line_equals_an_uninterrupted_run(tmp_path):
+    straight = _write(tmp_path / "straight.jsonl", CHUNKS)
+    path = tmp_path / "out.jsonl"
+    _write(path, CHUNKS[:1])  # interrupted after the first chunk...
+    with open(path, "ab") as f:  # ...while writing the second: a whole row and a torn one are on disk
+        f.write((json.dumps(CHUNKS[1][0]) + "\n" + json.dumps(CHUNKS[1][1])[:7]).encode())
+    record = json.loads(open(progress_path(str(path))).read())
+    assert (record["chunks_done"], record["num_rows"], record["complete"]) == (1, 3, False)
+    resumed = _write(path, CHUNKS)
+    assert path.read_bytes() == (tmp_path / "straight.jsonl").read_bytes()
+    assert resumed.rows() == [row for rows in CHUNKS for row in rows]
+    assert resumed.progress == straight.progress
+    resumed.mark_complete()
+    assert resumed.read_progress().complete
+
+
+def test_writer_starts_afresh_for_other_inputs_and_refuses_an_edited_file(tmp_path):
+    path = tmp_path / "out.jsonl"
+    _write(path, CHUNKS[:2])
+    assert ChunkedJsonlWriter(str(path), "other inputs", 4).resume().chunks_done == 0
+    assert path.read_bytes() == b""  # overwritten, as OpenRLHF overwrites its output
+    _write(path, CHUNKS[:2])
+    text = path.read_text()
+    path.write_text(text.replace("p00", "pXX"))  # same length, other content
+    with pytest.raises(UsageError, match="no longer holds the 6 rows"):
+        ChunkedJsonlWriter(str(path), "f", 4).resume()
+    path.write_text(text[:10])
+    with pytest.raises(UsageError, match="delete both files"):
+        ChunkedJsonlWriter(str(path), "f", 4).resume()
+    path.unlink()  # the output deleted: start afresh
+    assert ChunkedJsonlWriter(str(path), "f", 4).resume().chunks_done == 0
+
+
+def test_split_range_and_iter_rows():
+    parts = [split_range(range(10, 17), 3, i) for i in range(3)]
+    assert parts == [range(10, 13), range(13, 15), range(15, 17)]
+    assert [split_range(range(0, 1), 2, i) for i in range(2)] == [range(0, 1), range(1, 1)]
+    assert iter_rows(10, None, 4) == range(10)
+    assert iter_rows(10, 2, 4) == range(8, 10)
+    with pytest.raises(UsageError, match="--iter 3 x --rollout_batch_size 4 = row 12, past the 10 rows"):
+        iter_rows(10, 3, 4)
+
+
+def test_generated_text_keeps_the_leading_space_and_eos():
+    from rlhf.models.loading import load_tokenizer
+
+    tok = load_tokenizer(EMBEDDED_MODEL_DIR)
+    prompt = tok("q copy 5 :", add_special_tokens=False)["input_ids"]
+    answer = tok("5 5", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert generated_text(tok, prompt, answer, skip_special_tokens=False) == " 5 5 </s>"
+    assert generated_text(tok, prompt, answer, skip_special_tokens=True) == " 5 5"
+
+
+# --- config ---------------------------------------------------------------------------------------
+
+def parse(*argv: str) -> BatchInferenceConfig:
+    return parse_config(BatchInferenceConfig, list(argv), prog="batch_inference")
+
+
+def test_defaults_are_openrlhfs_and_the_demo_fills_in_the_tiny_model():
+    cfg = parse("--eval_task", "generate_vllm", "--output_path", "o.jsonl")
+    assert (cfg.seed, cfg.model.value_head_prefix, cfg.engine.zero_stage, cfg.data.max_len, cfg.data.input_key,
+            cfg.data.output_key, cfg.generation.prompt_max_len, cfg.generation.max_new_tokens,
+            cfg.generation.rollout_batch_size, cfg.scoring.micro_batch_size, cfg.generation.csft_prompt) == \
+        (1234, "value_head", 0, 2048, "input", "output", 1024, 1024, 2048, 16, "<rm_score>: 5.00")
+    demo = cfg.with_demo_defaults()
+    assert demo.model.pretrain == EMBEDDED_MODEL_DIR and demo.data.input_template == "{} "
+    assert (demo.generation.prompt_max_len, demo.generation.max_new_tokens) == (32, 8)
+    rm = parse("--eval_task", "rm", "--output_path", "o.jsonl", "--max_len", "100").with_demo_defaults()
+    assert rm.model.pretrain == EMBEDDED_REWARD_MODEL_DIR and rm.data.max_len == 100
+    specs = flag_specs(BatchInferenceConfig)
+    names = [s.flag for s in specs]
+    assert len(names) == len(set(names)) and all(s.help for s in specs)
+    assert not set(names) & set(BatchInferenceConfig.PENDING_FLAGS)
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "--eval_task None: choose generate_vllm"),
+    (["--eval_task", "rm"], "--output_path is required"),
+    (["--eval_task", "rm", "--output_path", "o", "--zero_stage", "3"], "pass --zero_stage 0"),
+    (["--eval_task", "generate", "--output_path", "o", "--greedy_sampling"], "use --eval_task generate_vllm"),
+    (["--eval_task", "generate", "--output_path", "o", "--tp_size", "2"], "needs --eval_task generate_vllm"),
+    (["--eval_task", "generate_vllm", "--output_path", "o", "--greedy_sampling", "--best_of_n", "4"],
+     "--best_of_n 4 identical samples"),
+    (["--eval_task", "rm", "--output_path", "o", "--post_processor", "best"], "choose rs, csft, iter_dpo"),
+    (["--eval_task", "rm", "--output_path", "o", "--reward_template", "{input}"], "must contain {input} and"),
+    (["--eval_task", "rm", "--output_path", "o", "--lora_rank", "8"], "merge an adapter into its base model"),
+])
+def test_bad_flag_combinations_name_the_fix(argv, message):
+    with pytest.raises(UsageError, match=message.replace("{", r"\{").replace("}", r"\}")):
+        parse(*argv)
+
+
+def test_pretrain_without_dataset_and_pending_flags_are_refused(capsys):
+    cfg = parse("--eval_task", "generate", "--output_path", "o", "--pretrain", EMBEDDED_MODEL_DIR)
+    with pytest.raises(UsageError, match="--dataset is not: name the input rows"):
+        cfg.with_demo_defaults()
+    with pytest.raises(SystemExit):
+        parse("--eval_task", "generate_vllm", "--output_path", "o", "--max_num_seqs", "64")
+    assert "--max_num_seqs is an OpenRLHF flag whose feature is not implemented yet" in capsys.readouterr().err
+    with pytest.warns(UserWarning, match="ignored with --eval_task generate: --post_processor"):
+        parse("--eval_task", "generate", "--output_path", "o", "--post_processor", "rs")
+
+
+# --- end to end -----------------------------------------------------------------------------------
+
+def _rows(path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def hf_generated(tmp_path_factory):
+    """The demo's first 24 prompts x 2 samples, HF generate on 2 ranks (uninterrupted)."""
+    out = tmp_path_factory.mktemp("hf") / "gen.jsonl"
+    proc = run_torchrun(2, "-m rlhf.cli.batch_inference", "--eval_task", "generate", *GEN, "--output_path", str(out))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "24 prompts x 2 samples on 2 HF generate engine(s) of 1 rank(s)" in proc.stdout
+    return out
+
+
+def _single_rank(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "MASTER_PORT": str(free_port())}
+    return subprocess.Popen([sys.executable, "-m", "rlhf.cli.batch_inference", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _chunks_done(path) -> int:
+    try:
+        with open(progress_path(str(path))) as f:
+            return json.load(f)["chunks_done"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def test_generate_rows_and_a_stopped_single_rank_run_resumed_equal_two_ranks(hf_generated, tmp_path):
+    rows = _rows(hf_generated)
+    assert len(rows) == 48 and all(set(r) == {"input", "output"} for r in rows)
+    assert [r["input"] for r in rows[:4]] == ["b i q copy 6 : "] * 2 + ["z j p copy 7 : "] * 2  # samples together
+    assert rows[0]["output"] != rows[1]["output"]
+    out = tmp_path / "gen.jsonl"
+    args = ["--eval_task", "generate", *GEN, "--output_path", str(out)]
+    proc = _single_rank(*args)
+    deadline = time.monotonic() + 300
+    while _chunks_done(out) < 1 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)  # preemption: stop at the next chunk boundary
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 75, stderr[-6000:]
+    assert "rerun the same command to continue" in stdout
+    done = _chunks_done(out)
+    assert 1 <= done < 4
+    with open(out, "ab") as f:  # and a crash while writing the next chunk left a torn row behind
+        f.write(b'{"input": "b i q co')
+    proc = _single_rank(*args)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-6000:]
+    assert f"resuming {out}: {done} of 4 chunks ({done * 12} rows)" in stdout
+    assert out.read_bytes() == hf_generated.read_bytes()
+
+
+def test_rm_scores_equal_direct_scoring_then_rejection_sampling(hf_generated, tmp_path):
+    from rlhf.models.loading import load_tokenizer
+    from rlhf.models.value import load_scalar_head_model
+
+    rm = tmp_path / "rm"
+    shutil.copytree(EMBEDDED_REWARD_MODEL_DIR, rm)
+    config = json.loads((rm / "config.json").read_text())
+    (rm / "config.json").write_text(json.dumps({**config, "mean": 0.25, "std": 0.5}))  # as train_rm stores them
+    out = tmp_path / "rs.jsonl"
+    # the head is named in the model's config ("score"): it wins over --value_head_prefix's default "value_head"
+    proc = run_torchrun(2, "-m rlhf.cli.batch_inference", "--eval_task", "rm", *CPU, "--pretrain", str(rm),
+                        "--dataset", str(hf_generated), "--max_len", "64", "--micro_batch_size", "5",
+                        "--chunk_size", "16", "--post_processor", "rs", "--output_path", str(out))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    generated = [r for r in _rows(hf_generated) if r["output"]]  # OpenRLHF's SFTDataset drops empty responses
+    scored = _rows(str(out) + ".scored.jsonl")
+    assert [(r["input"], r["output"]) for r in scored] == [(r["input"], r["output"]) for r in generated]
+    tok = load_tokenizer(str(rm))
+    model = load_scalar_head_model(str(rm), "score", torch.float32, "sdpa").eval()
+    for row in scored:
+        ids = tok((row["input"] + row["output"]).rstrip("\n") + " </s>", add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            raw = float(model(torch.tensor([ids]))[0, -1])
+        assert row["reward"] == pytest.approx((raw - 0.25) / 0.5, rel=1e-5, abs=1e-6)
+    assert _rows(out) == rejection_sampling(scored)
+    assert len(_rows(out)) == len({r["input"] for r in generated})
+
+
+@pytest.mark.vllm
+def test_vllm_greedy_rows_equal_hf_greedy_decoding(tmp_path):
+    pytest.importorskip("vllm")
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.models.loading import load_tokenizer
+
+    out = tmp_path / "greedy.jsonl"
+    proc = run_torchrun(2, "-m rlhf.cli.batch_inference", "--eval_task", "generate_vllm", *CPU, "--tp_size", "1",
+                        "--max_samples", "12", "--chunk_size", "5", "--greedy_sampling", "--output_path", str(out))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "12 prompts x 1 sample on 2 vLLM engine(s) of 1 rank(s)" in proc.stdout
+    rows = _rows(out)
+    tok = load_tokenizer(EMBEDDED_MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR, dtype=torch.float32).eval()
+    prompts = [row["input"] + " " for row in _rows(EMBEDDED_PROMPTS)[:12]]  # the demo template "{} "
+    assert [r["input"] for r in rows] == prompts
+    for row in rows:
+        ids = tok(row["input"], add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            seq = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+        assert row["output"] == generated_text(tok, ids, seq, skip_special_tokens=False), row
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_sampled_rows_do_not_depend_on_the_rank_count(tmp_path):
+    pytest.importorskip("vllm")
+    args = ["--eval_task", "generate_vllm", *GEN, "--tp_size", "1"]
+    two = run_torchrun(2, "-m rlhf.cli.batch_inference", *args, "--output_path", str(tmp_path / "two.jsonl"))
+    assert two.returncode == 0, two.stderr[-6000:]
+    one = _single_rank(*args, "--output_path", str(tmp_path / "one.jsonl"))
+    stdout, stderr = one.communicate(timeout=600)
+    assert one.returncode == 0, stderr[-6000:]
+    assert (tmp_path / "one.jsonl").read_bytes() == (tmp_path / "two.jsonl").read_bytes()
