@@ -162,7 +162,6 @@ def test_defaults_are_openrlhfs_and_the_demo_fills_in_the_tiny_model():
     ([], "--eval_task None: choose generate_vllm"),
     (["--eval_task", "rm"], "--output_path is required"),
     (["--eval_task", "rm", "--output_path", "o", "--zero_stage", "3"], "pass --zero_stage 0"),
-    (["--eval_task", "generate", "--output_path", "o", "--greedy_sampling"], "use --eval_task generate_vllm"),
     (["--eval_task", "generate", "--output_path", "o", "--tp_size", "2"], "needs --eval_task generate_vllm"),
     (["--eval_task", "generate_vllm", "--output_path", "o", "--greedy_sampling", "--best_of_n", "4"],
      "--best_of_n 4 identical samples"),
@@ -180,8 +179,8 @@ def test_pretrain_without_dataset_and_pending_flags_are_refused(capsys):
     with pytest.raises(UsageError, match="--dataset is not: name the input rows"):
         cfg.with_demo_defaults()
     with pytest.raises(SystemExit):
-        parse("--eval_task", "generate_vllm", "--output_path", "o", "--max_num_seqs", "64")
-    assert "--max_num_seqs is an OpenRLHF flag whose feature is not implemented yet" in capsys.readouterr().err
+        parse("--eval_task", "generate_vllm", "--output_path", "o", "--use_ms")
+    assert "--use_ms is an OpenRLHF flag whose feature is not implemented yet" in capsys.readouterr().err
     with pytest.warns(UserWarning, match="ignored with --eval_task generate: --post_processor"):
         parse("--eval_task", "generate", "--output_path", "o", "--post_processor", "rs")
 
@@ -280,8 +279,13 @@ def test_vllm_greedy_rows_equal_hf_greedy_decoding(tmp_path):
 
     out = tmp_path / "greedy.jsonl"
     proc = run_torchrun(2, "-m rlhf.cli.batch_inference", "--eval_task", "generate_vllm", *CPU, "--tp_size", "1",
-                        "--max_samples", "12", "--chunk_size", "5", "--greedy_sampling", "--output_path", str(out))
+                        "--max_samples", "12", "--chunk_size", "5", "--greedy_sampling", "--output_path", str(out),
+                        "--max_num_seqs", "4")
     assert proc.returncode == 0, proc.stderr[-6000:]
+    hf_out = tmp_path / "hf_greedy.jsonl"
+    hf = run_torchrun(1, "-m rlhf.cli.batch_inference", "--eval_task", "generate", *CPU, "--max_samples", "12",
+                      "--greedy_sampling", "--output_path", str(hf_out))
+    assert hf.returncode == 0, hf.stderr[-6000:]
     assert "12 prompts x 1 sample on 2 vLLM engine(s) of 1 rank(s)" in proc.stdout
     rows = _rows(out)
     tok = load_tokenizer(EMBEDDED_MODEL_DIR)
@@ -294,6 +298,10 @@ def test_vllm_greedy_rows_equal_hf_greedy_decoding(tmp_path):
             seq = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, eos_token_id=tok.eos_token_id,
                                  pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
         assert row["output"] == generated_text(tok, ids, seq, skip_special_tokens=False), row
+    for row, hf_row in zip(rows, _rows(hf_out), strict=True):  # the HF engine decodes greedily too
+        ids = tok(row["input"], add_special_tokens=False)["input_ids"]
+        seq = tok(row["input"] + row["output"], add_special_tokens=False)["input_ids"][len(ids):]
+        assert hf_row["output"] == generated_text(tok, ids, seq, skip_special_tokens=True), (row, hf_row)
 
 
 @pytest.mark.vllm
@@ -307,3 +315,26 @@ def test_vllm_sampled_rows_do_not_depend_on_the_rank_count(tmp_path):
     stdout, stderr = one.communicate(timeout=600)
     assert one.returncode == 0, stderr[-6000:]
     assert (tmp_path / "one.jsonl").read_bytes() == (tmp_path / "two.jsonl").read_bytes()
+
+
+def test_hf_engine_greedy_with_repetition_penalty_matches_transformers():
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.engines.hf_engine import HFGenerateEngine
+    from rlhf.engines.rollout import SamplingSpec
+    from rlhf.models.loading import load_tokenizer
+
+    tok = load_tokenizer(EMBEDDED_MODEL_DIR)
+    engine = HFGenerateEngine(EMBEDDED_MODEL_DIR, dtype=torch.float32, device=torch.device("cpu"),
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR, dtype=torch.float32).eval()
+    prompts = [tok(f"q copy {d} : ", add_special_tokens=False)["input_ids"] for d in (3, 7)]
+    for penalty in (1.0, 5.0):
+        spec = SamplingSpec(n=1, temperature=0.0, top_p=1.0, max_tokens=8, repetition_penalty=penalty)
+        got = [g[0].token_ids for g in engine.generate(prompts, spec, seeds=[1, 2])]
+        with torch.no_grad():
+            want = [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=8, repetition_penalty=penalty,
+                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+                    for p in prompts]
+        want = [w[:w.index(tok.eos_token_id) + 1] if tok.eos_token_id in w else w for w in want]
+        assert got == want, penalty

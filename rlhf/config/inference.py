@@ -17,7 +17,7 @@ from rlhf.config.supervised import DEMO_TEMPLATE, ScalarHeadModelConfig
 EVAL_TASKS = ("generate_vllm", "generate", "rm")
 POST_PROCESSORS = ("rs", "csft", "iter_dpo")
 
-INFERENCE_PENDING_FLAGS = tuple("repetition_penalty max_num_seqs disable_fast_tokenizer use_ms".split())
+INFERENCE_PENDING_FLAGS = tuple("disable_fast_tokenizer use_ms".split())
 """OpenRLHF batch_inference flags whose features are not built yet: refused, never silently ignored."""
 
 DEMO_LENGTHS = {"prompt_max_len": 32, "max_new_tokens": 8, "max_len": 64}
@@ -72,9 +72,10 @@ class GenerationConfig:
 
     prompt_max_len: int = opt(1024, "prompts longer than this many tokens are dropped, with a count")
     max_new_tokens: int = opt(1024, "maximum number of generated tokens per sample")
-    greedy_sampling: bool = opt(False, "greedy decoding (--eval_task generate_vllm)")
+    greedy_sampling: bool = opt(False, "greedy decoding")
     top_p: float = opt(1.0, "nucleus sampling probability mass")
-    temperature: float = opt(1.0, "sampling temperature (0 with --eval_task generate_vllm: greedy)")
+    temperature: float = opt(1.0, "sampling temperature (0: greedy)")
+    repetition_penalty: float = opt(1.0, "penalty on tokens already in the prompt or the output (1: none)")
     best_of_n: int = opt(1, "samples per prompt")
     iter: int | None = opt(None, "generate only the prompts [iter x rollout_batch_size, (iter + 1) x "
                            "rollout_batch_size) (iterative pipelines; default: every prompt)")
@@ -87,6 +88,7 @@ class GenerationConfig:
         require(self.max_new_tokens >= 1, "--max_new_tokens must be >= 1")
         require(0 < self.top_p <= 1, "--top_p must lie in (0, 1]")
         require(self.temperature >= 0, "--temperature must be >= 0")
+        require(self.repetition_penalty > 0, "--repetition_penalty must be positive (1: no penalty)")
         require(self.best_of_n >= 1, "--best_of_n must be >= 1")
         require(self.iter is None or self.iter >= 0, "--iter must be >= 0")
         require(self.rollout_batch_size >= 1, "--rollout_batch_size must be >= 1")
@@ -106,9 +108,11 @@ class InferenceVLLMConfig:
     vllm_kv_cache_bytes: int = opt(64 << 20, "KV-cache bytes per engine on CPU (vLLM needs an explicit size)")
     vllm_gpu_memory_utilization: float = opt(0.9, "fraction of GPU memory vLLM may take (CUDA)")
     enforce_eager: bool = opt(False, "disable CUDA graphs in vLLM")
+    max_num_seqs: int = opt(256, "most sequences a vLLM engine runs in one batch")
 
     def __post_init__(self) -> None:
         require(self.tp_size is None or self.tp_size >= 1, "--tp_size must be >= 1")
+        require(self.max_num_seqs >= 1, "--max_num_seqs must be >= 1")
         require(self.vllm_kv_cache_bytes >= 1, "--vllm_kv_cache_bytes must be >= 1")
         require(0 < self.vllm_gpu_memory_utilization <= 1, "--vllm_gpu_memory_utilization must lie in (0, 1]")
 
@@ -178,8 +182,6 @@ class BatchInferenceConfig(JobConfig):
     def _check_generate(self) -> None:
         g, s = self.generation, self.scoring
         if self.eval_task == "generate":
-            require(not g.greedy, "--greedy_sampling (or --temperature 0) is not built for --eval_task generate yet "
-                    "(its HF engine samples); use --eval_task generate_vllm")
             require(self.vllm.tp_size in (None, 1), f"--tp_size {self.vllm.tp_size}: --eval_task generate runs "
                     "one HF model per rank; tensor parallelism needs --eval_task generate_vllm")
         require(not (g.greedy and g.best_of_n > 1), f"greedy decoding gives --best_of_n {g.best_of_n} identical "

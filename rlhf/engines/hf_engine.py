@@ -27,14 +27,16 @@ class HFGenerateEngine:
     @torch.no_grad()
     def _generate_one(self, prompt: list[int], spec: SamplingSpec) -> list[Generation]:
         input_ids = torch.tensor([prompt] * spec.n, device=self.device)
+        greedy = spec.temperature == 0
+        sampling = {} if greedy else dict(temperature=spec.temperature, top_p=spec.top_p, top_k=0)
         out = self.model.generate(
-            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
-            temperature=spec.temperature, top_p=spec.top_p, top_k=0, max_new_tokens=spec.max_tokens,
+            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=not greedy, **sampling,
+            repetition_penalty=spec.repetition_penalty, max_new_tokens=spec.max_tokens,
             eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id, use_cache=True,
             output_logits=True, return_dict_in_generate=True,
         )
         new_BT = out.sequences[:, len(prompt):]
-        logprobs_BT = torch.stack(out.logits, dim=1).float().div(spec.temperature).log_softmax(-1)
+        logprobs_BT = torch.stack(out.logits, dim=1).float().div(1.0 if greedy else spec.temperature).log_softmax(-1)
         picked_BT = logprobs_BT.gather(-1, new_BT[:, :, None]).squeeze(-1)
         gens = []
         for b in range(spec.n):

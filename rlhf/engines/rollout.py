@@ -35,9 +35,10 @@ class SamplingSpec:
     """Sampling settings shared by every prompt of a `generate` call (seeds are per prompt)."""
 
     n: int
-    temperature: float
+    temperature: float  # 0: greedy
     top_p: float
     max_tokens: int
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or generated (CTRL's penalty)
 
 
 @dataclass

@@ -49,7 +49,8 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, *, dtype: torch.dtype, tp_size: int, seed: int, max_model_len: int,
                  kv_cache_bytes: int, gpu_memory_utilization: float, enforce_eager: bool,
-                 enable_prefix_caching: bool, enable_sleep: bool, trust_remote_code: bool = False) -> None:
+                 enable_prefix_caching: bool, enable_sleep: bool, trust_remote_code: bool = False,
+                 max_num_seqs: int | None = None) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         _quiet_vllm_logs()
         from vllm import LLM
@@ -63,6 +64,8 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs", trust_remote_code=trust_remote_code,
             enforce_eager=enforce_eager or not on_cuda,
         )
+        if max_num_seqs is not None:
+            kwargs.update(max_num_seqs=max_num_seqs)
         if on_cuda:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep)
         else:
@@ -86,7 +89,8 @@ class VLLMEngine:
         # One SamplingParams per prompt: a single shared seed would give the k-th sample of every prompt
         # the same random stream. vLLM seeds the k-th of a prompt's n samples with seed + k.
         params = [SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p,
-                                 max_tokens=spec.max_tokens, logprobs=0, seed=seed) for seed in seeds]
+                                 max_tokens=spec.max_tokens, repetition_penalty=spec.repetition_penalty, logprobs=0,
+                                 seed=seed) for seed in seeds]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     use_tqdm=False)
         result = []

@@ -87,7 +87,7 @@ def sampling_spec(cfg: BatchInferenceConfig) -> SamplingSpec:
     --greedy_sampling."""
     g = cfg.generation
     return SamplingSpec(n=g.best_of_n, temperature=0.0 if g.greedy else g.temperature, top_p=g.top_p,
-                        max_tokens=g.max_new_tokens)
+                        max_tokens=g.max_new_tokens, repetition_penalty=g.repetition_penalty)
 
 
 def rollout_tp_size(cfg: BatchInferenceConfig, world_size: int) -> int:
@@ -122,7 +122,7 @@ def build_engine(cfg: BatchInferenceConfig, tp_size: int, device: torch.device, 
                           max_model_len=g.prompt_max_len + g.max_new_tokens, kv_cache_bytes=v.vllm_kv_cache_bytes,
                           gpu_memory_utilization=v.vllm_gpu_memory_utilization, enforce_eager=v.enforce_eager,
                           enable_prefix_caching=v.enable_prefix_caching, enable_sleep=False,
-                          trust_remote_code=m.trust_remote_code)
+                          trust_remote_code=m.trust_remote_code, max_num_seqs=v.max_num_seqs)
     from rlhf.engines.hf_engine import HFGenerateEngine
 
     return HFGenerateEngine(m.pretrain, dtype=m.dtype, device=device, eos_token_id=tokenizer.eos_token_id,
