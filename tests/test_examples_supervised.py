@@ -1,5 +1,5 @@
 """The supervised launch/examples scripts and the InstructGPT pipeline built from them (2 CPU ranks per
-stage): held-out NLL must fall after SFT, the reward model must rank held-out pairs, and PPO against that
+stage): held-out NLL must fall after SFT, the reward model, DPO and KTO must rank held-out pairs, and PPO against that
 reward model must raise its score, so the figures in the scripts' headers cannot silently go false. Not in
 the default run (marked `slow`); run with `python -m pytest -m examples -rP tests/test_examples_supervised.py`."""
 
@@ -54,6 +54,13 @@ def test_sft_example_nll_falls(tmp_path):
 def test_rm_example_ranks_held_out_pairs(tmp_path):
     _run("rm_tiny_cpu.sh", tmp_path / "run", timeout=600)
     assert _rm_acc(tmp_path / "run", "rm_tiny_cpu.sh") >= 0.9
+
+
+@pytest.mark.parametrize("script", ["dpo_tiny_cpu.sh", "kto_tiny_cpu.sh"])
+def test_preference_examples_rank_held_out_pairs(tmp_path, script):
+    """Held-out pairs whose chosen answer has the higher implicit reward: 0 before (policy = reference)."""
+    _run(script, tmp_path / "run", timeout=600)
+    assert _rm_acc(tmp_path / "run", script) >= 0.85
 
 
 @pytest.mark.vllm
