@@ -160,3 +160,20 @@ def test_zero3_evaluation_with_unequal_shares_does_not_hang(tmp_path):
     for a, b in zip(two[0], one[0]):
         for key in ("eval_loss", "eval_acc", "eval_margin", "eval_chosen_reward"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+
+
+def test_defaults_are_openrlhf_v095():
+    from rlhf.config.flags import parse_config
+    from rlhf.config.preference import TrainDPOConfig, TrainKTOConfig
+
+    dpo = parse_config(TrainDPOConfig, [])
+    assert (dpo.beta, dpo.optim.learning_rate, dpo.data.max_len, dpo.data.eval_split, dpo.batch.max_epochs,
+            dpo.data.prompt_key, dpo.data.input_template, dpo.checkpoint.ckpt_path, dpo.logging.wandb_project,
+            dpo.ipo, dpo.label_smoothing, dpo.nll_loss_coef) == (
+        0.1, 1e-5, 512, "test", 1, None, None, "./ckpt/checkpoints_dpo", "openrlhf_train_dpo", False, 0.0, 0.0)
+    kto = parse_config(TrainKTOConfig, [])
+    assert (kto.beta, kto.optim.learning_rate, kto.data.max_len, kto.data.input_key, kto.data.output_key,
+            kto.data.label_key, kto.data.input_template, kto.desirable_loss_weight, kto.undesirable_loss_weight,
+            kto.checkpoint.ckpt_path) == (
+        0.01, 1e-5, 2048, "input", None, "label", "User: {}\nAssistant: ", 1.0, 1.0, "./ckpt/checkpoints_kto")
+    assert (dpo.batch.train_batch_size, dpo.batch.micro_train_batch_size, dpo.optim.max_norm) == (128, 8, 1.0)
