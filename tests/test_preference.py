@@ -99,6 +99,7 @@ def assert_same_steps(ref, other, compared):
         torch.testing.assert_close(other[1][name], w, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # CI checks the learning through launch/examples/dpo_tiny_cpu.sh (tests/test_examples_supervised.py)
 def test_dpo_raises_held_out_preference_accuracy(tmp_path):
     rows, _, stdout = run("train_dpo", 2, tmp_path / "dpo", "--max_steps", "24", "--eval_steps", "12",
                           "--nll_loss_coef", "0.1")
@@ -127,6 +128,7 @@ def test_dpo_reference_on_its_own_rank_gives_the_colocated_steps(tmp_path):
     assert_same_steps(ref, own, DPO_COMPARED)
 
 
+@pytest.mark.slow  # CI checks the learning through launch/examples/kto_tiny_cpu.sh
 def test_kto_raises_held_out_pair_accuracy(tmp_path):
     rows, _, stdout = run("train_kto", 1, tmp_path / "kto", "--max_steps", "24", "--eval_steps", "12",
                           "--beta", "0.1", "--micro_train_batch_size", "8")
