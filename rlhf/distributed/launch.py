@@ -24,6 +24,7 @@ class LaunchEnv:
     master_addr: str
     master_port: int
     launcher: str  # "torchrun", "slurm" or "single"
+    local_world_size: int = 1  # processes on this node (torchrun's LOCAL_WORLD_SIZE; srun: tasks on this node)
 
 
 def _first_host(nodelist: str) -> str:
@@ -38,6 +39,41 @@ def _first_host(nodelist: str) -> str:
     return prefix + first
 
 
+def _expand_tasks_per_node(spec: str) -> list[int]:
+    """SLURM's compressed tasks-per-node list, e.g. '8(x2),4' -> [8, 8, 4] (one entry per node, node order)."""
+    counts = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if match is None:
+            raise ValueError(f"cannot read SLURM tasks-per-node list {spec!r}; export LOCAL_WORLD_SIZE explicitly")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def slurm_local_world_size(env: dict[str, str]) -> int:
+    """Tasks of this job step on this node under srun.
+
+    Read from SLURM_STEP_TASKS_PER_NODE (srun's own step; else SLURM_TASKS_PER_NODE) at index SLURM_NODEID,
+    else SLURM_NTASKS_PER_NODE (set when --ntasks-per-node was given), else SLURM_NTASKS / SLURM_NNODES when
+    that divides evenly. An exported LOCAL_WORLD_SIZE wins over all of them.
+    """
+    if "LOCAL_WORLD_SIZE" in env:
+        return int(env["LOCAL_WORLD_SIZE"])
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if spec:
+        counts = _expand_tasks_per_node(spec)
+        node = int(env.get("SLURM_NODEID", "0"))
+        if node < len(counts):
+            return counts[node]
+    if "SLURM_NTASKS_PER_NODE" in env:
+        return int(env["SLURM_NTASKS_PER_NODE"])
+    ntasks, nnodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES", "1"))
+    if ntasks % nnodes:
+        raise ValueError(f"cannot tell how many of the {ntasks} SLURM tasks run on this node ({nnodes} nodes, no "
+                         "SLURM_TASKS_PER_NODE): run under srun, or export LOCAL_WORLD_SIZE")
+    return ntasks // nnodes
+
+
 def read_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
     """Detect torchrun (RANK/WORLD_SIZE) or SLURM (SLURM_PROCID/SLURM_NTASKS); else a single process."""
     env = dict(os.environ if environ is None else environ)
@@ -46,8 +82,9 @@ def read_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
         if missing:
             raise ValueError(f"RANK/WORLD_SIZE are set but {', '.join(missing)} are not: start with torchrun, "
                              "or export them")
-        return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0")),
-                         env["MASTER_ADDR"], int(env["MASTER_PORT"]), "torchrun")
+        world_size = int(env["WORLD_SIZE"])
+        return LaunchEnv(int(env["RANK"]), world_size, int(env.get("LOCAL_RANK", "0")), env["MASTER_ADDR"],
+                         int(env["MASTER_PORT"]), "torchrun", int(env.get("LOCAL_WORLD_SIZE", world_size)))
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
         addr = env.get("MASTER_ADDR") or (_first_host(nodelist) if nodelist else None)
@@ -55,8 +92,24 @@ def read_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
             raise ValueError("SLURM_PROCID is set but neither MASTER_ADDR nor SLURM_JOB_NODELIST is: "
                              "run under srun, or export MASTER_ADDR")
         return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0")),
-                         addr, int(env.get("MASTER_PORT", "29500")), "slurm")
-    return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", "29500")), "single")
+                         addr, int(env.get("MASTER_PORT", "29500")), "slurm", slurm_local_world_size(env))
+    return LaunchEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", "29500")), "single", 1)
+
+
+def cuda_device_index(local_rank: int, local_world_size: int, num_visible: int) -> int:
+    """This process's index among the CUDA devices it can see.
+
+    Every local process sees all the node's GPUs (torchrun; srun with --gpus-per-node): its local rank.
+    The scheduler bound one GPU to each task (srun --gpus-per-task=1 / --gpu-bind, CUDA_VISIBLE_DEVICES
+    holds one device): index 0. Anything else is ambiguous and raises.
+    """
+    if num_visible >= local_world_size and local_rank < num_visible:
+        return local_rank
+    if num_visible == 1:
+        return 0
+    raise ValueError(f"local rank {local_rank} of {local_world_size} processes on this node sees {num_visible} CUDA "
+                     "devices: give every process all the node's GPUs or exactly one (srun --gpus-per-task=1), "
+                     "or set CUDA_VISIBLE_DEVICES per process")
 
 
 def init_distributed(launch: LaunchEnv, timeout_minutes: float = 30) -> torch.device:
@@ -64,16 +117,20 @@ def init_distributed(launch: LaunchEnv, timeout_minutes: float = 30) -> torch.de
     gloo on CPU) and return this rank's device. `timeout_minutes` (`--dist_timeout`): how long a
     collective (and the rendezvous) waits for ranks that do not arrive before it raises.
 
-    Exports RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* so libraries that read them (vLLM's external
-    launcher, DeepSpeed) agree with us. Called once by every rank.
+    Exports RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_* so libraries that read them (vLLM's
+    external launcher, DeepSpeed) agree with us. On CUDA, LOCAL_RANK is exported as the device index
+    (`cuda_device_index`): both libraries pick `cuda:LOCAL_RANK`, which is 0 where srun binds one GPU per
+    task. Called once by every rank.
     """
+    device_index = launch.local_rank
+    if torch.cuda.is_available():
+        device_index = cuda_device_index(launch.local_rank, launch.local_world_size, torch.cuda.device_count())
     for key, value in (("RANK", launch.rank), ("WORLD_SIZE", launch.world_size),
-                       ("LOCAL_RANK", launch.local_rank), ("LOCAL_WORLD_SIZE", os.environ.get(
-                           "LOCAL_WORLD_SIZE", launch.world_size)),
+                       ("LOCAL_RANK", device_index), ("LOCAL_WORLD_SIZE", launch.local_world_size),
                        ("MASTER_ADDR", launch.master_addr), ("MASTER_PORT", launch.master_port)):
         os.environ[key] = str(value)
     if torch.cuda.is_available():
-        device = torch.device("cuda", launch.local_rank)
+        device = torch.device("cuda", device_index)
         torch.cuda.set_device(device)
         backend = "cuda:nccl,cpu:gloo"  # NCCL for device tensors; small host-side bookkeeping goes over gloo
     else:

@@ -60,6 +60,39 @@ def _scheduler(optimizer, optim: OptimConfig, num_optimizer_steps: int):
                          num_training_steps=num_optimizer_steps, scheduler_specific_kwargs=kwargs)
 
 
+def offload_include(zero_stage: int, adam_offload: bool) -> list[str]:
+    """DeepSpeed `OffloadStateTypeEnum` names a trainable ZeRO-1/2 model moves to the host between its
+    training phases (--deepspeed_enable_sleep): optimizer states, fp32 master weights and gradient partitions,
+    as OpenRLHF does. Never `lp_params`: the low-precision weights run the next experience forward on the
+    device. Empty with --adam_offload (those states already live on the host) and for ZeRO-0/3."""
+    if adam_offload or zero_stage not in (1, 2):
+        return []
+    return ["optim_states", "hp_params", "lp_grads"]
+
+
+# The first DeepSpeed release whose ZeRO-1/2 optimizer has `offload_states` (OpenRLHF v0.9.5 refuses <= 0.17.5).
+MIN_DEEPSPEED_STAGE12_OFFLOAD = "0.17.6"
+
+
+def _require_stage12_offload_states(zero_optimizer) -> None:
+    if not hasattr(zero_optimizer, "offload_states"):
+        raise RuntimeError(f"--deepspeed_enable_sleep at --zero_stage 1/2 needs DeepSpeed >= "
+                           f"{MIN_DEEPSPEED_STAGE12_OFFLOAD} (ZeRO-1/2 offload_states; installed "
+                           f"{deepspeed.__version__}): upgrade DeepSpeed, or use --zero_stage 3 or --adam_offload")
+
+
+def _steps_to_host(optimizer: torch.optim.Optimizer) -> None:
+    """Put torch Adam's scalar `step` counters back on the host (non-capturable Adam expects them there)."""
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")) and state["step"].device.type != "cpu":
+            state["step"] = state["step"].cpu()
+
+
+def _empty_device_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 class NonFiniteError(RuntimeError):
     """A non-finite loss or gradient reached an optimizer step, or non-finite weights a save. Raised on every
     rank of the model's group alike (the decision is agreed over the group before anything is applied)."""
@@ -155,6 +188,7 @@ class DeepSpeedModel:
         self.mpu_group = mpu.get_data_parallel_group() if mpu else None
         self.dp_size = dist.get_world_size(group=dp_group)
         self.zero_stage = engine_cfg.zero_stage
+        self.adam_offload = engine_cfg.adam_offload
         self.trainable = trainable
         self.config = ds_config(engine_cfg, optim_cfg, bf16=bf16, fp16=fp16, micro_batch_size=micro_batch_size,
                                 grad_accum_steps=grad_accum_steps)
@@ -349,30 +383,47 @@ class DeepSpeedModel:
         return state
 
     def offload(self) -> None:
-        """Move optimizer states and gradient buffers (trainable) or parameters (frozen, below ZeRO-3) to
-        host memory until `reload`. On a CPU job the tensors are still really moved to new buffers."""
+        """Move what training alone needs to host memory until `reload`: for a trainable model the optimizer
+        states, fp32 master weights and gradient partitions (`offload_include`; the low-precision weights stay,
+        the next experience forward runs on them), nothing with --adam_offload (already on the host); for a
+        frozen model below ZeRO-3 the parameters. Frees PyTorch's cached device memory afterwards. On a CPU
+        job the tensors are still really moved to new buffers."""
+        if self.trainable and self.adam_offload:
+            return
         if self.trainable and self.zero_stage == 3:
             self._move_zero3_states(torch.device("cpu"))
         elif self.trainable and self.zero_stage > 0:
-            self.engine.offload_states(pin_memory=True)  # on CPU too: copies into separate host buffers
+            from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+
+            _require_stage12_offload_states(self.engine.optimizer)
+            include = [OffloadStateTypeEnum(n) for n in offload_include(self.zero_stage, self.adam_offload)]
+            # on CPU too: copies into separate host buffers
+            self.engine.offload_states(include=include, device=OffloadDeviceEnum.cpu, pin_memory=True)
         elif not self.trainable and self.zero_stage < 3:
             self.engine.to("cpu")
+        _empty_device_cache()
 
     def reload(self, device: torch.device) -> None:
-        """Bring back what `offload` moved."""
+        """Bring back what `offload` moved (Adam's `step` counters stay on the host, where torch keeps them)."""
+        if self.trainable and self.adam_offload:
+            return
         if self.trainable and self.zero_stage == 3:
             self._move_zero3_states(device)
         elif self.trainable and self.zero_stage > 0:
             self.engine.reload_states()
+            _steps_to_host(self.engine.optimizer.optimizer)  # DeepSpeed moved every state tensor, `step` too
         elif not self.trainable and self.zero_stage < 3:
             self.engine.to(device)
 
     def _move_zero3_states(self, device: torch.device) -> None:
         """ZeRO-3's own offload_states needs DeepSpeed's CUDA FusedAdam; with a torch optimizer we move the
-        fp32 master partitions and the optimizer's moment tensors ourselves (always into new buffers)."""
+        fp32 master partitions and the optimizer's moment tensors ourselves (always into new buffers).
+        torch's AdamW keeps its `step` counters on the host (a device `step` costs a sync per tensor)."""
         zero = self.engine.optimizer
+        zero.empty_partition_cache()
         tensors = list(zero.fp32_partitioned_groups_flat)
-        tensors += [v for state in zero.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        tensors += [v for state in zero.optimizer.state.values() for k, v in state.items()
+                    if torch.is_tensor(v) and k != "step"]
         for t in tensors:
             t.data = t.data.to(device, copy=True)
 

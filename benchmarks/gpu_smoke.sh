@@ -1,0 +1,324 @@
+#!/usr/bin/env bash
+# GPU smoke run: the CUDA paths no CPU test reaches, in at most ~8 minutes on one GPU, with no network.
+#   bash benchmarks/gpu_smoke.sh            # from the repository root; prints one JSON summary
+# Writes the summary to $SMOKE_JSON (default: $OUT/gpu_smoke.json when $OUT is set, else ./gpu_smoke.json).
+#
+# Needs only the machine's preinstalled torch (+CUDA) and transformers. Anything else comes from a
+# wheelhouse that travels with the working tree (WHEELHOUSE, default benchmarks/wheelhouse), installed
+# with `pip install --no-index --find-links`; a section whose packages are missing reports "skipped".
+# Fill the wheelhouse on a machine with network (pick the GPU machine's python version):
+#   pip download -d benchmarks/wheelhouse --only-binary=:all: --python-version 3.11 \
+#       --platform manylinux2014_x86_64 hjson pydantic accelerate peft 'liger-kernel>=0.8' ninja \
+#       py-cpuinfo msgpack einops
+#   pip download -d benchmarks/wheelhouse --no-deps --no-binary=:all: deepspeed==0.19.8
+# (about 20 MiB; no torch, transformers or vLLM: the CUDA vLLM wheel does not fit the 64 MiB budget).
+#
+# Sections (each bounded by `timeout`): env, install, gpu-marked tests, Triton log-prob kernel vs the
+# chunked reference (bf16, vocabulary 152k: time and peak memory), DeepSpeed ZeRO-2 and ZeRO-3
+# offload/reload round trip followed by a forward on the tiny model, Liger on vs off log-probs (separate
+# processes), ring attention at 8k tokens vs the single-rank varlen path, the NCCL+gloo default group.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+WHEELHOUSE=${WHEELHOUSE:-$ROOT/benchmarks/wheelhouse}
+SMOKE_JSON=${SMOKE_JSON:-${OUT:-.}/gpu_smoke.json}
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+
+# `rlhf.kernels` lives in kernels/ (setup.cfg package_dir): a shim package makes both importable
+# without `pip install -e .` (which would try to resolve the project's dependencies offline).
+mkdir -p "$WORK/shim/rlhf"
+for entry in "$ROOT"/rlhf/*; do ln -s "$entry" "$WORK/shim/rlhf/$(basename "$entry")"; done
+ln -s "$ROOT/kernels" "$WORK/shim/rlhf/kernels"
+export PYTHONPATH="$WORK/shim:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TOKENIZERS_PARALLELISM=false
+
+# run_section NAME SECONDS CMD...: the command's last stdout line (a JSON object) becomes NAME's result;
+# a failure records its exit code and the tail of its output instead.
+run_section() {
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  # through bash -c so the exported shell functions below can be sections too
+  timeout "$limit" bash -c '"$@"' _ "$@" >"$WORK/$name.out" 2>"$WORK/$name.err"
+  local rc=$?
+  python - "$name" "$rc" "$((SECONDS - start))" "$WORK" <<'EOF'
+import json, sys
+name, rc, secs, work = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+out = open(f"{work}/{name}.out").read().strip().splitlines()
+err = open(f"{work}/{name}.err").read().strip().splitlines()
+result = None
+if out:
+    try:
+        result = json.loads(out[-1])
+    except ValueError:
+        pass
+if result is None or rc != 0:
+    result = {"status": "timeout" if rc == 124 else ("failed" if rc else "no result"), "rc": rc,
+              "tail": (out + err)[-15:], **(result or {})}
+result.setdefault("status", "ok")
+result["seconds"] = int(secs)
+json.dump(result, open(f"{work}/{name}.json", "w"))
+print(f"[gpu_smoke] {name}: {result['status']} ({secs} s)", file=sys.stderr)
+EOF
+}
+
+CHECKS="$WORK/checks.py"
+cat >"$CHECKS" <<'EOF'
+"""The smoke checks; `python checks.py SECTION [ARGS]` prints one JSON line."""
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+def emit(**result):
+    print(json.dumps(result))
+
+
+def need(*modules):
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if not torch.cuda.is_available():
+        emit(status="skipped", reason="no CUDA")
+        sys.exit(0)
+    if missing:
+        emit(status="skipped", reason="not installed: " + ", ".join(missing))
+        sys.exit(0)
+
+
+def timed(fn, repeats=3):
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats * 1e3, (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def env():
+    import transformers
+
+    versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+                "python": sys.version.split()[0]}
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("deepspeed", "liger-kernel", "flash-attn", "triton", "vllm", "accelerate", "peft"):
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    emit(gpu=gpu, versions=versions)
+
+
+def logprobs():
+    need("triton")
+    from rlhf.kernels import chunked_logprobs_entropy
+    from rlhf.kernels.logprobs_triton import fused_logprobs_entropy
+
+    N, V = 4096, 152064
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(N, V, device="cuda", generator=g) * 2).bfloat16().requires_grad_()
+    targets = torch.randint(0, V, (N,), device="cuda", generator=g)
+    weights = torch.randn(N, device="cuda", generator=g)
+    results = {}
+    for name, fn in (("chunked", chunked_logprobs_entropy), ("triton", fused_logprobs_entropy)):
+        def step():
+            logits.grad = None
+            lp, ent = fn(logits, targets)
+            ((lp + 0.1 * ent) * weights).sum().backward()
+            return lp, ent
+        ms, peak = timed(step)
+        lp, ent = step()
+        results[name] = {"ms_fwd_bwd": round(ms, 2), "peak_mib": round(peak, 1), "lp": lp.detach(),
+                         "ent": ent.detach(), "grad": logits.grad.float()}
+    ref, tri = results["chunked"], results["triton"]
+    emit(rows=N, vocab=V, dtype="bf16",
+         max_abs_diff={k: float((ref[k] - tri[k]).abs().max()) for k in ("lp", "ent", "grad")},
+         **{name: {k: v for k, v in r.items() if k in ("ms_fwd_bwd", "peak_mib")} for name, r in results.items()})
+
+
+def deepspeed_offload():
+    need("deepspeed", "accelerate")
+    import torch.distributed as dist
+
+    from rlhf.assets import EMBEDDED_MODEL_DIR
+    from rlhf.config.common import EngineConfig, OptimConfig
+    from rlhf.distributed.launch import init_distributed, read_launch_env
+    from rlhf.engines.deepspeed_engine import DeepSpeedModel
+    from rlhf.models.loading import load_causal_lm
+
+    device = init_distributed(read_launch_env())
+    out = {}
+    for stage in (2, 3):
+        model = DeepSpeedModel(lambda: load_causal_lm(EMBEDDED_MODEL_DIR, torch.bfloat16, "sdpa"),
+                               EngineConfig(zero_stage=stage), OptimConfig(lr_warmup_ratio=0.0,
+                                                                           lr_scheduler="constant"),
+                               learning_rate=1e-3, bf16=True, micro_batch_size=2, grad_accum_steps=1,
+                               num_optimizer_steps=4, device=device, dp_group=dist.group.WORLD)
+        ids = torch.randint(3, model.module.config.vocab_size, (2, 64), device=device)
+
+        def train():
+            model.train()
+            model.backward(model.engine(input_ids=ids).logits.float().logsumexp(-1).mean(), True)
+            model.step()
+
+        def forward():
+            model.eval()
+            with torch.no_grad():
+                return model.engine(input_ids=ids).logits.float()
+
+        train()
+        before, allocated = forward(), torch.cuda.memory_allocated()
+        model.offload()
+        offloaded_mib = (allocated - torch.cuda.memory_allocated()) / 2**20
+        during = forward()  # the next step's experience forward runs while the states are on the host
+        model.reload(device)
+        train()
+        steps = [s["step"].device.type for s in model.engine.optimizer.optimizer.state.values() if "step" in s]
+        out[f"zero{stage}"] = {"offloaded_mib": round(offloaded_mib, 2),
+                               "forward_max_diff": float((before - during).abs().max()),
+                               "finite_after_reload": bool(torch.isfinite(forward()).all()),
+                               "adam_step_devices": sorted(set(steps))}
+    emit(**out)
+
+
+def liger(enabled, path):
+    need("liger_kernel", "triton")
+    from rlhf.assets import EMBEDDED_MODEL_DIR
+    from rlhf.models.loading import apply_liger_kernel, load_causal_lm
+    from rlhf.models.logprobs import policy_forward
+
+    model = load_causal_lm(EMBEDDED_MODEL_DIR, torch.bfloat16, "sdpa").cuda()
+    if enabled == "1":
+        apply_liger_kernel(model)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, model.config.vocab_size, (4, 128), generator=g).cuda()
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        lp = policy_forward(model, ids, mask).logprobs_BT1.float().cpu()
+    torch.save(lp, path)
+    emit(liger=enabled == "1")
+
+
+def liger_compare(off_path, on_path):
+    if not (os.path.exists(off_path) and os.path.exists(on_path)):
+        emit(status="skipped", reason="one of the runs produced no log-probs")
+        return
+    off, on = torch.load(off_path), torch.load(on_path)
+    emit(max_abs_diff=float((off - on).abs().max()), mean_abs_diff=float((off - on).abs().mean()))
+
+
+def ring():
+    need()
+    from rlhf.kernels import cu_seqlens_from_lengths, ring_attention, varlen_attention
+
+    lengths, H, K, D = [4096, 2048, 1024, 1024], 16, 4, 128
+    cu = cu_seqlens_from_lengths(lengths).cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(sum(lengths), h, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+               for h in (H, K, K))
+    results = {}
+    for name, fn in (("ring_1_rank", lambda: ring_attention(q, k, v, cu, None)),
+                     ("varlen", lambda: varlen_attention(q, k, v, cu, max(lengths)))):
+        def step():
+            q.grad = k.grad = v.grad = None
+            out = fn()
+            out.float().square().sum().backward()
+            return out
+        ms, peak = timed(step)
+        results[name] = {"ms_fwd_bwd": round(ms, 2), "peak_mib": round(peak, 1), "out": step().detach().float()}
+    import importlib.util as iu
+    emit(tokens=sum(lengths), heads=[H, K, D], varlen_backend="flash" if iu.find_spec("flash_attn") else "sdpa",
+         max_abs_diff=float((results["ring_1_rank"]["out"] - results["varlen"]["out"]).abs().max()),
+         **{n: {k: v for k, v in r.items() if k != "out"} for n, r in results.items()})
+
+
+def nccl_gloo():
+    need()
+    import torch.distributed as dist
+
+    from rlhf.distributed.launch import init_distributed, read_launch_env
+
+    device = init_distributed(read_launch_env())
+    on_gpu, on_host = torch.ones(4, device=device), torch.ones(4)
+    dist.all_reduce(on_gpu)
+    dist.all_reduce(on_host)
+    sub = dist.new_group([0])
+    dist.broadcast(on_gpu, src=0, group=sub)
+    emit(backend=str(dist.get_backend()), device=str(device), cuda_sum=float(on_gpu.sum()),
+         cpu_sum=float(on_host.sum()), local_world_size=os.environ.get("LOCAL_WORLD_SIZE"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    section, *args = sys.argv[1:]
+    {"env": env, "logprobs": logprobs, "deepspeed": deepspeed_offload, "liger": liger,
+     "liger_compare": liger_compare, "ring": ring, "nccl_gloo": nccl_gloo}[section](*args)
+EOF
+
+torchrun1() {  # one rank on this GPU, a free port
+  local port
+  port=$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  python -m torch.distributed.run --nproc_per_node 1 --master_addr 127.0.0.1 --master_port "$port" "$@"
+}
+
+install_wheels() {
+  if [ ! -d "$WHEELHOUSE" ]; then
+    echo '{"status": "skipped", "reason": "no wheelhouse (see the header of benchmarks/gpu_smoke.sh)"}'
+    return 0
+  fi
+  python -m pip install --no-index --find-links "$WHEELHOUSE" --no-build-isolation --progress-bar off \
+    hjson pydantic accelerate peft 'liger-kernel>=0.8' >&2 || return 1
+  python -m pip install --no-index --find-links "$WHEELHOUSE" --no-build-isolation --progress-bar off \
+    deepspeed >&2 || return 1
+  echo '{"installed": ["deepspeed", "liger-kernel", "accelerate", "peft", "hjson", "pydantic"]}'
+}
+
+gpu_tests() {
+  local files=(tests/test_kernels_ring_attention.py tests/test_kernels_packing.py tests/test_gpu_trainer.py
+               tests/test_kernels_logprobs_triton.py)
+  python -m pytest -q -m gpu -p no:cacheprovider --junitxml "$WORK/junit.xml" "${files[@]}" >&2
+  python - "$WORK/junit.xml" <<'EOF'
+import json, sys
+import xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+suite = root if root.tag == "testsuite" else root[0]
+failed = [c.get("classname", "") + "::" + c.get("name", "") for c in suite.iter("testcase")
+          if c.find("failure") is not None or c.find("error") is not None]
+counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+print(json.dumps({"status": "failed" if failed else "ok", **counts, "failed": failed}))
+EOF
+}
+
+export ROOT WORK WHEELHOUSE
+export -f torchrun1 install_wheels gpu_tests
+
+run_section env 30 python "$CHECKS" env
+run_section install 120 install_wheels
+run_section gpu_tests 120 gpu_tests
+run_section logprobs_triton_vs_chunked 60 python "$CHECKS" logprobs
+run_section deepspeed_offload_reload 100 torchrun1 "$CHECKS" deepspeed
+run_section liger_off 40 python "$CHECKS" liger 0 "$WORK/liger_off.pt"
+run_section liger_on 40 python "$CHECKS" liger 1 "$WORK/liger_on.pt"
+run_section liger_on_vs_off 20 python "$CHECKS" liger_compare "$WORK/liger_off.pt" "$WORK/liger_on.pt"
+run_section ring_attention_8k 60 python "$CHECKS" ring
+run_section nccl_gloo_group 40 torchrun1 "$CHECKS" nccl_gloo
+
+python - "$WORK" "$SMOKE_JSON" <<'EOF'
+import json, sys
+work, dest = sys.argv[1], sys.argv[2]
+names = ["env", "install", "gpu_tests", "logprobs_triton_vs_chunked", "deepspeed_offload_reload", "liger_off",
+         "liger_on", "liger_on_vs_off", "ring_attention_8k", "nccl_gloo_group"]
+summary = {n: json.load(open(f"{work}/{n}.json")) for n in names}
+summary["ok"] = all(s.get("status") in ("ok", "skipped") for s in summary.values())
+text = json.dumps(summary, indent=1)
+open(dest, "w").write(text + "\n")
+print(text)
+EOF
