@@ -179,3 +179,19 @@ def test_defaults_are_openrlhf_v095():
             kto.checkpoint.ckpt_path) == (
         0.01, 1e-5, 2048, "input", None, "label", "User: {}\nAssistant: ", 1.0, 1.0, "./ckpt/checkpoints_kto")
     assert (dpo.batch.train_batch_size, dpo.batch.micro_train_batch_size, dpo.optim.max_norm) == (128, 8, 1.0)
+
+
+def test_dpo_nll_term_is_the_chosen_per_token_mean_by_hand():
+    """OpenRLHF's NLL term: each chosen response's mean token log-prob, negated (rejected rows do not count)."""
+    from types import SimpleNamespace
+
+    from rlhf.trainers.preference import DPOTrainer
+
+    trainer = object.__new__(DPOTrainer)
+    trainer.beta, trainer.label_smoothing, trainer.ipo, trainer.nll_loss_coef = 0.1, 0.0, False, 0.5
+    # two pairs: chosen sums -6 over 3 tokens and -2 over 4; rejected -9 over 3 and -5 over 5
+    trainer.policy_logps = lambda batch: (torch.tensor([-6.0, -2.0, -9.0, -5.0]), torch.tensor([3.0, 4.0, 3.0, 5.0]))
+    loss, chosen, rejected, nll = trainer._terms(SimpleNamespace(num_samples=2), torch.tensor([-7.0, -3.0, -8.0, -4.0]))
+    assert nll.tolist() == pytest.approx([2.0, 0.5])
+    assert chosen.tolist() == pytest.approx([0.1, 0.1]) and rejected.tolist() == pytest.approx([-0.1, -0.1])
+    assert loss.tolist() == pytest.approx([-math.log(sig(0.1 * 2.0))] * 2)
