@@ -177,6 +177,18 @@ def _encode_with_eos(tokenizer, text: str, max_len: int) -> tuple[list[int], boo
     return ids, truncated
 
 
+def _formatting(tokenizer, max_len: int, least: int, input_template: str | None, apply_chat_template: bool,
+                tokenizer_chat_template: str | None) -> ChatTemplate | None:
+    """The checks every response loader starts with (`max_len` of at least `least`, an EOS, a valid template)
+    and the chat template to format with (None: plain text with `input_template`)."""
+    _check_max_len(max_len, least)
+    _eos(tokenizer)
+    chat = make_chat_template(tokenizer, apply_chat_template, tokenizer_chat_template)
+    if chat is None:
+        check_input_template(input_template)
+    return chat
+
+
 def token_id(tokenizer, token: str, flag: str) -> int:
     """The id of `token`, which must be exactly one known token of the tokenizer."""
     ids = _encode(tokenizer, token)
@@ -350,11 +362,7 @@ def load_pair_samples(rows: list[Row], tokenizer, *, prompt_key: str | None, cho
     is given (OpenRLHF's `--margin_loss` reads the column "margin"). Without `prompt_key` the chosen/rejected
     columns hold whole conversations. Degenerate pairs are skipped and counted in the report (and warned);
     with `skip_long_prompts` (DPO, as OpenRLHF) so are pairs whose prompt has max_len - 2 tokens or more."""
-    _check_max_len(max_len, 2)
-    _eos(tokenizer)
-    chat = make_chat_template(tokenizer, apply_chat_template, tokenizer_chat_template)
-    if chat is None:
-        check_input_template(input_template)
+    chat = _formatting(tokenizer, max_len, 2, input_template, apply_chat_template, tokenizer_chat_template)
     report = LoadReport("pairs", num_rows=len(rows))
     samples = [_pair_sample(row, tokenizer, report, max_len=max_len, margin_key=margin_key, prompt_key=prompt_key,
                             chosen_key=chosen_key, rejected_key=rejected_key, input_template=input_template,
@@ -381,11 +389,7 @@ def load_unpaired_samples(rows: list[Row], tokenizer, *, input_key: str, output_
     (prompt in `input_key`, response in `output_key`, formatted and cut as SFT samples); a row with
     `chosen_key` and `rejected_key` instead is a preference pair, turned into a desirable and an undesirable
     sample that remember their pair. Skips are counted as for SFT."""
-    _check_max_len(max_len, 3)
-    _eos(tokenizer)
-    chat = make_chat_template(tokenizer, apply_chat_template, tokenizer_chat_template)
-    if chat is None:
-        check_input_template(input_template)
+    chat = _formatting(tokenizer, max_len, 3, input_template, apply_chat_template, tokenizer_chat_template)
     report = LoadReport("KTO samples", num_rows=len(rows))
     text_args = dict(input_key=input_key, input_template=input_template, chat=chat, multiturn=False)
     samples = []

@@ -79,7 +79,7 @@ class FrozenLink:
         return out.to(self.device)
 
     def end(self) -> None:
-        pass
+        """Nothing to release: the frozen model lives on its own ranks."""
 
 
 Frozen = FrozenModel | FrozenLink
