@@ -33,6 +33,8 @@ seed=${SEED:-1}
 rollout_batch_size=$((512 / iters))  # each iteration generates for new prompts, as OpenRLHF's --iter slices
 cpu=(--param_dtype fp32 --attn_implementation sdpa)
 mkdir -p "$out"
+# shellcheck source=launch/examples/generate_and_score.sh
+source "$here/generate_and_score.sh"
 
 if [[ ! -f $out/iter.log ]]; then
   bash "$here/sft_tiny_cpu.sh" "$out/sft" --max_steps 12 --seed "$seed"
@@ -47,25 +49,7 @@ for ((i = 0; i < iters; i++)); do
     continue
   fi
   echo "rejection sampling: iteration $i of $iters, policy $policy"
-  # common.sh again before each stage: a port free now
-  # shellcheck source=launch/examples/common.sh
-  source "$here/common.sh" "$out"
-  torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.batch_inference \
-    --eval_task generate_vllm "${cpu[@]}" --zero_stage 0 \
-    --pretrain "$policy" --dataset "$tiny/prompts.jsonl" --input_key input --input_template "{} " \
-    --max_new_tokens 8 --prompt_max_len 16 --temperature 0.9 --best_of_n 8 \
-    --tp_size 1 --iter "$i" --rollout_batch_size "$rollout_batch_size" --seed "$seed" \
-    --output_path "$dir/generate/generate.jsonl"
-
-  source "$here/common.sh" "$out"
-  torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.batch_inference \
-    --eval_task rm "${cpu[@]}" --zero_stage 0 \
-    --pretrain "$tiny/reward_model" --max_len 32 \
-    --dataset "$dir/generate/generate.jsonl" --dataset_probs 1.0 \
-    --post_processor rs --micro_batch_size 64 \
-    --output_path "$dir/rm/rs.jsonl"
-
-  source "$here/common.sh" "$out"
+  generate_and_score "$policy" "$dir" "$i" 0.9 rs
   torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_sft \
     --max_len 32 \
     --dataset "$dir/rm/rs.jsonl" --dataset_probs 1.0 --input_key input --output_key output --input_template "{}" \
