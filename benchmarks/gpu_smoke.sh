@@ -24,13 +24,9 @@ WHEELHOUSE=${WHEELHOUSE:-$ROOT/benchmarks/wheelhouse}
 SMOKE_JSON=${SMOKE_JSON:-${OUT:-.}/gpu_smoke.json}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
+PROGRESS=${SMOKE_JSON%.json}.progress.jsonl  # one line per finished section, written as they finish
+: >"$PROGRESS"
 
-# `rlhf.kernels` lives in kernels/ (setup.cfg package_dir): a shim package makes both importable
-# without `pip install -e .` (which would try to resolve the project's dependencies offline).
-mkdir -p "$WORK/shim/rlhf"
-for entry in "$ROOT"/rlhf/*; do ln -s "$entry" "$WORK/shim/rlhf/$(basename "$entry")"; done
-ln -s "$ROOT/kernels" "$WORK/shim/rlhf/kernels"
-export PYTHONPATH="$WORK/shim:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TOKENIZERS_PARALLELISM=false
 
 # run_section NAME SECONDS CMD...: the command's last stdout line (a JSON object) becomes NAME's result;
@@ -42,7 +38,7 @@ run_section() {
   # through bash -c so the exported shell functions below can be sections too
   timeout "$limit" bash -c '"$@"' _ "$@" >"$WORK/$name.out" 2>"$WORK/$name.err"
   local rc=$?
-  python - "$name" "$rc" "$((SECONDS - start))" "$WORK" <<'EOF'
+  WORK_PROGRESS=$PROGRESS python - "$name" "$rc" "$((SECONDS - start))" "$WORK" <<'EOF'
 import json, sys
 name, rc, secs, work = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 out = open(f"{work}/{name}.out").read().strip().splitlines()
@@ -54,11 +50,15 @@ if out:
     except ValueError:
         pass
 if result is None or rc != 0:
+    errors = [line for line in err if "Error" in line or "error:" in line][:12]
     result = {"status": "timeout" if rc == 124 else ("failed" if rc else "no result"), "rc": rc,
-              "tail": (out + err)[-15:], **(result or {})}
+              "errors": errors, "tail": (out + err)[-15:], **(result or {})}
 result.setdefault("status", "ok")
 result["seconds"] = int(secs)
 json.dump(result, open(f"{work}/{name}.json", "w"))
+import os
+with open(os.environ["WORK_PROGRESS"], "a") as progress:  # kept as it goes: a run cut short still reports
+    progress.write(json.dumps({"section": name, **result}) + "\n")
 print(f"[gpu_smoke] {name}: {result['status']} ({secs} s)", file=sys.stderr)
 EOF
 }
@@ -218,6 +218,8 @@ def liger_compare(off_path, on_path):
 def ring():
     need()
     from rlhf.kernels import cu_seqlens_from_lengths, ring_attention, varlen_attention
+    from rlhf.kernels.ring_attention import block_kernel_for
+    from rlhf.kernels.varlen_attention import varlen_backend_for
 
     lengths, H, K, D = [4096, 2048, 1024, 1024], 16, 4, 128
     cu = cu_seqlens_from_lengths(lengths).cuda()
@@ -225,19 +227,101 @@ def ring():
     q, k, v = (torch.randn(sum(lengths), h, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
                for h in (H, K, K))
     results = {}
-    for name, fn in (("ring_1_rank", lambda: ring_attention(q, k, v, cu, None)),
-                     ("varlen", lambda: varlen_attention(q, k, v, cu, max(lengths)))):
+    runs = (("ring_1_rank_" + block_kernel_for(q).name.split()[0], lambda: ring_attention(q, k, v, cu, None)),
+            ("ring_1_rank_einsum", lambda: ring_attention(q, k, v, cu, None, block_kernel="einsum")),
+            ("varlen_" + varlen_backend_for(q), lambda: varlen_attention(q, k, v, cu, max(lengths))),
+            ("varlen_sdpa", lambda: varlen_attention(q, k, v, cu, max(lengths), backend="sdpa")))
+    for name, fn in runs:
         def step():
             q.grad = k.grad = v.grad = None
             out = fn()
             out.float().square().sum().backward()
-            return out
+            return out, q.grad.float(), k.grad.float(), v.grad.float()
         ms, peak = timed(step)
-        results[name] = {"ms_fwd_bwd": round(ms, 2), "peak_mib": round(peak, 1), "out": step().detach().float()}
-    import importlib.util as iu
-    emit(tokens=sum(lengths), heads=[H, K, D], varlen_backend="flash" if iu.find_spec("flash_attn") else "sdpa",
-         max_abs_diff=float((results["ring_1_rank"]["out"] - results["varlen"]["out"]).abs().max()),
-         **{n: {k: v for k, v in r.items() if k != "out"} for n, r in results.items()})
+        results[name] = {"ms_fwd_bwd": round(ms, 2), "peak_mib": round(peak, 1), "out": step()}
+    base = results["varlen_sdpa"]["out"]
+    emit(tokens=sum(lengths), heads=[H, K, D],
+         **{n: {"ms_fwd_bwd": r["ms_fwd_bwd"], "peak_mib": r["peak_mib"],
+                "max_abs_diff_vs_sdpa": [float((a.float() - b.float()).abs().max()) for a, b in zip(r["out"], base)]}
+            for n, r in results.items()})
+
+
+def flash_blocks():
+    """PyTorch's built-in FlashAttention-2 varlen op as a ring block kernel: output and log-sum-exp against a
+    fp32 reference, and the ring's backward (each block given the FINAL output and lse) summed over two key
+    blocks against autograd through the whole row."""
+    need()
+    aten = torch.ops.aten
+    lengths, H, D = [300, 128, 77], 8, 64
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    T, scale = sum(lengths), D ** -0.5
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(T, H, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(4))
+
+    def reference(causal):
+        qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
+        outs, lses = [], []
+        for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            scores = torch.einsum("nhd,mhd->hnm", qf[s:e], kf[s:e]) * scale
+            if causal:
+                scores = scores.masked_fill(torch.ones(e - s, e - s, dtype=torch.bool, device="cuda").triu(1), -1e30)
+            lses.append(scores.logsumexp(-1))
+            outs.append(torch.einsum("hnm,mhd->nhd", scores.softmax(-1), vf[s:e]))
+        out = torch.cat(outs)
+        grads = torch.autograd.grad((out * dout.float()).sum(), (qf, kf, vf))
+        return out.detach(), torch.cat(lses, dim=1).detach(), grads
+
+    result = {"torch": torch.__version__}
+    try:
+        _flash_blocks_checks(result, q, k, v, dout, cu, lengths, H, scale, reference)
+    except Exception as error:  # report what was learnt before the failure
+        result.update(status="failed", error=f"{type(error).__name__}: {error}"[:800])
+    emit(**result)
+
+
+def _flash_blocks_checks(result, q, k, v, dout, cu, lengths, H, scale, reference):
+    aten = torch.ops.aten
+    T = sum(lengths)
+    M = max(lengths)
+    for causal in (True, False):
+        out, lse, seed, offset, _ = aten._flash_attention_forward(q, k, v, cu, cu, M, M, 0.0, causal, False,
+                                                                    scale=scale)
+        ref_out, ref_lse, ref_grads = reference(causal)
+        dq, dk, dv = aten._flash_attention_backward(dout, q, k, v, out, lse, cu, cu, M, M, 0.0, causal, seed, offset,
+                                                     scale=scale)
+        result["causal" if causal else "full"] = {
+            "lse_shape": list(lse.shape), "lse_dtype": str(lse.dtype),
+            "out_max_diff": float((out.float() - ref_out).abs().max()),
+            "lse_max_diff": float((lse.float().reshape(H, -1)[:, :T] - ref_lse).abs().max()),
+            "grad_max_diff": [float((a.float() - b).abs().max()) for a, b in zip((dq, dk, dv), ref_grads)]}
+    # two key blocks (first 150 / the rest of the first sequence, as a ring splits it), merged by lse, then each
+    # block's backward with the final out and lse
+    s0 = lengths[0]
+    q0, k0, v0, d0 = q[:s0], k[:s0], v[:s0], dout[:s0]
+    ref_out, ref_lse, ref_grads = None, None, None
+    qf, kf, vf = (t.float().requires_grad_() for t in (q0, k0, v0))
+    scores = torch.einsum("nhd,mhd->hnm", qf, kf) * scale
+    full = torch.einsum("hnm,mhd->nhd", torch.softmax(scores, -1), vf)  # non-causal
+    ref_grads = torch.autograd.grad((full * d0.float()).sum(), (qf, kf, vf))
+    c = lambda n: torch.tensor([0, n], device="cuda", dtype=torch.int32)
+    blocks = [(0, 150), (150, s0)]
+    parts = [aten._flash_attention_forward(q0, k0[a:b], v0[a:b], c(s0), c(b - a), s0, b - a, 0.0, False, False,
+                                           scale=scale) for a, b in blocks]
+    lses = torch.stack([p[1].float().reshape(H, -1)[:, :s0] for p in parts])
+    final_lse = torch.logsumexp(lses, 0)
+    final_out = sum(p[0].float() * torch.exp(l - final_lse).T[..., None] for p, l in zip(parts, lses))
+    dq = torch.zeros_like(q0, dtype=torch.float32)
+    dks, dvs = [], []
+    for (a, b), p in zip(blocks, parts):
+        gq, gk, gv = aten._flash_attention_backward(d0, q0, k0[a:b], v0[a:b], final_out.to(q0.dtype),
+                                                    final_lse.reshape(p[1].shape).to(p[1].dtype), c(s0), c(b - a),
+                                                    s0, b - a, 0.0, False, p[2], p[3], scale=scale)
+        dq += gq.float()
+        dks.append(gk.float())
+        dvs.append(gv.float())
+    result["two_blocks"] = {"out_max_diff": float((final_out - full.detach()).abs().max()),
+                            "grad_max_diff": [float((a - b).abs().max()) for a, b in
+                                              zip((dq, torch.cat(dks), torch.cat(dvs)), ref_grads)]}
 
 
 def nccl_gloo():
@@ -260,7 +344,7 @@ def nccl_gloo():
 if __name__ == "__main__":
     section, *args = sys.argv[1:]
     {"env": env, "logprobs": logprobs, "deepspeed": deepspeed_offload, "liger": liger,
-     "liger_compare": liger_compare, "ring": ring, "nccl_gloo": nccl_gloo}[section](*args)
+     "liger_compare": liger_compare, "ring": ring, "flash_blocks": flash_blocks, "nccl_gloo": nccl_gloo}[section](*args)
 EOF
 
 torchrun1() {  # one rank on this GPU, a free port
@@ -274,16 +358,24 @@ install_wheels() {
     echo '{"status": "skipped", "reason": "no wheelhouse (see the header of benchmarks/gpu_smoke.sh)"}'
     return 0
   fi
+  # accelerate, peft, ninja, py-cpuinfo and msgpack are usually preinstalled with torch; pip resolves what
+  # is missing from the wheelhouse and leaves what is there.
   python -m pip install --no-index --find-links "$WHEELHOUSE" --no-build-isolation --progress-bar off \
     hjson pydantic accelerate peft 'liger-kernel>=0.8' >&2 || return 1
-  python -m pip install --no-index --find-links "$WHEELHOUSE" --no-build-isolation --progress-bar off \
-    deepspeed >&2 || return 1
-  echo '{"installed": ["deepspeed", "liger-kernel", "accelerate", "peft", "hjson", "pydantic"]}'
+  DS_BUILD_OPS=0 python -m pip install --no-index --find-links "$WHEELHOUSE" --no-build-isolation \
+    --progress-bar off deepspeed >&2 || return 1
+  # this checkout, as users install it (rlhf.kernels maps to kernels/); its dependencies are resolved above
+  python -m pip install --no-index --no-deps --no-build-isolation --progress-bar off -e "$ROOT" >&2 || return 1
+  python - <<'PY'
+import json
+from importlib.metadata import version
+print(json.dumps({"installed": {n: version(n) for n in ("deepspeed", "liger-kernel", "pydantic", "hjson")}}))
+PY
 }
 
 gpu_tests() {
   local files=(tests/test_kernels_ring_attention.py tests/test_kernels_packing.py tests/test_gpu_trainer.py
-               tests/test_kernels_logprobs_triton.py)
+               tests/test_kernels_logprobs_triton.py tests/test_lora.py)
   python -m pytest -q -m gpu -p no:cacheprovider --junitxml "$WORK/junit.xml" "${files[@]}" >&2
   python - "$WORK/junit.xml" <<'EOF'
 import json, sys
@@ -297,8 +389,26 @@ print(json.dumps({"status": "failed" if failed else "ok", **counts, "failed": fa
 EOF
 }
 
+# train JOB METRIC FLAGS...: one short run of a CLI job on this GPU (bf16, the embedded model and data); prints
+# the held-out METRIC before training and at the end (metrics.jsonl), and the wall time of the run.
+train() {
+  local job=$1 metric=$2 dir="$WORK/train_$1"
+  shift 2
+  local tiny
+  tiny=$(python -c 'from rlhf.assets import TINY_DIR; print(TINY_DIR)')
+  torchrun1 -m "rlhf.cli.$job" --pretrain "$tiny/policy" --save_path "$dir" --save_steps -1 --logging_steps 1 \
+    --eval_steps -1 --max_epochs 1 --max_len 32 --train_batch_size 32 --micro_train_batch_size 8 \
+    --param_dtype bf16 --seed 1 --input_template "{} " "${@//@TINY@/$tiny}" >&2 || return 1
+  python - "$dir/metrics.jsonl" "$metric" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+values = [r[sys.argv[2]] for r in rows if sys.argv[2] in r]
+print(json.dumps({"metric": sys.argv[2], "first": values[0], "last": values[-1], "logged_rows": len(rows)}))
+PY
+}
+
 export ROOT WORK WHEELHOUSE
-export -f torchrun1 install_wheels gpu_tests
+export -f torchrun1 install_wheels gpu_tests train
 
 run_section env 30 python "$CHECKS" env
 run_section install 120 install_wheels
@@ -309,13 +419,22 @@ run_section liger_off 40 python "$CHECKS" liger 0 "$WORK/liger_off.pt"
 run_section liger_on 40 python "$CHECKS" liger 1 "$WORK/liger_on.pt"
 run_section liger_on_vs_off 20 python "$CHECKS" liger_compare "$WORK/liger_off.pt" "$WORK/liger_on.pt"
 run_section ring_attention_8k 60 python "$CHECKS" ring
+run_section flash_block_kernel 40 python "$CHECKS" flash_blocks
 run_section nccl_gloo_group 40 torchrun1 "$CHECKS" nccl_gloo
+run_section train_sft_packed_zero2 120 train train_sft eval_gpt_loss --zero_stage 2 --packing_samples \
+  --gradient_checkpointing --learning_rate 3e-3 --lr_warmup_ratio 0.05 --attn_implementation sdpa \
+  --dataset @TINY@/sft.jsonl --eval_dataset @TINY@/sft_eval.jsonl --input_key input --output_key output
+run_section train_dpo_zero3_offload 120 train train_dpo eval_acc --zero_stage 3 --ref_offload \
+  --learning_rate 1e-3 --lr_warmup_ratio 0.05 --beta 0.1 --attn_implementation sdpa \
+  --dataset @TINY@/pairs.jsonl --eval_dataset @TINY@/pairs_eval.jsonl --prompt_key prompt --chosen_key chosen \
+  --rejected_key rejected
 
 python - "$WORK" "$SMOKE_JSON" <<'EOF'
 import json, sys
 work, dest = sys.argv[1], sys.argv[2]
 names = ["env", "install", "gpu_tests", "logprobs_triton_vs_chunked", "deepspeed_offload_reload", "liger_off",
-         "liger_on", "liger_on_vs_off", "ring_attention_8k", "nccl_gloo_group"]
+         "liger_on", "liger_on_vs_off", "ring_attention_8k", "flash_block_kernel", "nccl_gloo_group", "train_sft_packed_zero2",
+         "train_dpo_zero3_offload"]
 summary = {n: json.load(open(f"{work}/{n}.json")) for n in names}
 summary["ok"] = all(s.get("status") in ("ok", "skipped") for s in summary.values())
 text = json.dumps(summary, indent=1)

@@ -12,7 +12,10 @@ and 2W-1-r (in that order), so under a causal mask every rank does the same work
 multiple of 2W long: pack with `pad_to_multiple_of=2 * W` (padding sits at segment ends, so real
 tokens never attend to it). Local boundaries are `cu_seqlens // W`.
 
-Block computations are plain PyTorch (fp32 accumulation) on every device; flash-attn is not called.
+Block kernels: on CUDA with fp16/bf16 inputs each block is PyTorch's built-in FlashAttention-2 varlen
+kernel (`flash_ops`: its log-sum-exp output merges the blocks, its backward takes the final output and
+log-sum-exp); elsewhere (CPU, fp32, pre-Ampere) plain PyTorch blocks with fp32 accumulation
+(`block_kernel_for` says which runs). Both accumulate the output and dK/dV across blocks in fp32.
 `head_stride` is this module's reading of OpenRLHF's `--ring_head_stride` (kv heads per
 communication step in ring-flash-attn): the ring pass runs once per group of `head_stride` kv heads,
 so communication buffers and score blocks hold only that many heads at a time.
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import flash_ops
 from .packing import position_ids_from_cu, segment_ids_from_cu, seqlens_from_cu
 
 # ---- zigzag layout -------------------------------------------------------------------------------
@@ -80,6 +84,10 @@ class _RingLayout:
     segment_WN: torch.Tensor
     first_half_N: torch.Tensor
     second_half_N: torch.Tensor
+    local_cu: torch.Tensor  # int32 [S + 1]: the local shard's segments
+    half_cu: torch.Tensor  # int32 [S + 1]: half of each local segment (one zigzag chunk)
+    max_local: int
+    max_half: int
 
     @staticmethod
     def build(cu_seqlens: torch.Tensor, rank: int, ring_size: int, causal: bool,
@@ -90,8 +98,10 @@ class _RingLayout:
         local_cu = zigzag_local_cu_seqlens(cu, ring_size)
         half_len_N = ((local_cu[1:] - local_cu[:-1]) // 2).long()[segment_ids_from_cu(local_cu)]
         is_first_N = position_ids_from_cu(local_cu) < half_len_N  # chunk r; the rest is chunk 2W-1-r
+        max_local = int((local_cu[1:] - local_cu[:-1]).max())
         return _RingLayout(rank, ring_size, causal, position_WN, segment_WN,
-                           is_first_N.nonzero().squeeze(-1), (~is_first_N).nonzero().squeeze(-1))
+                           is_first_N.nonzero().squeeze(-1), (~is_first_N).nonzero().squeeze(-1),
+                           local_cu, (local_cu // 2).to(torch.int32), max_local, max_local // 2)
 
     def block(self, src: int) -> tuple[slice | torch.Tensor, slice | torch.Tensor]:
         """(query rows, kv columns) with any visible pair when our queries meet rank `src`'s K/V block.
@@ -105,6 +115,18 @@ class _RingLayout:
         if src < self.rank:
             return everything, self.first_half_N
         return self.second_half_N, everything
+
+    def varlen(self, src: int) -> tuple[torch.Tensor, torch.Tensor, int, int, bool]:
+        """The block of `block(src)` as a varlen kernel call: (cu_q, cu_k, max_q, max_k, causal). Every row
+        of a block sees either all of its segment's columns or (src == rank, causal) a causal prefix."""
+        full = (self.local_cu, self.local_cu, self.max_local, self.max_local)
+        if not self.causal:
+            return (*full, False)
+        if src == self.rank:
+            return (*full, True)
+        if src < self.rank:  # all our rows, src's first chunks
+            return self.local_cu, self.half_cu, self.max_local, self.max_half, False
+        return self.half_cu, self.local_cu, self.max_half, self.max_local, False  # our second chunks, all of src
 
     def visible(self, src: int, rows: slice | torch.Tensor, cols: slice | torch.Tensor) -> torch.Tensor:
         """bool [rows, cols]: same segment, and (causal) key position <= query position."""
@@ -158,6 +180,72 @@ def _block_backward(dout_KRND: torch.Tensor, q_KRND: torch.Tensor, k_KMD: torch.
     return torch.cat(dqs, dim=2), dk_KMD, dv_KMD
 
 
+class _EinsumBlocks:
+    """Plain-PyTorch blocks, fp32 (any device and dtype)."""
+
+    name = "fp32 einsum blocks"
+
+    def forward(self, layout: _RingLayout, src: int, rows, cols, q_KRND, k_KMD, v_KMD, scale):
+        return _block_forward(q_KRND, k_KMD, v_KMD, layout.visible(src, rows, cols), scale)
+
+    def backward(self, layout: _RingLayout, src: int, rows, cols, dout_KRND, q_KRND, k_KMD, v_KMD, out_KRND,
+                 lse_KRN, delta_KRN, scale):
+        return _block_backward(dout_KRND, q_KRND, k_KMD, v_KMD, lse_KRN, delta_KRN, layout.visible(src, rows, cols),
+                               scale)
+
+
+class _FlashBlocks:
+    """PyTorch's FlashAttention-2 varlen kernel per block (`flash_ops`); inputs in their fp16/bf16 dtype,
+    results handed back in fp32 for the merge and the dK/dV accumulators."""
+
+    name = "flash blocks (torch's FlashAttention-2 varlen kernel)"
+
+    def __init__(self):
+        self.rng = None
+
+    def forward(self, layout: _RingLayout, src: int, rows, cols, q_KRND, k_KMD, v_KMD, scale):
+        K, R, n, D = q_KRND.shape
+        cu_q, cu_k, max_q, max_k, causal = layout.varlen(src)
+        out, lse, self.rng = flash_ops.flash_varlen_forward(
+            _to_NHD(q_KRND), k_KMD.transpose(0, 1).contiguous(), v_KMD.transpose(0, 1).contiguous(),
+            cu_q, cu_k, max_q, max_k, causal, scale)
+        return _to_KRND(out, K).float(), lse.float().reshape(K, R, n)
+
+    def backward(self, layout: _RingLayout, src: int, rows, cols, dout_KRND, q_KRND, k_KMD, v_KMD, out_KRND,
+                 lse_KRN, delta_KRN, scale):
+        K, R, n, D = q_KRND.shape
+        cu_q, cu_k, max_q, max_k, causal = layout.varlen(src)
+        rng = self.rng if self.rng is not None else (torch.empty(0), torch.empty(0))
+        dq, dk, dv = flash_ops.flash_varlen_backward(
+            _to_NHD(dout_KRND.to(q_KRND.dtype)), _to_NHD(q_KRND), k_KMD.transpose(0, 1).contiguous(),
+            v_KMD.transpose(0, 1).contiguous(), _to_NHD(out_KRND.to(q_KRND.dtype)), lse_KRN.reshape(K * R, n),
+            cu_q, cu_k, max_q, max_k, causal, scale, rng)
+        return _to_KRND(dq, K).float(), dk.transpose(0, 1).float(), dv.transpose(0, 1).float()
+
+
+BLOCK_KERNELS = ("auto", "flash", "einsum")
+
+
+def block_kernel_for(q: torch.Tensor, block_kernel: str = "auto") -> _EinsumBlocks | _FlashBlocks:
+    """The block kernel ring attention runs for tensors like q ("auto": flash where `flash_ops` supports q)."""
+    if block_kernel not in BLOCK_KERNELS:
+        raise ValueError(f"unknown ring block kernel {block_kernel!r}; choose one of {BLOCK_KERNELS}")
+    supported = flash_ops.flash_varlen_supported(q)
+    if block_kernel == "flash" and not supported:
+        raise ValueError("block_kernel='flash' needs fp16/bf16 CUDA tensors on an Ampere or newer GPU, head dim a "
+                         "multiple of 8 up to 256")
+    return _FlashBlocks() if block_kernel == "flash" or (block_kernel == "auto" and supported) else _EinsumBlocks()
+
+
+def describe_block_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """The block kernel's name for a model's device, dtype and head dim (for the start-up layout line)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        probe = torch.empty(1, 1, head_dim, device=device, dtype=dtype)
+    else:
+        probe = torch.empty(1, 1, head_dim, dtype=dtype)
+    return block_kernel_for(probe).name
+
+
 def _finite(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
@@ -200,7 +288,7 @@ def _wait(works: list) -> None:
 
 
 def _ring_forward(q_KRND: torch.Tensor, kv_2KND: torch.Tensor, layout: _RingLayout, group: dist.ProcessGroup | None,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float, kernel) -> tuple[torch.Tensor, torch.Tensor]:
     """Output (fp32) and lse of local queries against every rank's K/V, one block per ring step."""
     K, R, N, D = q_KRND.shape
     out_KRND = torch.zeros(K, R, N, D, dtype=torch.float32, device=q_KRND.device)
@@ -211,8 +299,8 @@ def _ring_forward(q_KRND: torch.Tensor, kv_2KND: torch.Tensor, layout: _RingLayo
             incoming, works = _start_ring_shift(current, group)
         src = (layout.rank - step) % layout.ring_size
         rows, cols = layout.block(src)
-        block_out, block_lse = _block_forward(q_KRND[:, :, rows], current[0][:, cols], current[1][:, cols],
-                                              layout.visible(src, rows, cols), scale)
+        block_out, block_lse = kernel.forward(layout, src, rows, cols, q_KRND[:, :, rows], current[0][:, cols],
+                                              current[1][:, cols], scale)
         _merge_into(out_KRND, lse_KRN, rows, block_out, block_lse)
         if step + 1 < layout.ring_size:
             _wait(works)
@@ -222,7 +310,7 @@ def _ring_forward(q_KRND: torch.Tensor, kv_2KND: torch.Tensor, layout: _RingLayo
 
 def _ring_backward(dout_KRND: torch.Tensor, q_KRND: torch.Tensor, kv_2KND: torch.Tensor, out_KRND: torch.Tensor,
                    lse_KRN: torch.Tensor, layout: _RingLayout, group: dist.ProcessGroup | None,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   scale: float, kernel) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq [K, R, N, D], dkv [2, K, N, D]) in fp32. The dK/dV accumulator of a block travels with it and
     makes one extra hop at the end, which brings every rank's own accumulator home."""
     dout_KRND = dout_KRND.float()
@@ -236,9 +324,9 @@ def _ring_backward(dout_KRND: torch.Tensor, q_KRND: torch.Tensor, kv_2KND: torch
             incoming, kv_works = _start_ring_shift(current, group)
         src = (layout.rank - step) % layout.ring_size
         rows, cols = layout.block(src)
-        dq, dk, dv = _block_backward(dout_KRND[:, :, rows], q_KRND[:, :, rows], current[0][:, cols],
-                                     current[1][:, cols], lse_KRN[:, :, rows], delta_KRN[:, :, rows],
-                                     layout.visible(src, rows, cols), scale)
+        dq, dk, dv = kernel.backward(layout, src, rows, cols, dout_KRND[:, :, rows], q_KRND[:, :, rows],
+                                     current[0][:, cols], current[1][:, cols], out_KRND[:, :, rows],
+                                     lse_KRN[:, :, rows], delta_KRN[:, :, rows], scale)
         dq_KRND[:, :, rows] += dq
         dkv_2KND[0][:, cols] += dk
         dkv_2KND[1][:, cols] += dv
@@ -272,18 +360,18 @@ class _RingAttention(torch.autograd.Function):
     """Saves only q, k, v, the output and the lse (float32 [K, R, N]) for the backward."""
 
     @staticmethod
-    def forward(ctx, q_NHD, k_NKD, v_NKD, layout, group, scale, head_stride):
+    def forward(ctx, q_NHD, k_NKD, v_NKD, layout, group, scale, head_stride, kernel):
         K = k_NKD.shape[1]
         q_KRND = _to_KRND(q_NHD, K)
         kv_2KND = torch.stack([k_NKD, v_NKD]).transpose(1, 2)
         outs, lses = [], []
         for heads in _head_groups(K, head_stride):
-            out, lse = _ring_forward(q_KRND[heads], kv_2KND[:, heads].contiguous(), layout, group, scale)
+            out, lse = _ring_forward(q_KRND[heads], kv_2KND[:, heads].contiguous(), layout, group, scale, kernel)
             outs.append(out)
             lses.append(lse)
         out_NHD = _to_NHD(torch.cat(outs)).to(q_NHD.dtype)
         ctx.save_for_backward(q_NHD, k_NKD, v_NKD, out_NHD, torch.cat(lses))
-        ctx.layout, ctx.group, ctx.scale, ctx.head_stride = layout, group, scale, head_stride
+        ctx.layout, ctx.group, ctx.scale, ctx.head_stride, ctx.kernel = layout, group, scale, head_stride, kernel
         return out_NHD
 
     @staticmethod
@@ -295,17 +383,18 @@ class _RingAttention(torch.autograd.Function):
         dqs, dkvs = [], []
         for heads in _head_groups(K, ctx.head_stride):
             dq, dkv = _ring_backward(dout_KRND[heads], q_KRND[heads], kv_2KND[:, heads].contiguous(), out_KRND[heads],
-                                     lse_KRN[heads], ctx.layout, ctx.group, ctx.scale)
+                                     lse_KRN[heads], ctx.layout, ctx.group, ctx.scale, ctx.kernel)
             dqs.append(dq)
             dkvs.append(dkv)
         dq_NHD = _to_NHD(torch.cat(dqs)).to(q_NHD.dtype)
         dkv_2NKD = torch.cat(dkvs, dim=1).transpose(1, 2).to(k_NKD.dtype)
-        return dq_NHD, dkv_2NKD[0], dkv_2NKD[1], None, None, None, None
+        return dq_NHD, dkv_2NKD[0], dkv_2NKD[1], None, None, None, None, None
 
 
 def ring_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor, cu_seqlens: torch.Tensor,
                    group: dist.ProcessGroup | None, causal: bool = True, scale: float | None = None,
-                   head_stride: int | None = None, layout_cache: dict | None = None) -> torch.Tensor:
+                   head_stride: int | None = None, layout_cache: dict | None = None,
+                   block_kernel: str = "auto") -> torch.Tensor:
     """Attention of this rank's zigzag shard against the whole packed row; returns the local [N, H, D].
 
     q/k/v: this rank's shard (`zigzag_shard` of the global packed tensors). cu_seqlens: the GLOBAL
@@ -313,7 +402,8 @@ def ring_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor
     the world group); every rank of it must call this with the same cu_seqlens, in the same order.
     head_stride: kv heads per ring pass (None = all at once). layout_cache: a dict kept for the duration
     of one model forward (all its layers share the same boundaries): the zigzag block plan is built once
-    and reused from it. Differentiable in q, k, v.
+    and reused from it. block_kernel: "auto" (flash blocks on fp16/bf16 CUDA, else fp32 einsum blocks),
+    "flash" or "einsum" (`block_kernel_for`). Differentiable in q, k, v.
     """
     if group is None and dist.is_initialized():
         group = dist.group.WORLD  # get_global_rank(None, r) raises: name the default group explicitly
@@ -333,4 +423,5 @@ def ring_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor
         if layout_cache is not None:
             layout_cache[key] = layout
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    return _RingAttention.apply(q_NHD, k_NKD, v_NKD, layout, group, scale, head_stride)
+    kernel = block_kernel_for(q_NHD, block_kernel)
+    return _RingAttention.apply(q_NHD, k_NKD, v_NKD, layout, group, scale, head_stride, kernel)

@@ -1,5 +1,6 @@
 """Attention over packed variable-length sequences with explicit boundaries (`cu_seqlens`): flash-attn's
-varlen kernel on CUDA when it is installed, an exact per-segment SDPA loop anywhere else, and a naive
+varlen kernel on CUDA when it is installed, else PyTorch's built-in FlashAttention-2 varlen kernel
+(`flash_ops`) on fp16/bf16 CUDA tensors, an exact per-segment SDPA loop anywhere else, and a naive
 block-diagonal reference. It does not know about models, masks from position ids or process groups.
 
 Shape legend: N packed tokens, H query heads, K key/value heads (H % K == 0, grouped-query attention
@@ -13,6 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import flash_ops
 from .packing import segment_ids_from_cu
 
 try:  # flash-attn needs CUDA to import; on CPU machines it is simply absent
@@ -20,7 +22,7 @@ try:  # flash-attn needs CUDA to import; on CPU machines it is simply absent
 except ImportError:
     flash_attn_varlen_func = None
 
-BACKENDS = ("auto", "flash", "sdpa")
+BACKENDS = ("auto", "flash", "torch_flash", "sdpa")
 
 
 def _check_inputs(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
@@ -38,20 +40,36 @@ def varlen_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tens
                      backend: str = "auto") -> torch.Tensor:
     """Softmax attention inside each packed segment; returns [N, H, D] in q's dtype.
 
-    backend "auto" uses flash-attn for fp16/bf16 CUDA tensors when flash_attn imports, and the SDPA
-    loop otherwise (fp32, CPU, or flash-attn missing); "flash" and "sdpa" force one of them.
+    backend "auto" uses flash-attn for fp16/bf16 CUDA tensors when flash_attn imports, else torch's own flash
+    kernel where it supports the tensors (`flash_ops.flash_varlen_supported`), and the SDPA loop otherwise
+    (fp32, CPU, pre-Ampere); "flash", "torch_flash" and "sdpa" force one of them (`varlen_backend_for`).
     """
     _check_inputs(q_NHD, k_NKD, v_NKD, cu_seqlens)
+    chosen = varlen_backend_for(q_NHD, backend)
+    cu = cu_seqlens.to(device=q_NHD.device, dtype=torch.int32)
+    if chosen == "flash":
+        return flash_attn_varlen_func(q_NHD, k_NKD, v_NKD, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0,
+                                      softmax_scale=scale, causal=causal)
+    if chosen == "torch_flash":  # differentiable: autograd calls the op's registered backward
+        scale = 1.0 / math.sqrt(q_NHD.shape[-1]) if scale is None else scale
+        return flash_ops.flash_varlen_forward(q_NHD, k_NKD, v_NKD, cu, cu, max_seqlen, max_seqlen, causal, scale)[0]
+    return varlen_attention_sdpa(q_NHD, k_NKD, v_NKD, cu_seqlens, causal=causal, scale=scale)
+
+
+def varlen_backend_for(q_NHD: torch.Tensor, backend: str = "auto") -> str:
+    """The backend `varlen_attention` runs for tensors like q: "flash", "torch_flash" or "sdpa"."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown varlen attention backend {backend!r}; choose one of {BACKENDS}")
     flash_ok = flash_attn_varlen_func is not None and q_NHD.is_cuda and q_NHD.dtype in (torch.float16, torch.bfloat16)
     if backend == "flash" and not flash_ok:
         raise ValueError("backend='flash' needs flash_attn installed and fp16/bf16 CUDA tensors")
-    if backend == "flash" or (backend == "auto" and flash_ok):
-        cu = cu_seqlens.to(device=q_NHD.device, dtype=torch.int32)
-        return flash_attn_varlen_func(q_NHD, k_NKD, v_NKD, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0,
-                                      softmax_scale=scale, causal=causal)
-    return varlen_attention_sdpa(q_NHD, k_NKD, v_NKD, cu_seqlens, causal=causal, scale=scale)
+    torch_flash_ok = flash_ops.flash_varlen_supported(q_NHD)
+    if backend == "torch_flash" and not torch_flash_ok:
+        raise ValueError("backend='torch_flash' needs fp16/bf16 CUDA tensors on an Ampere or newer GPU, head dim a "
+                         "multiple of 8 up to 256")
+    if backend != "auto":
+        return backend
+    return "flash" if flash_ok else "torch_flash" if torch_flash_ok else "sdpa"
 
 
 def varlen_attention_sdpa(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -29,7 +29,8 @@ def test_packed_dynamic_ring_ppo_matches_padded(tmp_path):
     padded, _ = _ppo(tmp_path / "padded")
     ring, stdout = _ppo(tmp_path / "ring", "--packing_samples", "--use_dynamic_batch", "--ring_attn_size", "2",
                 "--train_max_tokens_per_gpu", "16", "--rollout_max_tokens_per_gpu", "24")
-    assert ("layout: packed samples (varlen attention); ring attention over 2 ranks (head stride 1); dynamic "
+    assert ("layout: packed samples (varlen attention: sdpa); ring attention over 2 ranks (head stride 1; fp32 "
+            "einsum blocks); dynamic "
             "micro-batches of <= 16 tokens per rank in training, <= 24 in experience forwards; data-parallel "
             "replicas: actor 1, critic 1, reward 1, ref 1") in stdout
     assert len(ring) == 2 and all(r["policy_loss"] == r["policy_loss"] for r in ring)  # ran both steps, no NaN

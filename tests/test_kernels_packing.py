@@ -173,3 +173,37 @@ def test_flash_attn_varlen_matches_reference(num_kv_heads):
                                     (q, k, v))
     for got, want in zip(grads, grads_ref):
         torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
+
+
+def test_varlen_backend_choice_on_cpu():
+    from rlhf.kernels.varlen_attention import varlen_backend_for
+
+    q = torch.zeros(4, 2, 8, dtype=torch.bfloat16)
+    assert varlen_backend_for(q) == "sdpa"  # CPU: neither flash kernel applies
+    for backend in ("flash", "torch_flash"):
+        with pytest.raises(ValueError, match="CUDA"):
+            varlen_backend_for(q, backend)
+    with pytest.raises(ValueError, match="unknown varlen attention backend"):
+        varlen_backend_for(q, "xformers")
+
+
+@pytest.mark.gpu
+def test_torch_flash_varlen_matches_reference_with_gradients():
+    """PyTorch's built-in flash varlen kernel (what runs without the flash-attn package) against the fp32
+    reference, outputs and dq/dk/dv, GQA."""
+    from rlhf.kernels.varlen_attention import varlen_backend_for
+
+    lengths = [37, 5, 120, 64]
+    cu = cu_seqlens_from_lengths(lengths).cuda()
+    g = torch.Generator().manual_seed(0)
+    q, k, v, w = (torch.randn(sum(lengths), h, 64, generator=g).cuda() for h in (8, 2, 2, 8))
+    assert varlen_backend_for(q.bfloat16()) in ("flash", "torch_flash")
+    got_in = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    got = varlen_attention(*got_in, cu, max(lengths), backend="torch_flash")
+    got_grads = torch.autograd.grad((got.float() * w).sum(), got_in)
+    ref_in = [t.requires_grad_() for t in (q, k, v)]
+    ref = varlen_attention_reference(*ref_in, cu)
+    ref_grads = torch.autograd.grad((ref * w).sum(), ref_in)
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+    for a, b in zip(got_grads, ref_grads):
+        assert float((a.float() - b).abs().max() / b.abs().max()) < 2e-2

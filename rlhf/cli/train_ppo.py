@@ -148,7 +148,7 @@ def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ())
         print("no --pretrain given: training the embedded tiny demo policy", flush=True)
     if is_writer:
         print(describe_algorithm(cfg, topology), flush=True)
-        print(describe_layout(cfg, topology), flush=True)
+        print(describe_layout(cfg, topology, device), flush=True)
     engine = build_rollout_engine(cfg, device, tokenizer)
     seed_everything(cfg.seed + launch.rank, cfg.full_determinism)  # vLLM re-seeds globally
     steps = total_steps(cfg, sampler)

@@ -18,6 +18,8 @@ from rlhf.distributed.topology import Placement, Role, Topology
 from rlhf.engines.deepspeed_compat import install_subgroup_patches
 from rlhf.engines.deepspeed_engine import DeepSpeedModel
 from rlhf.engines.weight_sync import meta_param_specs
+from rlhf.kernels.ring_attention import block_kernel_for
+from rlhf.kernels.varlen_attention import varlen_backend_for
 from rlhf.models.layout import SequenceLayout
 from rlhf.models.loading import load_causal_lm
 from rlhf.models.micro_batches import MicroBatcher
@@ -120,12 +122,16 @@ def describe_algorithm(cfg: TrainPPOConfig, topology: Topology) -> str:
     return "algorithm: " + ", ".join(parts)
 
 
-def describe_layout(cfg: TrainPPOConfig, topology: Topology) -> str:
-    """One line saying how the models see their batches and how many data-parallel replicas each role has."""
+def describe_layout(cfg: TrainPPOConfig, topology: Topology, device: torch.device | None = None) -> str:
+    """One line saying how the models see their batches (with the attention kernels that run on `device`) and
+    how many data-parallel replicas each role has."""
     e, b = cfg.engine, cfg.batch
-    parts = ["packed samples (varlen attention)" if e.packing_samples else "padded rows"]
+    device = device or torch.device("cpu")
+    probe = torch.empty(1, 1, 64, dtype=cfg.model.dtype, device=device)  # a typical head dim: 8k <= 256
+    parts = [f"packed samples (varlen attention: {varlen_backend_for(probe)})" if e.packing_samples else "padded rows"]
     if e.ring_attn_size > 1:
-        parts.append(f"ring attention over {e.ring_attn_size} ranks (head stride {e.ring_head_stride})")
+        parts.append(f"ring attention over {e.ring_attn_size} ranks (head stride {e.ring_head_stride}; "
+                     f"{block_kernel_for(probe).name})")
     if e.use_dynamic_batch:
         parts.append(f"dynamic micro-batches of <= {e.train_max_tokens_per_gpu} tokens per rank in training, "
                      f"<= {e.rollout_tokens_per_gpu} in experience forwards")
