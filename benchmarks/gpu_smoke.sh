@@ -34,6 +34,10 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TOKENIZERS_PARALLELISM=false
 run_section() {
   local name=$1 limit=$2
   shift 2
+  if [ -n "${SMOKE_ONLY:-}" ] && [[ " $SMOKE_ONLY " != *" $name "* ]]; then  # SMOKE_ONLY="env install ..."
+    echo '{"status": "not run", "reason": "not in SMOKE_ONLY"}' >"$WORK/$name.json"
+    return 0
+  fi
   local start=$SECONDS
   # through bash -c so the exported shell functions below can be sections too
   timeout "$limit" bash -c '"$@"' _ "$@" >"$WORK/$name.out" 2>"$WORK/$name.err"
@@ -407,8 +411,27 @@ print(json.dumps({"metric": sys.argv[2], "first": values[0], "last": values[-1],
 PY
 }
 
+# GRPO through train_ppo on this GPU with HF generation (no vLLM here), every model colocated, the hybrid
+# engine's DeepSpeed sleep on: the reward of the first and the last two steps.
+grpo() {
+  local dir="$WORK/train_grpo" tiny
+  tiny=$(python -c 'from rlhf.assets import TINY_DIR; print(TINY_DIR)')
+  torchrun1 -m rlhf.cli.train_ppo --pretrain "$tiny/policy" --remote_rm_url "$tiny/reward.py" \
+    --prompt_data "$tiny/prompts.jsonl" --input_key input --label_key label --colocate_all_models \
+    --rollout_engine hf --deepspeed_enable_sleep --zero_stage 2 --param_dtype bf16 --packing_samples \
+    --advantage_estimator group_norm --use_kl_loss --kl_estimator k3 --init_kl_coef 0.001 \
+    --n_samples_per_prompt 8 --rollout_batch_size 16 --micro_rollout_batch_size 32 --train_batch_size 64 \
+    --micro_train_batch_size 16 --generate_max_len 8 --prompt_max_len 16 --actor_learning_rate 3e-3 \
+    --lr_warmup_ratio 0.05 --num_episodes 8 --max_steps 24 --seed 1 --save_path "$dir" >&2 || return 1
+  python - "$dir/metrics.jsonl" <<'PY'
+import json, sys
+rewards = [json.loads(line)["reward_mean"] for line in open(sys.argv[1])]
+print(json.dumps({"steps": len(rewards), "reward_first_2": sum(rewards[:2]) / 2, "reward_last_2": sum(rewards[-2:]) / 2}))
+PY
+}
+
 export ROOT WORK WHEELHOUSE
-export -f torchrun1 install_wheels gpu_tests train
+export -f torchrun1 install_wheels gpu_tests train grpo
 
 run_section env 30 python "$CHECKS" env
 run_section install 120 install_wheels
@@ -424,6 +447,7 @@ run_section nccl_gloo_group 40 torchrun1 "$CHECKS" nccl_gloo
 run_section train_sft_packed_zero2 120 train train_sft eval_gpt_loss --zero_stage 2 --packing_samples \
   --gradient_checkpointing --learning_rate 3e-3 --lr_warmup_ratio 0.05 --attn_implementation sdpa \
   --dataset @TINY@/sft.jsonl --eval_dataset @TINY@/sft_eval.jsonl --input_key input --output_key output
+run_section train_grpo_hf_rollout_sleep 150 grpo
 run_section train_dpo_zero3_offload 120 train train_dpo eval_acc --zero_stage 3 --ref_offload \
   --learning_rate 1e-3 --lr_warmup_ratio 0.05 --beta 0.1 --attn_implementation sdpa \
   --dataset @TINY@/pairs.jsonl --eval_dataset @TINY@/pairs_eval.jsonl --prompt_key prompt --chosen_key chosen \
@@ -434,9 +458,9 @@ import json, sys
 work, dest = sys.argv[1], sys.argv[2]
 names = ["env", "install", "gpu_tests", "logprobs_triton_vs_chunked", "deepspeed_offload_reload", "liger_off",
          "liger_on", "liger_on_vs_off", "ring_attention_8k", "flash_block_kernel", "nccl_gloo_group", "train_sft_packed_zero2",
-         "train_dpo_zero3_offload"]
+         "train_grpo_hf_rollout_sleep", "train_dpo_zero3_offload"]
 summary = {n: json.load(open(f"{work}/{n}.json")) for n in names}
-summary["ok"] = all(s.get("status") in ("ok", "skipped") for s in summary.values())
+summary["ok"] = all(s.get("status") in ("ok", "skipped", "not run") for s in summary.values())
 text = json.dumps(summary, indent=1)
 open(dest, "w").write(text + "\n")
 print(text)

@@ -130,6 +130,22 @@ def test_offload_include_list():
     assert offload_include(0, False) == offload_include(3, False) == []
 
 
+def test_sleep_needs_stage12_offload_states_at_start_up(monkeypatch):
+    """--deepspeed_enable_sleep at ZeRO-1/2 is refused before any model is built when the installed DeepSpeed's
+    stage-1/2 optimizer has no offload_states; stage 3 and --adam_offload do not need it."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from rlhf.config.errors import UsageError
+    from rlhf.engines.deepspeed_engine import check_sleep_supported
+
+    check_sleep_supported(2, adam_offload=False)  # the installed DeepSpeed has it
+    monkeypatch.delattr(DeepSpeedZeroOptimizer, "offload_states")
+    with pytest.raises(UsageError, match=r"--deepspeed_enable_sleep at --zero_stage 1/2 needs DeepSpeed >= 0\.17\.6"):
+        check_sleep_supported(1, adam_offload=False)
+    check_sleep_supported(2, adam_offload=True)
+    check_sleep_supported(3, adam_offload=False)
+
+
 def _train_step(model, ids_BT: torch.Tensor) -> None:
     model.train()
     model.backward(model.engine(input_ids=ids_BT).logits.float().logsumexp(-1).mean(), True)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.config.common import EngineConfig, OptimConfig
+from rlhf.config.errors import UsageError
 from rlhf.engines.deepspeed_compat import barriers_scoped_to, zero3_construction
 from rlhf.models import lora
 
@@ -74,9 +75,19 @@ def offload_include(zero_stage: int, adam_offload: bool) -> list[str]:
 MIN_DEEPSPEED_STAGE12_OFFLOAD = "0.17.6"
 
 
+def check_sleep_supported(zero_stage: int, adam_offload: bool) -> None:
+    """At start-up, before any model is built: --deepspeed_enable_sleep at ZeRO-1/2 (without --adam_offload)
+    needs the stage-1/2 optimizer's `offload_states`, which older DeepSpeed releases lack."""
+    if not offload_include(zero_stage, adam_offload):
+        return
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    _require_stage12_offload_states(DeepSpeedZeroOptimizer)
+
+
 def _require_stage12_offload_states(zero_optimizer) -> None:
     if not hasattr(zero_optimizer, "offload_states"):
-        raise RuntimeError(f"--deepspeed_enable_sleep at --zero_stage 1/2 needs DeepSpeed >= "
+        raise UsageError(f"--deepspeed_enable_sleep at --zero_stage 1/2 needs DeepSpeed >= "
                            f"{MIN_DEEPSPEED_STAGE12_OFFLOAD} (ZeRO-1/2 offload_states; installed "
                            f"{deepspeed.__version__}): upgrade DeepSpeed, or use --zero_stage 3 or --adam_offload")
 
