@@ -3,20 +3,26 @@
 #   bash benchmarks/gpu_smoke.sh            # from the repository root; prints one JSON summary
 # Writes the summary to $SMOKE_JSON (default: $OUT/gpu_smoke.json when $OUT is set, else ./gpu_smoke.json).
 #
-# Needs only the machine's preinstalled torch (+CUDA) and transformers. Anything else comes from a
-# wheelhouse that travels with the working tree (WHEELHOUSE, default benchmarks/wheelhouse), installed
-# with `pip install --no-index --find-links`; a section whose packages are missing reports "skipped".
-# Fill the wheelhouse on a machine with network (pick the GPU machine's python version):
-#   pip download -d benchmarks/wheelhouse --only-binary=:all: --python-version 3.11 \
-#       --platform manylinux2014_x86_64 hjson pydantic accelerate peft 'liger-kernel>=0.8' ninja \
-#       py-cpuinfo msgpack einops
+# Needs the machine's preinstalled torch (+CUDA), transformers, accelerate, peft, ninja, py-cpuinfo and
+# msgpack (as a CUDA PyTorch image has them). The rest comes from a wheelhouse that travels with the
+# working tree (WHEELHOUSE, default benchmarks/wheelhouse, git-ignored), installed with `pip install
+# --no-index --find-links`, then this checkout with `pip install --no-deps -e .`; a section whose packages
+# are missing reports "skipped". Fill the wheelhouse (~6 MiB) on a machine with network, for the GPU
+# machine's Python (3.12 here):
+#   P="--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64"
+#   pip download -d benchmarks/wheelhouse --no-deps --only-binary=:all: $P hjson==3.1.0 pydantic==2.14.4 \
+#       pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 liger-kernel==0.8.5
 #   pip download -d benchmarks/wheelhouse --no-deps --no-binary=:all: deepspeed==0.19.8
-# (about 20 MiB; no torch, transformers or vLLM: the CUDA vLLM wheel does not fit the 64 MiB budget).
+# No vLLM (its CUDA wheel does not fit a 64 MiB transfer; train_ppo runs with --rollout_engine hf) and no
+# flash-attn package (no prebuilt wheel for every torch/CUDA pair; the built-in flash kernel is used).
+#   SMOKE_ONLY="env install gpu_tests"     # run only these sections (the others report "not run")
 #
 # Sections (each bounded by `timeout`): env, install, gpu-marked tests, Triton log-prob kernel vs the
 # chunked reference (bf16, vocabulary 152k: time and peak memory), DeepSpeed ZeRO-2 and ZeRO-3
 # offload/reload round trip followed by a forward on the tiny model, Liger on vs off log-probs (separate
-# processes), ring attention at 8k tokens vs the single-rank varlen path, the NCCL+gloo default group.
+# processes), ring attention at 8k tokens (flash blocks, fp32 blocks, varlen kernels), torch's flash varlen
+# op as a block kernel, the NCCL+gloo default group, and short train_sft (packed, ZeRO-2), train_ppo (GRPO,
+# HF rollout, --deepspeed_enable_sleep) and train_dpo (ZeRO-3, --ref_offload) runs on the embedded data.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)

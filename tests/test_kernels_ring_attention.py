@@ -305,7 +305,9 @@ def _reference_flash_ops():
                       - delta[:, qs:qe, None])
             dq[qs:qe] = torch.einsum("hnm,mhd->nhd", ds, k[ks:ke].float().repeat_interleave(rep, 1)) * scale
             dk[ks:ke] = torch.einsum("hnm,nhd->mhd", ds, q[qs:qe].float()) * scale
-        fold = lambda t: t.reshape(t.shape[0], k.shape[1], rep, -1).sum(2)  # GQA: sum over each kv head's queries
+        def fold(t):  # GQA: sum over each kv head's queries
+            return t.reshape(t.shape[0], k.shape[1], rep, -1).sum(2)
+
         return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
 
     return forward, backward
