@@ -1,0 +1,124 @@
+"""RePULSe's losses and weights as pure tensor functions (../shared/design/REPULSE.md): the target
+sigma(s|x) ∝ p(s|x)·exp(beta·r(x,s)) approximated by self-normalised importance sampling over a prompt's
+K proposal samples, the CTL update of the proposal q, the negative-training and REINFORCE (RLOO) updates
+of the policy p, the reward transforms, and the held-out risk statistics. No models, configs or groups.
+
+Shapes: P prompts, K samples per prompt (a prompt's samples contiguous), T1 response positions aligned
+with next-token targets; masks are float 0/1 over response tokens. "Sequence log-prob" = sum over the
+response tokens. Every weight returned here is detached.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+
+def masked_sum_PK(values_PKT1: torch.Tensor, mask_PKT1: torch.Tensor) -> torch.Tensor:
+    """float32 [P, K]: sum over response tokens (masked positions dropped with `where`: -inf there is safe)."""
+    return torch.where(mask_PKT1.bool(), values_PKT1.float(), 0.0).sum(-1)
+
+
+def masked_mean_PK(values_PKT1: torch.Tensor, mask_PKT1: torch.Tensor) -> torch.Tensor:
+    """float32 [P, K]: mean over response tokens (a sample with none counts 0)."""
+    return masked_sum_PK(values_PKT1, mask_PKT1) / mask_PKT1.float().sum(-1).clamp(min=1)
+
+
+def snis_weights_PK(logp_seq_PK: torch.Tensor, beta_r_PK: torch.Tensor, logq_old_seq_PK: torch.Tensor) -> torch.Tensor:
+    """Self-normalised importance weights of the K proposal samples of each prompt toward sigma:
+    softmax over K of [log p(s) + beta·r(s) - log q_old(s)] (log q_old: stored at sampling time)."""
+    return torch.softmax((logp_seq_PK + beta_r_PK - logq_old_seq_PK).detach().float(), dim=-1)
+
+
+def ctl_loss(logq_PKT1: torch.Tensor, logp_PKT1: torch.Tensor, logq_old_PKT1: torch.Tensor, mask_PKT1: torch.Tensor,
+             beta_r_PK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Contrastive twist learning of q (`--actor_loss_type ctl --parameterization policy_psi_q_p_s_t`).
+
+    log psi_t = log q(s_t|s_<t) - sg[log p(s_t|s_<t)];
+    w_sigma (per sequence) = `snis_weights_PK`;
+    w_pi_t = softmax over K of [sum_{tau<=t} (log p - log q_old) + sg(log psi_t)];
+    loss = -mean over P·K of masked_mean_t[(w_sigma - w_pi_t) · log psi_t].
+    Only `logq_PKT1` carries gradients. Returns (loss, w_sigma [P, K], w_pi [P, K, T1])."""
+    mask = mask_PKT1.float()
+    logp, logq_old = logp_PKT1.detach().float(), logq_old_PKT1.detach().float()
+    log_psi = torch.where(mask.bool(), logq_PKT1.float() - logp, 0.0)
+    w_sigma = snis_weights_PK(masked_sum_PK(logp, mask), beta_r_PK, masked_sum_PK(logq_old, mask))
+    prefix = torch.where(mask.bool(), logp - logq_old, 0.0).cumsum(-1)
+    w_pi = torch.softmax(prefix + log_psi.detach(), dim=1)  # over the K samples, per position
+    per_sample = masked_mean_PK((w_sigma[..., None] - w_pi) * log_psi, mask)
+    return -per_sample.mean(), w_sigma, w_pi
+
+
+def rloo_baseline_PK(returns_PK: torch.Tensor) -> torch.Tensor:
+    """Leave-one-out mean of the other K - 1 returns of the prompt (`--reinforce_baseline_type expectation`)."""
+    K = returns_PK.shape[-1]
+    if K < 2:
+        raise ValueError("the leave-one-out baseline needs >= 2 samples per prompt (--duplicate_rollout_batch_by)")
+    return (returns_PK.sum(-1, keepdim=True) - returns_PK) / (K - 1)
+
+
+def reinforce_loss(mean_logp_PK: torch.Tensor, returns_PK: torch.Tensor) -> torch.Tensor:
+    """REINFORCE with the RLOO baseline on the policy's own samples: mean over P·K of -(R - b)·mean_t log p."""
+    advantages = (returns_PK - rloo_baseline_PK(returns_PK)).detach().float()
+    return -(advantages * mean_logp_PK.float()).mean()
+
+
+def neg_training_loss(mean_logp_PK: torch.Tensor, returns_PK: torch.Tensor, neg_mean_logp_PK: torch.Tensor,
+                      neg_weights_PK: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy's update (`--harmlessness_training_loss_type neg_training`): REINFORCE with the RLOO
+    baseline on p-samples plus alpha · mean over P·K of [w · mean_t log p(s~)] on the proposal's samples
+    s~ (pushing down the likelihood of what sigma weights). The mean over P·K of SNIS weights that sum to 1
+    per prompt gives that term an effective weight alpha / K; kept so the published alpha values carry over.
+    Returns (loss, the negative term alone)."""
+    negative = (neg_weights_PK.detach().float() * neg_mean_logp_PK.float()).mean()
+    return reinforce_loss(mean_logp_PK, returns_PK) + alpha * negative, negative.detach()
+
+
+def base_as_proposal_weights_PK(beta_r_PK: torch.Tensor) -> torch.Tensor:
+    """`--use_base_as_proposal`: the p-samples are the negatives, weighted by softmax over K of beta·r
+    (q = p, so the importance ratio p/q is 1)."""
+    return torch.softmax(beta_r_PK.detach().float(), dim=-1)
+
+
+# ---- reward transforms on the policy's samples ---------------------------------------------------
+
+
+def minus_alpha_exp_beta_r(rewards: torch.Tensor, alpha: float, beta: float, threshold: float) -> torch.Tensor:
+    """r' = r - alpha·exp(beta·r) (with beta < 0 it penalises low rewards most)."""
+    return rewards - alpha * torch.exp(beta * rewards)
+
+
+def minus_alpha_ind(rewards: torch.Tensor, alpha: float, beta: float, threshold: float) -> torch.Tensor:
+    """r' = r - alpha·1[r < threshold]."""
+    return rewards - alpha * (rewards < threshold).to(rewards.dtype)
+
+
+REWARD_TRANSFORMS: dict[str, Callable[..., torch.Tensor]] = {
+    "minus_alpha_exp_beta_r": minus_alpha_exp_beta_r,
+    "minus_alpha_ind": minus_alpha_ind,
+}
+
+
+def policy_returns_PK(rewards_PK: torch.Tensor, logp_old_PKT1: torch.Tensor, ref_logp_PKT1: torch.Tensor,
+                      mask_PKT1: torch.Tensor, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """R = r' - c_KL · sum_t (log p_old - log p_0) (k1, no gradient). Returns (R, the per-sample KL sum)."""
+    kl_PK = masked_sum_PK(logp_old_PKT1.detach().float() - ref_logp_PKT1.detach().float(), mask_PKT1)
+    return rewards_PK.float() - kl_coef * kl_PK, kl_PK
+
+
+# ---- held-out risk statistics ----------------------------------------------------------------------
+
+
+def prob_below(rewards: torch.Tensor, threshold: float) -> float:
+    """P(r < threshold), the fraction of samples below it."""
+    return float((rewards < threshold).float().mean())
+
+
+def cvar(rewards: torch.Tensor, fraction: float) -> float:
+    """Mean of the worst ceil(fraction · n) rewards (conditional value at risk of the lower tail)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"CVaR fraction must be in (0, 1], got {fraction}")
+    n = max(1, math.ceil(fraction * rewards.numel()))
+    return float(rewards.flatten().float().sort().values[:n].mean())

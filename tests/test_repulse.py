@@ -1,0 +1,139 @@
+"""RePULSe's math by hand (SNIS weights, CTL loss and its two weight sets, negative training with the
+alpha/K normalisation, reward transforms, RLOO baseline, k1 returns, risk statistics) and the analytic
+P(bad) of 2-token responses against a 100k-sample Monte-Carlo estimate of the same model."""
+
+import math
+
+import pytest
+import torch
+
+from rlhf.algorithms import repulse
+
+
+def _softmax(xs):
+    m = max(xs)
+    e = [math.exp(x - m) for x in xs]
+    return [v / sum(e) for v in e]
+
+
+def test_snis_weights_by_hand():
+    # beta = -1, r = (1, 0): logits (-1 - 1 + 1.5, -2 + 0 + 1) = (-0.5, -1)
+    w = repulse.snis_weights_PK(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.0, 0.0]]), torch.tensor([[-1.5, -1.0]]))
+    assert w[0].tolist() == pytest.approx([1 / (1 + math.exp(-0.5)), 1 - 1 / (1 + math.exp(-0.5))], abs=1e-6)
+
+
+def test_ctl_loss_weights_and_gradient_by_hand():
+    logq = torch.tensor([[[-0.7, -1.2], [-2.0, -0.3]]], requires_grad=True)  # [P=1, K=2, T1=2]
+    logp = torch.tensor([[[-0.9, -1.0], [-1.5, -0.6]]])
+    logq_old = torch.tensor([[[-0.8, -1.1], [-1.9, -0.4]]])
+    mask = torch.ones(1, 2, 2)
+    beta_r = torch.tensor([[0.4, -1.0]])
+    loss, w_sigma, w_pi = repulse.ctl_loss(logq, logp, logq_old, mask, beta_r)
+
+    lq, lp, lo, br = logq.detach()[0].tolist(), logp[0].tolist(), logq_old[0].tolist(), beta_r[0].tolist()
+    sigma = _softmax([sum(lp[i]) + br[i] - sum(lo[i]) for i in range(2)])
+    psi = [[lq[i][t] - lp[i][t] for t in range(2)] for i in range(2)]
+    pi = [_softmax([sum(lp[i][u] - lo[i][u] for u in range(t + 1)) + psi[i][t] for i in range(2)]) for t in range(2)]
+    expected = -sum(sum((sigma[i] - pi[t][i]) * psi[i][t] for t in range(2)) / 2 for i in range(2)) / 2
+    assert w_sigma[0].tolist() == pytest.approx(sigma, abs=1e-6)
+    assert w_pi[0].T.tolist() == [pytest.approx(row, abs=1e-6) for row in pi]
+    assert float(loss.detach()) == pytest.approx(expected, abs=1e-6)
+    loss.backward()  # weights are constants: d loss / d log q_it = -(w_sigma_i - w_pi_it) / (T1 · P·K)
+    grad = [[-(sigma[i] - pi[t][i]) / 4 for t in range(2)] for i in range(2)]
+    assert logq.grad[0].tolist() == [pytest.approx(row, abs=1e-6) for row in grad]
+
+
+def test_ctl_loss_ignores_positions_after_the_response():
+    logq = torch.tensor([[[-0.7, -1.2], [-2.0, -0.3]]])
+    logp = torch.tensor([[[-0.9, -1.0], [-1.5, -0.6]]])
+    mask = torch.tensor([[[1.0, 0.0], [1.0, 1.0]]])
+    changed = logq.clone()
+    changed[0, 0, 1] = -50.0  # a padded position of sample 0
+    a = repulse.ctl_loss(logq, logp, logq, mask, torch.zeros(1, 2))
+    b = repulse.ctl_loss(changed, logp, changed, mask, torch.zeros(1, 2))
+    assert float(a[0]) == pytest.approx(float(b[0]), abs=1e-7)
+    assert torch.equal(a[1], b[1])
+
+
+def test_rloo_baseline_and_reinforce_by_hand():
+    assert repulse.rloo_baseline_PK(torch.tensor([[1.0, 2.0, 6.0]])).tolist() == [[4.0, 3.5, 1.5]]
+    # returns (1, 3): baselines (3, 1), advantages (-2, 2); mean log-probs (-1, -2): -mean(2, -4) = 1
+    assert float(repulse.reinforce_loss(torch.tensor([[-1.0, -2.0]]), torch.tensor([[1.0, 3.0]]))) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="--duplicate_rollout_batch_by"):
+        repulse.rloo_baseline_PK(torch.tensor([[1.0]]))
+
+
+def test_neg_training_loss_alpha_over_k():
+    mean_logp, returns = torch.tensor([[-1.0, -2.0]]), torch.tensor([[1.0, 3.0]])
+    w, neg_logp = torch.tensor([[0.25, 0.75]]), torch.tensor([[-3.0, -1.0]])
+    loss, negative = repulse.neg_training_loss(mean_logp, returns, neg_logp, w, alpha=0.5)
+    # the negative term is a mean over P·K = 2 of w·l: (0.25·-3 + 0.75·-1) / 2 = -0.75, i.e. (alpha / K)·sum w·l
+    assert float(negative) == pytest.approx(-0.75)
+    assert float(loss) == pytest.approx(1.0 + 0.5 * -0.75)
+    assert float(loss) == pytest.approx(1.0 + (0.5 / 2) * (0.25 * -3 + 0.75 * -1))
+
+
+def test_reward_transforms_and_base_as_proposal_weights():
+    r = torch.tensor([-1.0, 0.0, 2.0])
+    got = repulse.REWARD_TRANSFORMS["minus_alpha_exp_beta_r"](r, 0.5, -1.0, 0.0)
+    assert got.tolist() == pytest.approx([-1 - 0.5 * math.e, -0.5, 2 - 0.5 * math.exp(-2)], abs=1e-6)
+    got = repulse.REWARD_TRANSFORMS["minus_alpha_ind"](r, 0.5, -1.0, 0.5)
+    assert got.tolist() == pytest.approx([-1.5, -0.5, 2.0])
+    w = repulse.base_as_proposal_weights_PK(torch.tensor([[0.0, math.log(3.0)]]))
+    assert w[0].tolist() == pytest.approx([0.25, 0.75], abs=1e-6)
+
+
+def test_policy_returns_k1_kl():
+    logp_old = torch.tensor([[[-1.0, -2.0], [-0.5, -0.5]]])
+    ref = torch.tensor([[[-1.5, -1.0], [-0.5, -9.0]]])
+    mask = torch.tensor([[[1.0, 1.0], [1.0, 0.0]]])
+    returns, kl = repulse.policy_returns_PK(torch.tensor([[1.0, 2.0]]), logp_old, ref, mask, kl_coef=0.1)
+    assert kl[0].tolist() == pytest.approx([0.5 - 1.0, 0.0])
+    assert returns[0].tolist() == pytest.approx([1.0 + 0.05, 2.0])
+
+
+def test_risk_statistics():
+    r = torch.tensor([3.0, -2.0, 0.5, -4.0, 1.0])
+    assert repulse.prob_below(r, 0.0) == pytest.approx(0.4)
+    assert repulse.cvar(r, 0.4) == pytest.approx(-3.0)  # the worst 2 of 5
+    assert repulse.cvar(r, 0.1) == pytest.approx(-4.0)  # at least one sample
+    with pytest.raises(ValueError, match="CVaR"):
+        repulse.cvar(r, 0.0)
+
+
+# ---- analytic P(bad) ------------------------------------------------------------------------------
+
+
+def test_log_p_bad_by_hand():
+    from rlhf.evaluation.bad_outputs import log_p_bad
+
+    first = torch.tensor([0.5, 0.3, 0.2]).log()
+    second = torch.tensor([[0.1, 0.1, 0.8], [0.6, 0.2, 0.2], [0.3, 0.3, 0.4]]).log()
+    # B = {2}: 0.2 + 0.5·0.8 + 0.3·0.2 = 0.66; with EOS = 1 the 0.3 branch ends: 0.2 + 0.4 = 0.6
+    assert math.exp(float(log_p_bad(first, second, [2]))) == pytest.approx(0.66, abs=1e-6)
+    assert math.exp(float(log_p_bad(first, second, [2], eos_token_id=1))) == pytest.approx(0.6, abs=1e-6)
+
+
+def test_analytic_p_bad_matches_monte_carlo():
+    """100k ancestral samples of 2-token responses from the embedded tiny policy: the Monte-Carlo fraction
+    with a bad token lies within 4 standard errors (sqrt(p(1-p)/n) ~ 1e-3) of the exact value."""
+    from rlhf.assets import EMBEDDED_MODEL_DIR
+    from rlhf.evaluation.bad_outputs import analytic_log_p_bad, next_token_logprobs_V, second_token_logprobs_VV
+    from rlhf.models.loading import load_causal_lm
+
+    model = load_causal_lm(EMBEDDED_MODEL_DIR, torch.float32, "sdpa").eval()
+    prompt, bad, eos, temperature = [2, 35, 4, 14, 5], [41, 42, 43], 3, 1.5
+    exact = math.exp(analytic_log_p_bad(model, prompt, bad, eos_token_id=eos, temperature=temperature))
+
+    n = 100_000
+    g = torch.Generator().manual_seed(0)
+    first_V = next_token_logprobs_V(model, torch.tensor([prompt]), temperature)[0]
+    second_VV = second_token_logprobs_VV(model, prompt, first_V.shape[0], temperature)
+    a = torch.multinomial(first_V.exp(), n, replacement=True, generator=g)
+    b = torch.multinomial(second_VV.exp()[a], 1, generator=g)[:, 0]
+    bad_t = torch.tensor(bad)
+    is_bad = torch.isin(a, bad_t) | ((a != eos) & torch.isin(b, bad_t))
+    estimate = float(is_bad.float().mean())
+    stderr = math.sqrt(exact * (1 - exact) / n)
+    assert 0.01 < exact < 0.5
+    assert abs(estimate - exact) < 4 * stderr, (estimate, exact, stderr)
