@@ -59,10 +59,20 @@ def rloo_baseline_PK(returns_PK: torch.Tensor) -> torch.Tensor:
     return (returns_PK.sum(-1, keepdim=True) - returns_PK) / (K - 1)
 
 
+def policy_gradient_terms(mean_logp: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """Per-sample REINFORCE terms -(R - b)·mean_t log p (advantages detached); the loss is their mean."""
+    return -(advantages.detach().float() * mean_logp.float())
+
+
+def negative_terms(mean_logp: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Per-sample negative-training terms w·mean_t log p(s~) (weights detached); the loss adds alpha x their
+    mean over P·K."""
+    return weights.detach().float() * mean_logp.float()
+
+
 def reinforce_loss(mean_logp_PK: torch.Tensor, returns_PK: torch.Tensor) -> torch.Tensor:
     """REINFORCE with the RLOO baseline on the policy's own samples: mean over P·K of -(R - b)·mean_t log p."""
-    advantages = (returns_PK - rloo_baseline_PK(returns_PK)).detach().float()
-    return -(advantages * mean_logp_PK.float()).mean()
+    return policy_gradient_terms(mean_logp_PK, returns_PK - rloo_baseline_PK(returns_PK)).mean()
 
 
 def neg_training_loss(mean_logp_PK: torch.Tensor, returns_PK: torch.Tensor, neg_mean_logp_PK: torch.Tensor,
@@ -72,7 +82,7 @@ def neg_training_loss(mean_logp_PK: torch.Tensor, returns_PK: torch.Tensor, neg_
     s~ (pushing down the likelihood of what sigma weights). The mean over P·K of SNIS weights that sum to 1
     per prompt gives that term an effective weight alpha / K; kept so the published alpha values carry over.
     Returns (loss, the negative term alone)."""
-    negative = (neg_weights_PK.detach().float() * neg_mean_logp_PK.float()).mean()
+    negative = negative_terms(neg_mean_logp_PK, neg_weights_PK).mean()
     return reinforce_loss(mean_logp_PK, returns_PK) + alpha * negative, negative.detach()
 
 

@@ -9,6 +9,7 @@ the PRM token choices are described in `build_tiny`'s docstring.
 from pathlib import Path
 
 TINY_DIR = Path(__file__).resolve().parent / "tiny"
+TOY_DIR = Path(__file__).resolve().parent / "toy"
 EMBEDDED_MODEL_DIR = str(TINY_DIR / "policy")
 EMBEDDED_PROMPTS = str(TINY_DIR / "prompts.jsonl")
 EMBEDDED_REWARD = str(TINY_DIR / "reward.py")
@@ -24,3 +25,8 @@ EMBEDDED_PRM_EVAL = str(TINY_DIR / "prm_eval.jsonl")
 # unused words of the 64-token vocabulary: the step placeholder and the (good, bad) reward tokens
 EMBEDDED_PRM_PLACEHOLDER = "w0"
 EMBEDDED_PRM_REWARD_TOKENS = ("w1", "w2")
+
+# the RePULSe toy (one prompt, 2-word responses, bad words x y z) on the embedded tiny policy
+TOY_REWARD = str(TOY_DIR / "reward.py")
+TOY_PROMPT = "copy :"
+TOY_BAD_WORDS = "x y z"

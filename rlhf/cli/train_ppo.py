@@ -17,7 +17,7 @@ import torch.distributed as dist
 from rlhf.cli.common import begin, check_outputs, for_this_machine, main_for, metrics_logger
 from rlhf.config.errors import UsageError
 from rlhf.config.ppo import TrainPPOConfig
-from rlhf.data.prompts import PromptSampler, load_prompts
+from rlhf.data.prompts import PromptSampler, load_prompts, single_prompt
 from rlhf.distributed.launch import init_distributed
 from rlhf.distributed.topology import Role, Topology, plan_ranks
 from rlhf.models.loading import check_liger_kernel, check_local_model, load_tokenizer
@@ -78,12 +78,15 @@ def build_reward_source(cfg: TrainPPOConfig) -> RewardSource | None:
 
 
 def save_models(cfg: TrainPPOConfig, roles: Roles, topology: Topology, tokenizer) -> None:
-    """Final HF-format models under --save_path: the actor (with tokenizer) and the critic. With --lora_rank
+    """Final HF-format models under --save_path: the actor (with tokenizer), RePULSe's proposal and the critic.
+    With --lora_rank
     each is its adapter (with the critic's value head), as OpenRLHF saves it; `rlhf.cli.lora_combiner` merges
     one into its base (--is_rm for the critic)."""
     out = cfg.logging.save_path
     if roles.actor is not None:
         roles.actor.model.save_hf(os.path.join(out, "model"), tokenizer, topology.leads(Role.ACTOR))
+    if roles.proposal is not None:  # RePULSe's q, beside the policy
+        roles.proposal.model.save_hf(os.path.join(out, "proposal"), tokenizer, topology.leads(Role.ACTOR))
     if roles.critic is not None and roles.critic.model.adapted:
         roles.critic.model.save_hf(os.path.join(out, "critic"), tokenizer, topology.leads(Role.CRITIC))
     elif roles.critic is not None:
@@ -139,7 +142,12 @@ def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ())
     plan = check_before_engines(cfg, launch.world_size)
     reward_source = build_reward_source(cfg)
     tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code)
-    sampler = PromptSampler(load_prompts(cfg.data, tokenizer), cfg.batch.rollout_batch_size, cfg.seed)
+    rp = cfg.repulse
+    if rp.do_harmlessness_training and rp.new_custom_single_prompt:  # the toy: one prompt, every step
+        prompts = [single_prompt(cfg.data, rp.custom_prompt, tokenizer)] * cfg.batch.rollout_batch_size
+    else:
+        prompts = load_prompts(cfg.data, tokenizer)
+    sampler = PromptSampler(prompts, cfg.batch.rollout_batch_size, cfg.seed)
     device = init_distributed(launch, cfg.dist_timeout)
     Watchdog(launch.rank, cfg.watchdog_interval).start()  # prints where this rank is stuck, if it is
     topology = Topology(plan, rollout_tp=cfg.rollout.vllm_tensor_parallel_size, ring_size=cfg.engine.ring_attn_size)
@@ -155,10 +163,10 @@ def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ())
     roles = build_roles(cfg, topology, device, steps, reward_source, tokenizer)
     log = cfg.logging
     logger = metrics_logger(cfg, steps, is_writer, "rl steps", {"reward": "reward_mean"})
-    trainer = PPOTrainer(cfg, topology, roles, engine, sampler, tokenizer, device)
+    trainer, eval_every = build_trainer(cfg, topology, roles, engine, sampler, tokenizer, device)
     checkpointer = Checkpointer(cfg.checkpoint, default_ckpt_path=TrainPPOConfig().checkpoint.ckpt_path,
                                 rank=launch.rank, world_size=launch.world_size, logger=logger)
-    loop = Loop(steps, log.logging_steps, cfg.checkpoint.save_steps, None, logger, checkpointer, launch.rank)
+    loop = Loop(steps, log.logging_steps, cfg.checkpoint.save_steps, eval_every, logger, checkpointer, launch.rank)
     start = loop.resume(trainer)
     trainer.sync_weights()
     try:
@@ -167,6 +175,27 @@ def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ())
     finally:
         logger.close()
     dist.barrier()
+
+
+def build_trainer(cfg: TrainPPOConfig, topology: Topology, roles: Roles, engine, sampler: PromptSampler, tokenizer,
+                  device: torch.device) -> tuple[PPOTrainer, int | None]:
+    """PPO's trainer, or RePULSe's with its evaluation after every fit step; and how often to evaluate."""
+    rp = cfg.repulse
+    if not rp.do_harmlessness_training:
+        return PPOTrainer(cfg, topology, roles, engine, sampler, tokenizer, device), None
+    from rlhf.trainers.repulse import RepulseTrainer
+
+    evaluator = None
+    if rp.analytic_bad_word_calc:
+        from rlhf.trainers.repulse_eval import AnalyticEvaluator
+
+        prompt = single_prompt(cfg.data, rp.custom_prompt, tokenizer)
+        ref = roles.experience.ref_model
+        evaluator = AnalyticEvaluator(cfg, tokenizer, prompt.text, list(prompt.token_ids), None,
+                                      roles.experience.reward, ref)
+    trainer = RepulseTrainer(cfg, topology, roles, engine, sampler, tokenizer, device, evaluator=evaluator)
+    fit_step = sampler.steps_per_episode * rp.harmlessness_training_num_episodes
+    return trainer, fit_step if evaluator is not None else None
 
 
 def main(argv: list[str] | None = None) -> None:

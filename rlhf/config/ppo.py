@@ -23,6 +23,7 @@ from rlhf.config.common import (
     opt,
     require,
 )
+from rlhf.config.repulse import RepulseConfig
 
 ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
@@ -309,14 +310,16 @@ class TrainPPOConfig(JobConfig):
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    repulse: RepulseConfig = field(default_factory=RepulseConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._check_repulse()
         if self.logging.eval_steps != -1:
             warnings.warn(f"--eval_steps {self.logging.eval_steps} has no effect: there is no --eval_dataset "
                           "(evaluation during RL is not built yet)", stacklevel=2)
-        n, algo = self.rollout.n_samples_per_prompt, self.algo
-        if algo.advantage_estimator in GROUP_ESTIMATORS:
+        n, algo = self.samples_per_prompt, self.algo
+        if algo.advantage_estimator in GROUP_ESTIMATORS and not self.repulse.do_harmlessness_training:
             require(n > 1, f"--advantage_estimator {algo.advantage_estimator} compares samples of one prompt: "
                             f"--n_samples_per_prompt must be > 1 (got {n})")
         require(not algo.dynamic_filtering or n > 1, "--dynamic_filtering filters prompt groups: "
@@ -327,11 +330,11 @@ class TrainPPOConfig(JobConfig):
         if algo.overlong_buffer_len is not None:
             require(0 < algo.overlong_buffer_len <= self.rollout.generate_max_len,
                      "--overlong_buffer_len must lie in (0, --generate_max_len]")
-        if algo.advantage_estimator != "gae" and (self.model.critic_pretrain or self.placement.num_ranks("critic")):
+        if not self.uses_critic and (self.model.critic_pretrain or self.placement.num_ranks("critic")):
             warnings.warn(f"--advantage_estimator {algo.advantage_estimator} uses no critic: critic flags are "
                           "ignored", stacklevel=2)
         if self.model.pretrain is not None:
-            require(self.data.prompt_data is not None,
+            require(self.data.prompt_data is not None or self.repulse.new_custom_single_prompt,
                      f"--pretrain {self.model.pretrain} is given but --prompt_data is not: name the prompt dataset "
                      "(the embedded demo prompts are used only when --pretrain is not given)")
             require(bool(self.reward.reward_model_paths or self.reward.remote_rm_url),
@@ -360,7 +363,37 @@ class TrainPPOConfig(JobConfig):
 
     @property
     def uses_critic(self) -> bool:
-        return self.algo.advantage_estimator == "gae"
+        return self.algo.advantage_estimator == "gae" and not self.repulse.do_harmlessness_training
+
+    @property
+    def samples_per_prompt(self) -> int:
+        """Samples per prompt and step: --n_samples_per_prompt, times --duplicate_rollout_batch_by (RePULSe)."""
+        dup = self.repulse.duplicate_rollout_batch_by if self.repulse.do_harmlessness_training else 1
+        return self.rollout.n_samples_per_prompt * dup
+
+    def _check_repulse(self) -> None:
+        """RePULSe (--do_harmlessness_training) runs REINFORCE-style updates on whole prompt groups."""
+        rp, b = self.repulse, self.batch
+        if not rp.do_harmlessness_training:
+            return
+        k = self.samples_per_prompt
+        require(k > 1, "--do_harmlessness_training compares the samples of a prompt: --duplicate_rollout_batch_by "
+                       "(times --n_samples_per_prompt) must be > 1")
+        for flag, size in (("--train_batch_size", b.train_batch_size),
+                           ("--micro_train_batch_size", b.micro_train_batch_size)):
+            require(size % k == 0, f"{flag} {size} must be a multiple of the {k} samples of a prompt (a prompt's "
+                                   "group is never split across micro-batches)")
+        require(self.placement.num_ranks("critic") == 0 and not self.model.critic_pretrain,
+                "--do_harmlessness_training trains no critic: drop the critic flags")
+        if rp.analytic_bad_word_calc:
+            p = self.placement
+            require(p.colocate_all_models or not any(p.num_ranks(r) for r in ("actor", "critic", "reward", "ref")),
+                    "--analytic_bad_word_calc evaluates on every rank: colocate the models (--colocate_all_models)")
+            require(not self.reward.reward_paths, "--analytic_bad_word_calc scores every 2-token response with a "
+                    "reward function: use --remote_rm_url (a .py file or server), not --reward_pretrain")
+        if self.batch.max_epochs != 1:
+            warnings.warn(f"--max_epochs {self.batch.max_epochs} is ignored with --do_harmlessness_training: "
+                          "each batch gives one update of q and one of p, as in the fork", stacklevel=2)
 
     @property
     def critic_init(self) -> str:
@@ -390,7 +423,7 @@ class TrainPPOConfig(JobConfig):
         require(b.rollout_batch_size % num_engines == 0,
                  f"--rollout_batch_size {b.rollout_batch_size} must be divisible by the number of rollout "
                  f"engines ({num_engines} = world size {world_size} / --vllm_tensor_parallel_size {tp})")
-        samples = b.rollout_batch_size * self.rollout.n_samples_per_prompt
+        samples = b.rollout_batch_size * self.samples_per_prompt
         require(samples % b.train_batch_size == 0,
                  f"--train_batch_size {b.train_batch_size} must divide the samples per step ({samples})")
         if tp > 1:
@@ -403,7 +436,7 @@ class TrainPPOConfig(JobConfig):
         """Every role's data-parallel replicas (ranks / --ring_attn_size) must split the step's samples
         evenly; trainable ones also its batches."""
         b, ring = self.batch, self.engine.ring_attn_size
-        samples = b.rollout_batch_size * self.rollout.n_samples_per_prompt
+        samples = b.rollout_batch_size * self.samples_per_prompt
         for role, count in rank_counts.items():
             require(count % ring == 0, f"the {count} {role} ranks do not split into rings of --ring_attn_size "
                                         f"{ring}; change the role's rank count or the ring size")

@@ -120,6 +120,18 @@ def load_prompts(cfg: DataConfig, tokenizer) -> list[Prompt]:
     return prompts
 
 
+def single_prompt(cfg: DataConfig, text: str, tokenizer, flag: str = "--custom_prompt") -> Prompt:
+    """One prompt given on the command line, formatted like a dataset row (input template / chat template)."""
+    if cfg.tokenizer_chat_template:
+        tokenizer.chat_template = cfg.tokenizer_chat_template
+    formatted = _format({cfg.input_key: text}, flag, cfg, tokenizer)
+    ids = tokenizer(formatted, add_special_tokens=False)["input_ids"]
+    problem = _empty_prompt_problem(formatted, ids, tokenizer)
+    if problem:
+        raise ValueError(f"{flag} {text!r}: {problem}")
+    return Prompt(formatted, tuple(ids), None)
+
+
 def load_texts(source: str, key: str, max_samples: int) -> list[str]:
     """The `key` column of a local JSON/JSONL file or directory (pretraining texts for the ptx loss)."""
     cfg = DataConfig(prompt_data=source, input_key=key, max_samples=max_samples)

@@ -22,11 +22,13 @@ from rlhf.data.records import Rollout
 MAX_REQUEST_SEED = (1 << 62) - 1
 
 
-def request_seed(run_seed: int, step: int, prompt_index: int) -> int:
+def request_seed(run_seed: int, step: int, prompt_index: int, stream: int = 0) -> int:
     """The sampling seed of one prompt: a hash of (run seed, step, index of the prompt in the step's
     global batch), in [0, MAX_REQUEST_SEED]. Hashing (not seed + index) keeps the streams of neighbouring
-    prompts and steps unrelated, and it never depends on the engine or rank that samples the prompt."""
-    digest = hashlib.blake2b(f"rollout:{run_seed}:{step}:{prompt_index}".encode(), digest_size=8).digest()
+    prompts and steps unrelated, and it never depends on the engine or rank that samples the prompt. `stream`
+    > 0 gives another independent stream for the same prompt (a second model sampling it in the same step)."""
+    key = f"rollout:{run_seed}:{step}:{prompt_index}" + (f":{stream}" if stream else "")
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & MAX_REQUEST_SEED
 
 

@@ -64,16 +64,19 @@ def _dtype(cfg: TrainPPOConfig) -> torch.dtype:
 
 
 def _engine(cfg: TrainPPOConfig, topology: Topology, role: Role, build, device: torch.device, *,
-            trainable: bool, learning_rate: float = 0.0) -> DeepSpeedModel:
+            trainable: bool, learning_rate: float = 0.0, name: str | None = None,
+            updates_per_batch: int = 1) -> DeepSpeedModel:
+    """`updates_per_batch`: passes over each step's samples (sizes the LR schedule; RePULSe's q makes
+    --num_episodes)."""
     b = cfg.batch
     dp = topology.dp_size(role)
-    samples = b.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+    samples = b.rollout_batch_size * cfg.samples_per_prompt * updates_per_batch
     steps = cfg.batch.max_steps or 1_000_000
     return role_model(build, cfg.model, cfg.engine, cfg.optim, topology, role, device, trainable=trainable,
                       micro_batch_size=b.micro_train_batch_size if trainable else b.micro_rollout_batch_size,
                       grad_accum_steps=b.train_batch_size // (b.micro_train_batch_size * dp) if trainable else 1,
                       num_optimizer_steps=steps * b.max_epochs * samples // b.train_batch_size,
-                      learning_rate=learning_rate, name=ROLE_NAMES[role])
+                      learning_rate=learning_rate, name=name or ROLE_NAMES[role])
 
 
 def batchers_for(cfg: TrainPPOConfig, topology: Topology, role: Role) -> tuple[MicroBatcher, MicroBatcher]:
@@ -101,6 +104,8 @@ def describe_algorithm(cfg: TrainPPOConfig, topology: Topology) -> str:
     """One line saying which algorithm runs: estimator, group size, KL and where it enters, the models
     that exist, and the active corrections."""
     a, n = cfg.algo, cfg.rollout.n_samples_per_prompt
+    if cfg.repulse.do_harmlessness_training:
+        return describe_repulse(cfg)
     parts = [f"--advantage_estimator {a.advantage_estimator}", f"{n} sample{'s' if n > 1 else ''} per prompt"]
     if not a.needs_ref:
         parts.append("no KL term")
@@ -119,6 +124,29 @@ def describe_algorithm(cfg: TrainPPOConfig, topology: Topology) -> str:
         low, high = a.vllm_is_truncated_threshold
         kind = "ICEPOP (tokens outside zeroed)" if a.icepop else "TIS (truncated)"
         parts.append(f"rollout correction {kind} in [{low}, {high}]")
+    return "algorithm: " + ", ".join(parts)
+
+
+def describe_repulse(cfg: TrainPPOConfig) -> str:
+    """The algorithm line of a --do_harmlessness_training run: which variant, its weights and schedule."""
+    rp, k = cfg.repulse, cfg.samples_per_prompt
+    if rp.harmlessness_training_loss_type == "reinforce":
+        variant = "REINFORCE (leave-one-out baseline)"
+    elif rp.use_base_as_proposal:
+        variant = f"REINFORCE + negatives from the policy's own samples (alpha {rp.alpha})"
+    else:
+        variant = (f"RePULSe: proposal q by CTL toward p·exp({rp.target_dist_beta:g}·r) "
+                   f"(lr {cfg.optim.actor_learning_rate:g}, {cfg.batch.num_episodes} update(s) per step), policy by "
+                   f"REINFORCE + alpha {rp.alpha:g} x weighted q samples")
+    parts = [variant, f"{k} samples per prompt", f"policy lr {rp.base_actor_learning_rate:g}"]
+    if rp.reward_transform:
+        parts.append(f"reward transform {rp.reward_transform} (a {rp.transform_alpha:g}, b {rp.transform_beta:g}, "
+                     f"threshold {rp.threshold:g})")
+    a = cfg.algo
+    parts.append(f"KL k1 x {a.init_kl_coef:g} in the return" if a.needs_ref else "no KL term")
+    parts.append(f"{rp.fit_steps} fit step(s) of {rp.harmlessness_training_num_episodes} episode(s)")
+    if rp.analytic_bad_word_calc:
+        parts.append(f"exact log P(bad) of {rp.bad_words!r} after each fit step")
     return "algorithm: " + ", ".join(parts)
 
 
@@ -162,13 +190,24 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
 
     four_bit = m.lora.load_in_4bit  # the trained models' bases only (QLoRA); frozen ones load as they are
 
+    rp = cfg.repulse
+    proposal = None
     if topology.hosts(Role.ACTOR):
         infer, train = batchers_for(cfg, topology, Role.ACTOR)
+        # RePULSe: --base_actor_learning_rate is the policy's, --actor_learning_rate the proposal's (fork names)
+        lr = rp.base_actor_learning_rate if rp.do_harmlessness_training else cfg.optim.actor_learning_rate
         model = _engine(_with_steps(cfg, total_steps), topology, Role.ACTOR, _model_builder(
             cfg, train.layout, lambda attn: causal_lm(attn, four_bit)),
-                        device, trainable=True, learning_rate=cfg.optim.actor_learning_rate)
+                        device, trainable=True, learning_rate=lr)
         actor = Actor(model, topology.group(Role.ACTOR), device, temperature=cfg.rollout.temperature, algo=cfg.algo,
                       infer_batcher=infer, train_batcher=train)
+        if rp.uses_proposal:
+            q = _engine(_with_steps(cfg, total_steps), topology, Role.ACTOR, _model_builder(
+                cfg, train.layout, lambda attn: causal_lm(attn, four_bit)), device, trainable=True,
+                        learning_rate=cfg.optim.actor_learning_rate, name="proposal",
+                        updates_per_batch=cfg.batch.num_episodes)
+            proposal = Actor(q, topology.group(Role.ACTOR), device, temperature=cfg.rollout.temperature,
+                             algo=cfg.algo, infer_batcher=infer, train_batcher=train)
     if Role.CRITIC in topology.plan and topology.hosts(Role.CRITIC):
         path = cfg.critic_init
         infer, train = batchers_for(cfg, topology, Role.CRITIC)
@@ -196,7 +235,7 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
                                  running_reward_norm=cfg.algo.normalize_reward and norms is None)
     specs = meta_param_specs(m.pretrain, dtype, m.trust_remote_code)
     return Roles(actor, critic, experience, specs, _ptx_data(cfg, topology, tokenizer) if actor is not None else None,
-                 frozen)
+                 frozen, proposal)
 
 
 def stored_reward_norms(cfg: TrainPPOConfig) -> list[tuple[float, float]] | None:

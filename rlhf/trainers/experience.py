@@ -98,6 +98,25 @@ class ExperienceMaker:
             rewards_B = rewards_B.clamp(*algo.reward_clip_range)
         return rewards_B
 
+    def gather(self, role: Role, compute: Callable[[slice], torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+        """Rows of a global batch computed by `role`'s ranks on their shards (a model forward: every rank of a
+        ring runs it), assembled on every rank. Collective over the world."""
+        return self._by_role(role, compute, shape)
+
+    def score(self, batch: Rollout, with_ref: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(raw rewards [B], actor log-probs [B, T-1], reference log-probs [B, T-1] or None) of a global batch,
+        identical on every rank; nothing shaped, no advantages (RePULSe's step does its own). Collective."""
+        B, T = batch.sequences_BT.shape
+        seq, mask = batch.sequences_BT, batch.attention_mask_BT
+        old = self._by_role(Role.ACTOR, lambda w: self.actor.logprobs(seq[w], mask[w]), (B, T - 1))
+        ref = None
+        if with_ref:
+            temperature = self.cfg.rollout.temperature
+            ref = self._by_role(Role.REF, lambda w: batched_logprobs(self.ref_model, seq[w], mask[w], self.ref_batcher,
+                                                                     temperature, self.device), (B, T - 1))
+        raw_rewards, _, _ = self._rewards(batch)
+        return raw_rewards, old, ref
+
     def make(self, batch: Rollout) -> tuple[Experience, dict[str, float]]:
         """Experience for the whole global batch (identical on every rank) and step metrics."""
         B, T = batch.sequences_BT.shape

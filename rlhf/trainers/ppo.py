@@ -39,7 +39,12 @@ TRAIN_METRICS = {
 
 
 def total_steps(cfg: TrainPPOConfig, sampler: PromptSampler) -> int:
-    steps = sampler.steps_per_episode * cfg.batch.num_episodes
+    """RL steps of the run: episodes x steps per episode (RePULSe: --fit_steps x
+    --harmlessness_training_num_episodes episodes), at most --max_steps."""
+    rp = cfg.repulse
+    episodes = rp.fit_steps * rp.harmlessness_training_num_episodes if rp.do_harmlessness_training \
+        else cfg.batch.num_episodes
+    steps = sampler.steps_per_episode * episodes
     return min(steps, cfg.batch.max_steps) if cfg.batch.max_steps else steps
 
 
@@ -53,10 +58,11 @@ class Roles:
     actor_specs: list[ParamSpec]
     ptx: PtxData | None = None
     frozen: list[DeepSpeedModel] = field(default_factory=list)
+    proposal: Actor | None = None  # RePULSe's q, on the actor's ranks
 
     @property
     def trainable(self) -> list[DeepSpeedModel]:
-        return [r.model for r in (self.actor, self.critic) if r is not None]
+        return [r.model for r in (self.actor, self.critic, self.proposal) if r is not None]
 
 
 class PPOTrainer:
@@ -111,21 +117,22 @@ class PPOTrainer:
         for model in models if enabled else []:
             model.offload() if to_host else model.reload(self.device)
 
-    def _engine_prompts(self, step: int) -> tuple[list[Prompt], list[int], int]:
+    def _engine_prompts(self, step: int, stream: int = 0) -> tuple[list[Prompt], list[int], int]:
         """Prompts for this rank's engine, their sampling seeds, and the index of this rank's share within
         them. A prompt's seed depends only on (run seed, step, its index in the step's global batch): the
         ranks of one engine get the same seeds, and the samples do not depend on the number of engines."""
         batch = self.sampler.batch(step)
         per_engine = len(batch) // self.topology.num_engines
         first = self.topology.engine_index * per_engine
-        seeds = [request_seed(self.cfg.seed, step, i) for i in range(first, first + per_engine)]
+        seeds = [request_seed(self.cfg.seed, step, i, stream) for i in range(first, first + per_engine)]
         return batch[first:first + per_engine], seeds, self.topology.engine_rank
 
-    def generate(self, step: int) -> Rollout:
-        """Sample n responses per prompt on this rank's engine; keep this rank's share of prompts."""
-        prompts, seeds, share = self._engine_prompts(step)
+    def generate(self, step: int, stream: int = 0) -> Rollout:
+        """Sample the step's responses per prompt (`cfg.samples_per_prompt`) with the weights the engine holds;
+        keep this rank's share of prompts. `stream` > 0: other seeds for the same prompts."""
+        prompts, seeds, share = self._engine_prompts(step, stream)
         r = self.cfg.rollout
-        spec = SamplingSpec(n=r.n_samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
+        spec = SamplingSpec(n=self.cfg.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
                             max_tokens=r.generate_max_len)
         generations = self.engine.generate([list(p.token_ids) for p in prompts], spec, seeds)
         per_rank = len(prompts) // self.topology.rollout_tp

@@ -1,0 +1,89 @@
+"""RePULSe's sub-config of `train_ppo` (../shared/design/REPULSE.md), with the research fork's flag names
+and defaults: the proposal q (`--actor_loss_type ctl`, `--actor_learning_rate`), the policy's update
+(`--harmlessness_training_loss_type`, `--alpha`, `--base_actor_learning_rate`), the target's temperature
+(`--target_dist_beta`), the reward transforms, the schedule and the analytic evaluation. Off unless
+`--do_harmlessness_training`. This module knows nothing of argparse or of the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhf.config.common import opt, require
+
+LOSS_TYPES = ("neg_training", "reinforce")
+REWARD_TRANSFORMS = ("minus_alpha_exp_beta_r", "minus_alpha_ind")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RepulseConfig:
+    """RePULSe: q (the proposal, a second trainable copy of the policy) learns sigma ∝ p·exp(beta·r) by CTL;
+    p is trained by REINFORCE (leave-one-out baseline) and pushed away from q's weighted samples."""
+
+    do_harmlessness_training: bool = opt(False, "train the policy with RePULSe (or its baselines) instead of PPO")
+    harmlessness_training_loss_type: str = opt("neg_training", "the policy's loss: neg_training (REINFORCE + "
+                                               "alpha x weighted negatives) or reinforce (REINFORCE alone)")
+    alpha: float = opt(0.0, "weight of the negative term (effective weight alpha / K, as in the fork)")
+    target_dist_beta: float = opt(1.0, "beta of sigma ∝ p·exp(beta·r) (negative: toward low rewards)")
+    base_actor_learning_rate: float = opt(1e-6, "the policy's learning rate (--actor_learning_rate is q's)")
+    actor_loss_type: str = opt("ctl", "the proposal's loss: ctl")
+    parameterization: str = opt("policy_psi_q_p_s_t", "the proposal's parameterization: policy_psi_q_p_s_t "
+                                "(q is a full policy; log psi = log q - log p)")
+    reinforce_baseline_type: str = opt("expectation", "baseline of the policy's REINFORCE: expectation "
+                                       "(leave-one-out mean of the group's returns)")
+    duplicate_rollout_batch_by: int = opt(1, "samples per prompt K (times --n_samples_per_prompt)")
+    harmlessness_training_num_episodes: int = opt(1, "episodes of q-then-p steps in each fit step")
+    fit_steps: int = opt(1, "outer repeats (q-only episodes, then harmlessness episodes), evaluated after each")
+    reward_transform: str | None = opt(None, "transform of the policy samples' rewards: minus_alpha_exp_beta_r "
+                                       "(r - a·exp(b·r)) or minus_alpha_ind (r - a·1[r < --threshold])")
+    rew_trans_alpha: float | None = opt(None, "a of the reward transform (default: --alpha)")
+    rew_trans_beta: float | None = opt(None, "b of minus_alpha_exp_beta_r (default: --target_dist_beta)")
+    threshold: float = opt(0.0, "reward threshold of minus_alpha_ind")
+    use_base_as_proposal: bool = opt(False, "no q: the policy's own samples are the negatives, weighted by "
+                                     "softmax(beta·r) within the group")
+    analytic_bad_word_calc: bool = opt(False, "after every fit step log the exact log P(bad) of 2-token responses "
+                                       "to --custom_prompt (needs --bad_words)")
+    new_custom_single_prompt: bool = opt(False, "train on the single prompt --custom_prompt (the toy setting)")
+    custom_prompt: str | None = opt(None, "the single prompt of --new_custom_single_prompt / the analytic "
+                                    "evaluation")
+    bad_words: str | None = opt(None, "space-separated words, each one token, that make a response bad "
+                                "(the set B of the analytic P(bad))")
+
+    def __post_init__(self) -> None:
+        require(self.harmlessness_training_loss_type in LOSS_TYPES,
+                f"--harmlessness_training_loss_type {self.harmlessness_training_loss_type!r}: choose "
+                f"{' or '.join(LOSS_TYPES)}")
+        require(self.actor_loss_type == "ctl", f"--actor_loss_type {self.actor_loss_type!r}: this build trains "
+                "the proposal with ctl only (dpg is not built yet)")
+        require(self.parameterization == "policy_psi_q_p_s_t",
+                f"--parameterization {self.parameterization!r}: only policy_psi_q_p_s_t is built")
+        require(self.reinforce_baseline_type == "expectation",
+                f"--reinforce_baseline_type {self.reinforce_baseline_type!r}: only expectation (leave-one-out) "
+                "is built")
+        require(self.reward_transform is None or self.reward_transform in REWARD_TRANSFORMS,
+                f"--reward_transform {self.reward_transform!r}: choose one of {', '.join(REWARD_TRANSFORMS)}")
+        require(self.alpha >= 0, "--alpha must be >= 0")
+        require(self.base_actor_learning_rate >= 0, "--base_actor_learning_rate must be >= 0")
+        for name in ("duplicate_rollout_batch_by", "harmlessness_training_num_episodes", "fit_steps"):
+            require(getattr(self, name) >= 1, f"--{name} must be >= 1")
+        if self.analytic_bad_word_calc:
+            require(bool(self.bad_words), "--analytic_bad_word_calc needs --bad_words (the words that make a "
+                    "response bad, e.g. --bad_words \"x y z\")")
+            require(self.custom_prompt is not None, "--analytic_bad_word_calc needs --custom_prompt (the prompt "
+                    "whose 2-token responses are evaluated)")
+        if self.new_custom_single_prompt:
+            require(self.custom_prompt is not None, "--new_custom_single_prompt needs --custom_prompt")
+
+    @property
+    def uses_proposal(self) -> bool:
+        """Whether q exists: the negative term needs q's samples unless the policy's own stand in."""
+        return self.do_harmlessness_training and self.harmlessness_training_loss_type == "neg_training" \
+            and not self.use_base_as_proposal
+
+    @property
+    def transform_alpha(self) -> float:
+        return self.alpha if self.rew_trans_alpha is None else self.rew_trans_alpha
+
+    @property
+    def transform_beta(self) -> float:
+        return self.target_dist_beta if self.rew_trans_beta is None else self.rew_trans_beta

@@ -1,0 +1,238 @@
+"""RePULSe's step on `train_ppo`'s engines (../shared/design/REPULSE.md): K samples per prompt from the
+policy p and from the proposal q, q's CTL update toward sigma ∝ p·exp(beta·r), then p's update (REINFORCE
+with the leave-one-out baseline, plus alpha x the SNIS-weighted log-likelihood of q's samples, pushed down).
+
+The rollout engine holds p's weights between steps; within a step q's weights are pushed in to sample q and
+p's are pushed back after the update (one engine, weights swapped: see README "RePULSe"). q lives on the
+actor's ranks. The baselines are switches of the same step: `--harmlessness_training_loss_type reinforce`
+(no q), `--use_base_as_proposal` (p's own samples are the negatives), `--reward_transform`.
+Per-role math lives in `rlhf.algorithms.repulse`; this module only orders the stages and shards groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlhf.algorithms import repulse
+from rlhf.data.records import Rollout, TokenBatch
+from rlhf.distributed.collectives import all_gather_rollout, shard
+from rlhf.distributed.topology import Role
+from rlhf.models.logprobs import policy_forward
+from rlhf.train.accumulate import MicroLoss, optimizer_step, step_metrics
+from rlhf.train.metrics import Reduce, add_update, per_update_means, reduce_metrics
+from rlhf.train.state import CheckpointedState
+from rlhf.trainers.actor import Actor
+from rlhf.trainers.ppo import PPOTrainer
+
+REPULSE_METRICS = {
+    **dict.fromkeys(("ctl_loss", "policy_loss", "neg_term"), Reduce.SHARE),
+    **dict.fromkeys(("grad_norm", "lr", "q_grad_norm", "q_lr", "nonfinite_skipped", "q_nonfinite_skipped"),
+                    Reduce.LEAD),
+}
+
+
+@dataclass
+class GroupSamples(TokenBatch):
+    """One kind of samples of the step, a prompt's K samples contiguous (global batch, same on every rank).
+
+    weights_B: float32 [B] the per-sample coefficient of the policy's loss (p-samples: the advantage R - b;
+    negatives: the SNIS weight w). logq_old_BT1 / logp_BT1: float32 [B, T-1] q at sampling time and p, on q's
+    samples (zeros where unused). beta_r_B: float32 [B] beta x reward.
+    """
+
+    sequences_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    action_mask_BT1: torch.Tensor
+    weights_B: torch.Tensor
+    logq_old_BT1: torch.Tensor
+    logp_BT1: torch.Tensor
+    beta_r_B: torch.Tensor
+
+
+class RepulseTrainer(PPOTrainer):
+    """One RePULSe step (a `rlhf.train.loop.Job`); construct on every rank with the same config."""
+
+    def __init__(self, *args, evaluator=None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rp = self.cfg.repulse
+        self.k = self.cfg.samples_per_prompt
+        self.proposal: Actor | None = self.roles.proposal
+        self.samples_drawn = 0  # responses sampled so far, p and q together (the sample budget)
+        self.evaluator = evaluator  # RePULSe's evaluation after every fit step (None: none)
+
+    # ---- checkpoint -----------------------------------------------------------------------------------
+
+    def checkpointed(self) -> CheckpointedState:
+        state = super().checkpointed()
+        state.engines["proposal"] = self.proposal.model if self.proposal is not None else None
+        state.components["repulse"] = self
+        return state
+
+    def state_dict(self) -> dict:
+        return {"samples_drawn": self.samples_drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.samples_drawn = int(state["samples_drawn"])
+
+    def evaluate(self) -> dict[str, float]:
+        if self.evaluator is None:
+            return {}
+        return {"samples_drawn": float(self.samples_drawn), **self.evaluator(self)}
+
+    # ---- the step -----------------------------------------------------------------------------------
+
+    def step(self, step: int) -> dict[str, float]:
+        e = self.cfg.engine
+        with self.timer.stage("generation"):
+            p_local = self.generate(step)
+            q_locals = []
+            if self.proposal is not None:  # q's weights into the engine, then back to p's after the update
+                self.engine.load_weights(self.proposal.model.full_parameters())
+                q_locals = [self.generate(step, stream=1 + i) for i in range(self.cfg.batch.num_episodes)]
+            self.engine.sleep()
+        pad = self.tokenizer.pad_token_id
+        with self.timer.stage("experience"):
+            self._move(self.roles.frozen, to_host=False, enabled=e.ref_reward_offload)
+            positives, metrics = self._policy_samples(all_gather_rollout(p_local, pad))
+            q_batches = [all_gather_rollout(q, pad) for q in q_locals]
+            self._move(self.roles.frozen, to_host=True, enabled=e.ref_reward_offload)
+        self.samples_drawn += positives.num_samples * (1 + len(q_batches))
+        with self.timer.stage("train"):
+            self._move(self.roles.trainable, to_host=False, enabled=e.deepspeed_enable_sleep and step > 0)
+            stats: dict[str, float] = {}
+            q_stats: dict[str, float] = {}
+            negatives = None
+            for q_batch in q_batches:  # --num_episodes CTL updates, each on fresh q samples
+                negatives, q_metrics = self._proposal_samples(q_batch)
+                add_update(q_stats, self._train_proposal(negatives, step))
+            if self.rp.use_base_as_proposal:
+                negatives = self._base_negatives(positives)
+            add_update(stats, self._train_policy(positives, negatives, step))
+            self._move(self.roles.trainable, to_host=True, enabled=e.deepspeed_enable_sleep)
+        if q_batches:
+            metrics.update(q_metrics)
+        metrics.update(reduce_metrics({Role.ACTOR: {**per_update_means(stats), **per_update_means(q_stats)}},
+                                      REPULSE_METRICS, self.topology))
+        metrics["samples_drawn"] = float(self.samples_drawn)
+        with self.timer.stage("weight_sync"):
+            self.engine.wake_up()
+            self.sync_weights()  # p's weights back (the engine held q's, or slept)
+        return metrics
+
+    # ---- experience -----------------------------------------------------------------------------------
+
+    def _policy_samples(self, batch: Rollout) -> tuple[GroupSamples, dict[str, float]]:
+        """p's samples: rewards, the optional transform, k1 KL to the reference, returns and advantages."""
+        exp, rp = self.roles.experience, self.rp
+        raw, old, ref = exp.score(batch, with_ref=self.cfg.algo.needs_ref)
+        rewards = raw
+        if rp.reward_transform is not None:
+            rewards = repulse.REWARD_TRANSFORMS[rp.reward_transform](raw, rp.transform_alpha, rp.transform_beta,
+                                                                    rp.threshold)
+        action = batch.action_mask_BT1
+        kl_coef = self.cfg.algo.init_kl_coef
+        if ref is not None:
+            returns, kl = repulse.policy_returns_PK(rewards, old, ref, action, kl_coef)
+        else:
+            returns, kl = rewards.float(), torch.zeros_like(rewards)
+        returns_PK = returns.reshape(-1, self.k)
+        advantages = (returns_PK - repulse.rloo_baseline_PK(returns_PK)).reshape(-1)
+        zeros = torch.zeros_like(old)
+        samples = GroupSamples(batch.sequences_BT, batch.attention_mask_BT, action, advantages, zeros, old,
+                               rp.target_dist_beta * raw.float())
+        metrics = {"reward_mean": float(raw.mean()), "reward_shaped_mean": float(rewards.mean()),
+                   "return_mean": float(returns.mean()), "kl": float(kl.mean()),
+                   "response_length": float(batch.response_lens_B.float().mean())}
+        return samples, metrics
+
+    def _proposal_samples(self, batch: Rollout) -> tuple[GroupSamples, dict[str, float]]:
+        """q's samples: beta·r, log q at sampling time, log p, and the SNIS weights toward sigma."""
+        exp = self.roles.experience
+        raw, logp, _ = exp.score(batch, with_ref=False)
+        B, T = batch.sequences_BT.shape
+        seq, mask = batch.sequences_BT, batch.attention_mask_BT
+        logq = exp.gather(Role.ACTOR, lambda w: self.proposal.logprobs(seq[w], mask[w]), (B, T - 1))
+        action = batch.action_mask_BT1
+        beta_r = self.rp.target_dist_beta * raw.float()
+        weights = repulse.snis_weights_PK(repulse.masked_sum_PK(logp, action).reshape(-1, self.k),
+                                          beta_r.reshape(-1, self.k),
+                                          repulse.masked_sum_PK(logq, action).reshape(-1, self.k))
+        samples = GroupSamples(seq, mask, action, weights.reshape(-1), logq, logp, beta_r)
+        ess = 1.0 / float((weights ** 2).sum(-1).mean())  # effective sample size of a group's weights
+        return samples, {"q_reward_mean": float(raw.mean()), "q_weights_ess": ess}
+
+    def _base_negatives(self, positives: GroupSamples) -> GroupSamples:
+        """--use_base_as_proposal: p's samples weighted by softmax over the group of beta·r."""
+        weights = repulse.base_as_proposal_weights_PK(positives.beta_r_B.reshape(-1, self.k)).reshape(-1)
+        return GroupSamples(positives.sequences_BT, positives.attention_mask_BT, positives.action_mask_BT1, weights,
+                            positives.logp_BT1, positives.logp_BT1, positives.beta_r_B)
+
+    # ---- updates --------------------------------------------------------------------------------------
+
+    def _group_steps(self, samples: GroupSamples, step: int) -> list[list[GroupSamples]]:
+        """This actor replica's share of whole prompt groups, cut into optimizer steps of --train_batch_size
+        samples (global) and micro-batches of --micro_train_batch_size (each a whole number of groups)."""
+        b = self.cfg.batch
+        dp, rank = self.topology.dp_size(Role.ACTOR), self.topology.dp_rank(Role.ACTOR)
+        mine = samples.select(shard(samples.num_samples, dp, rank))
+        per_step, per_micro = b.train_batch_size // dp, b.micro_train_batch_size
+        return [[mine.select(slice(m, m + per_micro)).trimmed() for m in range(s, s + per_step, per_micro)]
+                for s in range(0, mine.num_samples, per_step)]
+
+    def _mean_logprobs(self, model: Actor, micro: GroupSamples) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-token log-probs [B, T-1] with gradients, the response mask) of a micro-batch under `model`."""
+        dev = self.device
+        out = policy_forward(model.model.engine, micro.sequences_BT.to(dev), micro.attention_mask_BT.to(dev),
+                             model.temperature, layout=model.layout)
+        return out.logprobs_BT1, micro.action_mask_BT1.to(dev)
+
+    def _train_proposal(self, samples: GroupSamples, step: int) -> dict[str, float]:
+        """CTL: one optimizer step per --train_batch_size q samples; the loss of a micro-batch is its share
+        (samples / step samples) of the mean over the step's P·K samples."""
+        total = float(self.cfg.batch.train_batch_size)
+        q, dev = self.proposal, self.device
+
+        def micro_loss(micro: GroupSamples) -> MicroLoss:
+            logq, mask = self._mean_logprobs(q, micro)
+            P = micro.num_samples // self.k
+            shape = (P, self.k, -1)
+            loss, _, _ = repulse.ctl_loss(logq.reshape(shape), micro.logp_BT1.to(dev).reshape(shape),
+                                          micro.logq_old_BT1.to(dev).reshape(shape), mask.reshape(shape),
+                                          micro.beta_r_B.to(dev).reshape(P, self.k))
+            share = loss * (micro.num_samples / total)
+            return MicroLoss(share, {"ctl_loss": share})
+
+        stats: dict[str, float] = {}
+        for micros in self._group_steps(samples, step):
+            add_update(stats, step_metrics(q.model, optimizer_step(q.model, micros, micro_loss), prefix="q_"))
+        out = per_update_means(stats)
+        if "lr" in out:
+            out["q_lr"] = out.pop("lr")
+        return out
+
+    def _train_policy(self, positives: GroupSamples, negatives: GroupSamples | None, step: int) -> dict[str, float]:
+        """REINFORCE on p's samples (+ alpha x the weighted negatives with neg_training), one optimizer step
+        per --train_batch_size p samples; each p step takes the negatives of the same prompts."""
+        total = float(self.cfg.batch.train_batch_size)
+        actor, alpha = self.roles.actor, self.rp.alpha
+        with_negatives = negatives is not None and self.rp.harmlessness_training_loss_type == "neg_training"
+
+        def micro_loss(item: tuple[str, GroupSamples]) -> MicroLoss:
+            kind, micro = item
+            logp, mask = self._mean_logprobs(actor, micro)
+            mean_logp = repulse.masked_mean_PK(logp, mask)
+            weights = micro.weights_B.to(self.device)
+            if kind == "policy":
+                term = repulse.policy_gradient_terms(mean_logp, weights).sum() / total
+                return MicroLoss(term, {"policy_loss": term})
+            term = repulse.negative_terms(mean_logp, weights).sum() / total
+            return MicroLoss(alpha * term, {"neg_term": term})
+
+        stats: dict[str, float] = {}
+        neg_steps = self._group_steps(negatives, step) if with_negatives else None
+        for i, micros in enumerate(self._group_steps(positives, step)):
+            items = [("policy", m) for m in micros] + ([("negative", m) for m in neg_steps[i]] if neg_steps else [])
+            add_update(stats, step_metrics(actor.model, optimizer_step(actor.model, items, micro_loss)))
+        return per_update_means(stats)

@@ -1,0 +1,106 @@
+"""RePULSe's analytic evaluation of the toy setting (`--analytic_bad_word_calc`): for one prompt and 2-token
+responses, the exact log P(bad) of the policy, and the exact expected reward and return, by enumerating all
+V x V responses (so the toy's curves carry no sampling noise). Runs on every rank (all roles colocated):
+every rank computes the same numbers, ZeRO-3 forwards stay collective.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlhf.algorithms import repulse
+from rlhf.config.errors import UsageError
+from rlhf.config.ppo import TrainPPOConfig
+from rlhf.evaluation.bad_outputs import log_p_bad, next_token_logprobs_V, second_token_logprobs_VV
+from rlhf.rewards.base import RewardInputs, RewardSource
+
+MAX_ENUMERATED = 1 << 20
+"""At most this many 2-token responses are enumerated for the exact expected reward."""
+
+
+def bad_token_ids(words: str, tokenizer) -> list[int]:
+    """The token ids of --bad_words; each word must be exactly one token of the policy's vocabulary."""
+    ids = []
+    for word in words.split():
+        tokens = tokenizer.encode(word, add_special_tokens=False)
+        if len(tokens) != 1 or tokens[0] == tokenizer.unk_token_id:
+            raise UsageError(f"--bad_words: {word!r} is not one token of the policy's vocabulary (it encodes to "
+                             f"{tokens}); list single-token words")
+        ids.append(tokens[0])
+    return ids
+
+
+class AnalyticEvaluator:
+    """Exact 2-token statistics of p for --custom_prompt (see the module docstring)."""
+
+    def __init__(self, cfg: TrainPPOConfig, tokenizer, prompt_text: str, prompt_ids: list[int], label,
+                 reward: RewardSource, ref_model: torch.nn.Module | None) -> None:
+        rp = cfg.repulse
+        if cfg.rollout.generate_max_len != 2:
+            raise UsageError(f"--analytic_bad_word_calc is exact for 2-token responses: set --generate_max_len 2 "
+                             f"(got {cfg.rollout.generate_max_len})")
+        self.cfg, self.tokenizer, self.reward, self.ref_model = cfg, tokenizer, reward, ref_model
+        self.prompt_text, self.prompt_ids, self.label = prompt_text, prompt_ids, label
+        self.bad_ids = bad_token_ids(rp.bad_words, tokenizer)
+        self.eos = tokenizer.eos_token_id
+        self.temperature = cfg.rollout.temperature
+        self._rewards = None  # [V, V] rewards of every response (fixed: the reward does not change)
+
+    def __call__(self, trainer) -> dict[str, float]:
+        model = trainer.roles.actor.model
+        model.eval()
+        first, second = self._logprobs(model.engine)
+        out = {"log_p_bad": float(log_p_bad(first, second, self.bad_ids, self.eos))}
+        joint = self._joint(first, second)  # [V, V] log-prob of each response (row a = eos: [eos] alone)
+        rewards = self._all_rewards(first.shape[0])
+        rp = self.cfg.repulse
+        shaped = rewards
+        if rp.reward_transform is not None:
+            shaped = repulse.REWARD_TRANSFORMS[rp.reward_transform](rewards, rp.transform_alpha, rp.transform_beta,
+                                                                   rp.threshold)
+        probs = joint.exp()
+        out["reward_mean"] = float((probs * rewards).sum())
+        returns = shaped
+        if self.ref_model is not None and self.cfg.algo.init_kl_coef > 0:
+            ref_joint = self._joint(*self._logprobs(self.ref_model))
+            returns = shaped - self.cfg.algo.init_kl_coef * torch.where(probs > 0, joint - ref_joint, 0.0)
+        out["return_mean"] = float((probs * returns).sum())
+        out["p_bad"] = math.exp(out["log_p_bad"])
+        return out
+
+    @torch.no_grad()
+    def _logprobs(self, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        device = next(module.parameters()).device
+        first = next_token_logprobs_V(module, torch.tensor([self.prompt_ids], device=device), self.temperature)[0]
+        second = second_token_logprobs_VV(module, self.prompt_ids, first.shape[0], self.temperature)
+        return first.float().cpu(), second.float().cpu()
+
+    def _joint(self, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        """log p(a, b) for every 2-token response; the row of a = EOS holds log p(eos) at b = 0 (the response
+        [eos]) and -inf elsewhere."""
+        joint = first[:, None] + second
+        if self.eos is not None:
+            joint[self.eos] = float("-inf")
+            joint[self.eos, 0] = first[self.eos]
+        return joint
+
+    def _all_rewards(self, V: int) -> torch.Tensor:
+        if self._rewards is not None:
+            return self._rewards
+        if V * V > MAX_ENUMERATED:
+            raise UsageError(f"--analytic_bad_word_calc enumerates all {V} x {V} 2-token responses for the exact "
+                             f"reward; more than {MAX_ENUMERATED}: use a smaller vocabulary")
+        pairs = [[a, b] if a != self.eos else [a] for a in range(V) for b in range(V)]
+        responses = self.tokenizer.batch_decode(pairs, skip_special_tokens=True)
+        queries = [self.prompt_text + r for r in responses]
+        sequences = [self.prompt_ids + p for p in pairs]
+        width = max(len(s) for s in sequences)
+        pad = self.tokenizer.pad_token_id
+        seq = torch.tensor([s + [pad] * (width - len(s)) for s in sequences])
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
+        result = self.reward.score(RewardInputs(queries, [self.prompt_text] * len(queries), [self.label] * len(queries),
+                                                seq, mask))
+        self._rewards = result.rewards_B.float().reshape(V, V)
+        return self._rewards

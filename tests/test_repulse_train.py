@@ -1,0 +1,147 @@
+"""RePULSe through `train_ppo` on the embedded toy (one prompt, 2-word responses, bad words x y z): a run
+resumed from a checkpoint equals the uninterrupted one (policy and proposal weights, both optimisers, the
+sample counter, the analytic evaluation), over 2 data-parallel ranks; CTL moves q toward sigma (p held
+fixed): q puts far more mass on bad responses than p, and the SNIS estimate of E_sigma[r] from q's samples
+lands near its exact value by enumeration; and the config's checks."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf.assets import TINY_DIR, TOY_BAD_WORDS, TOY_PROMPT, TOY_REWARD
+from rlhf.config.errors import UsageError
+from rlhf.utils.checkpoint import complete_checkpoints
+from tests.distributed import run_torchrun
+from tests.test_e2e import CPU
+
+TOY = [*CPU, "--pretrain", f"{TINY_DIR}/policy", "--remote_rm_url", TOY_REWARD, "--new_custom_single_prompt",
+       "--custom_prompt", TOY_PROMPT, "--input_template", "{} ", "--do_harmlessness_training",
+       "--generate_max_len", "2", "--prompt_max_len", "8", "--init_kl_coef", "0", "--rollout_engine", "hf",
+       "--lr_scheduler", "constant", "--lr_warmup_ratio", "0", "--adam_betas", "0.9", "0.999",
+       "--analytic_bad_word_calc", "--bad_words", TOY_BAD_WORDS, "--target_dist_beta", "-1"]
+
+
+def _train(out, nproc, *extra):
+    proc = run_torchrun(nproc, "-m rlhf.cli.train_ppo", *TOY, "--save_path", str(out), *extra)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    with open(out / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    return rows, load_file(out / "model" / "model.safetensors"), load_file(out / "proposal" / "model.safetensors")
+
+
+def test_repulse_resume_equals_uninterrupted(tmp_path):
+    run = ["--duplicate_rollout_batch_by", "4", "--rollout_batch_size", "2", "--train_batch_size", "8",
+           "--micro_train_batch_size", "4", "--fit_steps", "2", "--harmlessness_training_num_episodes", "2",
+           "--alpha", "1", "--actor_learning_rate", "3e-3", "--base_actor_learning_rate", "3e-3", "--seed", "3",
+           "--zero_stage", "2"]
+    straight = _train(tmp_path / "straight", 2, *run)
+    ckpt = tmp_path / "ckpt"
+    saving = _train(tmp_path / "saving", 2, *run, "--save_steps", "2", "--ckpt_path", str(ckpt))
+    assert [s for s, _ in complete_checkpoints(str(ckpt))] == [2, 4]
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    (resumed_dir / "metrics.jsonl").write_text("".join(
+        json.dumps(r) + "\n" for r in saving[0] if r["step"] <= 2))
+    import shutil
+
+    shutil.rmtree(ckpt / "global_step4")
+    resumed = _train(resumed_dir, 2, *run, "--load_checkpoint", "--ckpt_path", str(ckpt))
+    steps = [r["step"] for r in straight[0]]
+    assert steps == [0, 1, 2, 3, 4] and [r["step"] for r in resumed[0]] == steps
+    for a, b in zip(straight[0], resumed[0]):
+        assert set(a) == set(b)
+        for key, value in a.items():
+            if key.startswith("time/") or key.endswith("_s") or value is None:
+                continue
+            assert b[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (a["step"], key)
+    assert straight[0][-1]["samples_drawn"] == 4 * 2 * 8  # steps x (p + q) x 8 samples
+    assert "log_p_bad" in straight[0][2] and "log_p_bad" in straight[0][4]
+    for got, want in ((resumed[1], straight[1]), (resumed[2], straight[2])):
+        for name, weight in want.items():
+            torch.testing.assert_close(got[name], weight, rtol=0, atol=0, msg=name)
+    assert any(not torch.equal(straight[1][n], straight[2][n]) for n in straight[1])  # p and q differ
+
+
+def _enumerate(model, prompt_ids, tokenizer):
+    """log p(a, b) of every 2-token response [V, V] (EOS first: the response [eos] at b = 0) and the decoded
+    responses."""
+    from rlhf.evaluation.bad_outputs import next_token_logprobs_V, second_token_logprobs_VV
+
+    first = next_token_logprobs_V(model, torch.tensor([prompt_ids]))[0]
+    second = second_token_logprobs_VV(model, prompt_ids, first.shape[0])
+    joint = first[:, None] + second
+    eos, V = tokenizer.eos_token_id, first.shape[0]
+    joint[eos] = float("-inf")
+    joint[eos, 0] = first[eos]
+    pairs = [[a, b] if a != eos else [a] for a in range(V) for b in range(V)]
+    return joint, tokenizer.batch_decode(pairs, skip_special_tokens=True)
+
+
+def test_ctl_moves_the_proposal_toward_sigma(tmp_path):
+    """p fixed (--base_actor_learning_rate 0): sigma ∝ p·exp(-r) is fixed, and q learns it by CTL."""
+    from rlhf.assets.toy.reward import BAD_WORDS  # noqa: F401 - the toy's bad set, by name
+    from rlhf.models.loading import load_causal_lm, load_tokenizer
+    from rlhf.rewards.reward_func import load_reward_func
+
+    _, policy, _ = _train(tmp_path / "run", 1, "--duplicate_rollout_batch_by", "16", "--rollout_batch_size", "1",
+                          "--train_batch_size", "16", "--micro_train_batch_size", "16", "--fit_steps", "1",
+                          "--harmlessness_training_num_episodes", "60", "--alpha", "0", "--actor_learning_rate",
+                          "1e-2", "--base_actor_learning_rate", "0", "--seed", "1", "--zero_stage", "0")
+    tok = load_tokenizer(f"{TINY_DIR}/policy")
+    prompt = TOY_PROMPT + " "
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    p = load_causal_lm(f"{TINY_DIR}/policy", torch.float32, "sdpa").eval()
+    q = load_causal_lm(str(tmp_path / "run" / "proposal"), torch.float32, "sdpa").eval()
+    for name, weight in p.state_dict().items():  # lr 0: the policy did not move
+        if name in policy:
+            torch.testing.assert_close(policy[name], weight, rtol=0, atol=0)
+    log_p, responses = _enumerate(p, ids, tok)
+    log_q, _ = _enumerate(q, ids, tok)
+    rewards = load_reward_func(TOY_REWARD)([prompt + r for r in responses], [prompt] * len(responses), None)
+    rewards = rewards.reshape(log_p.shape)
+    bad = rewards < -1
+    sigma = torch.softmax((log_p - rewards).flatten(), 0).reshape(log_p.shape)  # beta = -1
+    exact = float((sigma * rewards).sum())
+    p_bad, q_bad, sigma_bad = (float(torch.where(bad, x, 0).sum()) for x in (log_p.exp(), log_q.exp(), sigma))
+    assert sigma_bad > 0.8 and p_bad < 0.15
+    assert q_bad > 4 * p_bad and q_bad > 0.5, (p_bad, q_bad, sigma_bad)
+
+    def snis(log_proposal, n=2048, seed=0):  # K = n samples of the proposal, self-normalised toward sigma
+        g = torch.Generator().manual_seed(seed)
+        idx = torch.multinomial(log_proposal.exp().flatten(), n, replacement=True, generator=g)
+        logw = (log_p - rewards - log_proposal).flatten()[idx]
+        return float((torch.softmax(logw, 0) * rewards.flatten()[idx]).sum())
+
+    q_estimates = [snis(log_q, seed=s) for s in range(5)]
+    p_estimates = [snis(log_p, n=64, seed=s) for s in range(5)]  # p as its own proposal, the training group size
+    assert abs(sum(q_estimates) / 5 - exact) < 0.25, (q_estimates, exact)
+    assert max(abs(e - exact) for e in q_estimates) < max(abs(e - exact) for e in p_estimates)
+    assert math.isfinite(exact)
+
+
+def test_repulse_config_checks():
+    from rlhf.config.ppo import TrainPPOConfig
+    from rlhf.config.repulse import RepulseConfig
+
+    def cfg(**repulse):
+        from rlhf.config.ppo import BatchConfig
+
+        return TrainPPOConfig(repulse=RepulseConfig(do_harmlessness_training=True, **repulse),
+                              batch=BatchConfig(rollout_batch_size=2, train_batch_size=8, micro_train_batch_size=4))
+
+    assert cfg(duplicate_rollout_batch_by=4).samples_per_prompt == 4
+    assert not cfg(duplicate_rollout_batch_by=4).uses_critic
+    with pytest.raises(UsageError, match="must be > 1"):
+        cfg(duplicate_rollout_batch_by=1)
+    with pytest.raises(UsageError, match="--micro_train_batch_size 4 must be a multiple of the 8 samples"):
+        cfg(duplicate_rollout_batch_by=8)
+    with pytest.raises(UsageError, match="--analytic_bad_word_calc needs --bad_words"):
+        RepulseConfig(analytic_bad_word_calc=True, custom_prompt="a")
+    with pytest.raises(UsageError, match="dpg is not built yet"):
+        RepulseConfig(actor_loss_type="dpg")
+    assert RepulseConfig(do_harmlessness_training=True).uses_proposal
+    assert not RepulseConfig(do_harmlessness_training=True, use_base_as_proposal=True).uses_proposal
+    assert not RepulseConfig(do_harmlessness_training=True, harmlessness_training_loss_type="reinforce").uses_proposal
