@@ -295,7 +295,10 @@ class TrainPPOConfig(JobConfig):
     PENDING_FLAGS: ClassVar[tuple[str, ...]] = tuple((
         "ds_tensor_parallel_size max_len prompt_data_probs eval_dataset eval_split eval_temperature "
         "eval_n_samples_per_prompt async_train async_queue_size agent_func_path "
-        "save_value_network vllm_generate_batch_size"
+        "save_value_network vllm_generate_batch_size "
+        # the RePULSe fork's flags whose features are not built yet
+        "save_info_path save_steps_harmless save_negdata save_negdata_threshold rm_max_len "
+        "evaluate_heldout_sampling heldout_prompt_data heldout_input_key sampling_iters"
     ).split())
     """OpenRLHF train_ppo flags whose features are not built yet: refused, never silently ignored."""
 
