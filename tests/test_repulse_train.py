@@ -142,6 +142,12 @@ def test_repulse_config_checks():
         RepulseConfig(analytic_bad_word_calc=True, custom_prompt="a")
     with pytest.raises(UsageError, match="dpg is not built yet"):
         RepulseConfig(actor_loss_type="dpg")
+    from rlhf.config.common import EngineConfig  # noqa: F401
+    from rlhf.config.ppo import AlgoConfig
+
+    with pytest.raises(UsageError, match="does not use --use_kl_loss .*, --dynamic_filtering: drop them"):
+        TrainPPOConfig(repulse=RepulseConfig(do_harmlessness_training=True, duplicate_rollout_batch_by=4),
+                       algo=AlgoConfig(use_kl_loss=True, dynamic_filtering=True))
     assert RepulseConfig(do_harmlessness_training=True).uses_proposal
     assert not RepulseConfig(do_harmlessness_training=True, use_base_as_proposal=True).uses_proposal
     assert not RepulseConfig(do_harmlessness_training=True, harmlessness_training_loss_type="reinforce").uses_proposal

@@ -374,6 +374,30 @@ class TrainPPOConfig(JobConfig):
         dup = self.repulse.duplicate_rollout_batch_by if self.repulse.do_harmlessness_training else 1
         return self.rollout.n_samples_per_prompt * dup
 
+    def _check_repulse_unused(self) -> None:
+        """PPO settings RePULSe's step does not use (or has not built yet): refused when set, never ignored."""
+        a, e, d = self.algo, self.engine, self.data
+        defaults = AlgoConfig()
+        unused = {
+            "--use_kl_loss (RePULSe puts the k1 KL in the return)": a.use_kl_loss,
+            "--kl_target (the KL coefficient is fixed)": a.kl_target is not None,
+            "--entropy_loss_coef": a.entropy_loss_coef is not None,
+            "--dynamic_filtering": a.dynamic_filtering,
+            "--enable_vllm_is_correction": a.enable_vllm_is_correction,
+            "--normalize_reward": a.normalize_reward,
+            "--overlong_buffer_len": a.overlong_buffer_len is not None,
+            "--stop_properly_penalty_coef": a.stop_properly_penalty_coef is not None,
+            "--reward_clip_range": a.reward_clip_range != defaults.reward_clip_range,
+            "--freezing_actor_steps": a.freezing_actor_steps != defaults.freezing_actor_steps,
+            "--pretrain_data (the ptx loss)": d.pretrain_data is not None,
+            "--use_dynamic_batch (not built for RePULSe yet)": e.use_dynamic_batch,
+            "--ring_attn_size > 1 (not built for RePULSe yet)": e.ring_attn_size > 1,
+        }
+        named = [flag for flag, is_set in unused.items() if is_set]
+        require(not named, "--do_harmlessness_training does not use " + ", ".join(named) + ": drop "
+                f"{'it' if len(named) == 1 else 'them'} (RePULSe's rewards are used as they come, without PPO's "
+                "shaping)")
+
     def _check_repulse(self) -> None:
         """RePULSe (--do_harmlessness_training) runs REINFORCE-style updates on whole prompt groups."""
         rp, b = self.repulse, self.batch
@@ -388,6 +412,7 @@ class TrainPPOConfig(JobConfig):
                                    "group is never split across micro-batches)")
         require(self.placement.num_ranks("critic") == 0 and not self.model.critic_pretrain,
                 "--do_harmlessness_training trains no critic: drop the critic flags")
+        self._check_repulse_unused()
         if rp.analytic_bad_word_calc:
             p = self.placement
             require(p.colocate_all_models or not any(p.num_ranks(r) for r in ("actor", "critic", "reward", "ref")),
