@@ -151,3 +151,18 @@ def test_repulse_config_checks():
     assert RepulseConfig(do_harmlessness_training=True).uses_proposal
     assert not RepulseConfig(do_harmlessness_training=True, use_base_as_proposal=True).uses_proposal
     assert not RepulseConfig(do_harmlessness_training=True, harmlessness_training_loss_type="reinforce").uses_proposal
+
+
+def test_packed_repulse_steps_equal_padded(tmp_path):
+    """--packing_samples gives the padded run's losses and gradient norms of both models (2 steps)."""
+    run = ["--duplicate_rollout_batch_by", "4", "--rollout_batch_size", "2", "--train_batch_size", "8",
+           "--micro_train_batch_size", "4", "--fit_steps", "1", "--harmlessness_training_num_episodes", "2",
+           "--alpha", "1", "--actor_learning_rate", "1e-3", "--base_actor_learning_rate", "1e-3", "--seed", "1",
+           "--zero_stage", "2"]
+    padded, _, _ = _train(tmp_path / "padded", 1, *run)
+    packed, _, _ = _train(tmp_path / "packed", 1, *run, "--packing_samples")
+    assert len(padded) == len(packed) == 3  # the evaluation before, then 2 steps (the last with its evaluation)
+    for a, b in zip(padded, packed):
+        for key in ("policy_loss", "neg_term", "ctl_loss", "grad_norm", "q_grad_norm", "reward_mean", "log_p_bad"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)

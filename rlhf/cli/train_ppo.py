@@ -190,9 +190,10 @@ def build_trainer(cfg: TrainPPOConfig, topology: Topology, roles: Roles, engine,
         from rlhf.trainers.repulse_eval import AnalyticEvaluator
 
         prompt = single_prompt(cfg.data, rp.custom_prompt, tokenizer)
-        ref = roles.experience.ref_model
-        evaluator = AnalyticEvaluator(cfg, tokenizer, prompt.text, list(prompt.token_ids), None,
-                                      roles.experience.reward, ref)
+        exp = roles.experience
+        ref_layout = exp.ref_batcher.layout if exp.ref_batcher is not None else None
+        evaluator = AnalyticEvaluator(cfg, tokenizer, prompt.text, list(prompt.token_ids), None, exp.reward,
+                                      exp.ref_model, ref_layout)
     trainer = RepulseTrainer(cfg, topology, roles, engine, sampler, tokenizer, device, evaluator=evaluator)
     fit_step = sampler.steps_per_episode * rp.harmlessness_training_num_episodes
     return trainer, fit_step if evaluator is not None else None

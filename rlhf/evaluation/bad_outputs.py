@@ -14,15 +14,21 @@ import torch
 
 
 @torch.no_grad()
-def next_token_logprobs_V(model: torch.nn.Module, ids_BT: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """float32 [B, V]: log p(next token | each row), rows unpadded and of equal length."""
-    logits = model(input_ids=ids_BT, use_cache=False).logits[:, -1].float()
-    return torch.log_softmax(logits / temperature, dim=-1)
+def next_token_logprobs_V(model: torch.nn.Module, ids_BT: torch.Tensor, temperature: float = 1.0,
+                          layout=None) -> torch.Tensor:
+    """float32 [B, V]: log p(next token | each row), rows unpadded and of equal length. `layout`: the
+    `rlhf.models.layout.SequenceLayout` the model was built for (None: plain padded rows)."""
+    if layout is None:
+        logits = model(input_ids=ids_BT, use_cache=False).logits
+    else:  # a model built for packed rows needs explicit boundaries
+        laid = layout.lay_out(ids_BT, torch.ones_like(ids_BT))
+        logits = laid.to_padded(model(**laid.kwargs).logits)
+    return torch.log_softmax(logits[:, -1].float() / temperature, dim=-1)
 
 
 @torch.no_grad()
 def second_token_logprobs_VV(model: torch.nn.Module, prompt_ids: Sequence[int], vocab_size: int,
-                             temperature: float = 1.0, batch_size: int = 1024) -> torch.Tensor:
+                             temperature: float = 1.0, batch_size: int = 1024, layout=None) -> torch.Tensor:
     """float32 [V, V]: row a holds log p(b | prompt, a) for every b (first tokens batched)."""
     device = next(model.parameters()).device
     prompt = torch.tensor(list(prompt_ids), device=device)
@@ -30,7 +36,7 @@ def second_token_logprobs_VV(model: torch.nn.Module, prompt_ids: Sequence[int], 
     for a0 in range(0, vocab_size, batch_size):
         first = torch.arange(a0, min(vocab_size, a0 + batch_size), device=device)
         ids = torch.cat([prompt.expand(len(first), -1), first[:, None]], dim=1)
-        rows.append(next_token_logprobs_V(model, ids, temperature))
+        rows.append(next_token_logprobs_V(model, ids, temperature, layout))
     return torch.cat(rows)
 
 
@@ -51,9 +57,9 @@ def log_p_bad(first_V: torch.Tensor, second_VV: torch.Tensor, bad_ids: Sequence[
 
 
 def analytic_log_p_bad(model: torch.nn.Module, prompt_ids: Sequence[int], bad_ids: Sequence[int],
-                       eos_token_id: int | None = None, temperature: float = 1.0) -> float:
+                       eos_token_id: int | None = None, temperature: float = 1.0, layout=None) -> float:
     """Exact log P(bad) of the model's 2-token responses to one prompt (see the module docstring)."""
     device = next(model.parameters()).device
-    first = next_token_logprobs_V(model, torch.tensor([list(prompt_ids)], device=device), temperature)[0]
-    second = second_token_logprobs_VV(model, prompt_ids, first.shape[0], temperature)
+    first = next_token_logprobs_V(model, torch.tensor([list(prompt_ids)], device=device), temperature, layout)[0]
+    second = second_token_logprobs_VV(model, prompt_ids, first.shape[0], temperature, layout=layout)
     return float(log_p_bad(first, second, bad_ids, eos_token_id))

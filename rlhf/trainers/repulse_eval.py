@@ -36,12 +36,13 @@ class AnalyticEvaluator:
     """Exact 2-token statistics of p for --custom_prompt (see the module docstring)."""
 
     def __init__(self, cfg: TrainPPOConfig, tokenizer, prompt_text: str, prompt_ids: list[int], label,
-                 reward: RewardSource, ref_model: torch.nn.Module | None) -> None:
+                 reward: RewardSource, ref_model: torch.nn.Module | None, ref_layout=None) -> None:
         rp = cfg.repulse
         if cfg.rollout.generate_max_len != 2:
             raise UsageError(f"--analytic_bad_word_calc is exact for 2-token responses: set --generate_max_len 2 "
                              f"(got {cfg.rollout.generate_max_len})")
         self.cfg, self.tokenizer, self.reward, self.ref_model = cfg, tokenizer, reward, ref_model
+        self.ref_layout = ref_layout
         self.prompt_text, self.prompt_ids, self.label = prompt_text, prompt_ids, label
         self.bad_ids = bad_token_ids(rp.bad_words, tokenizer)
         self.eos = tokenizer.eos_token_id
@@ -49,9 +50,9 @@ class AnalyticEvaluator:
         self._rewards = None  # [V, V] rewards of every response (fixed: the reward does not change)
 
     def __call__(self, trainer) -> dict[str, float]:
-        model = trainer.roles.actor.model
-        model.eval()
-        first, second = self._logprobs(model.engine)
+        actor = trainer.roles.actor
+        actor.model.eval()
+        first, second = self._logprobs(actor.model.engine, actor.infer_batcher.layout)
         out = {"log_p_bad": float(log_p_bad(first, second, self.bad_ids, self.eos))}
         joint = self._joint(first, second)  # [V, V] log-prob of each response (row a = eos: [eos] alone)
         rewards = self._all_rewards(first.shape[0])
@@ -64,17 +65,18 @@ class AnalyticEvaluator:
         out["reward_mean"] = float((probs * rewards).sum())
         returns = shaped
         if self.ref_model is not None and self.cfg.algo.init_kl_coef > 0:
-            ref_joint = self._joint(*self._logprobs(self.ref_model))
+            ref_joint = self._joint(*self._logprobs(self.ref_model, self.ref_layout))
             returns = shaped - self.cfg.algo.init_kl_coef * torch.where(probs > 0, joint - ref_joint, 0.0)
         out["return_mean"] = float((probs * returns).sum())
         out["p_bad"] = math.exp(out["log_p_bad"])
         return out
 
     @torch.no_grad()
-    def _logprobs(self, module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logprobs(self, module: torch.nn.Module, layout) -> tuple[torch.Tensor, torch.Tensor]:
         device = next(module.parameters()).device
-        first = next_token_logprobs_V(module, torch.tensor([self.prompt_ids], device=device), self.temperature)[0]
-        second = second_token_logprobs_VV(module, self.prompt_ids, first.shape[0], self.temperature)
+        first = next_token_logprobs_V(module, torch.tensor([self.prompt_ids], device=device), self.temperature,
+                                      layout)[0]
+        second = second_token_logprobs_VV(module, self.prompt_ids, first.shape[0], self.temperature, layout=layout)
         return first.float().cpu(), second.float().cpu()
 
     def _joint(self, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
