@@ -166,3 +166,29 @@ def test_packed_repulse_steps_equal_padded(tmp_path):
         for key in ("policy_loss", "neg_term", "ctl_loss", "grad_norm", "q_grad_norm", "reward_mean", "log_p_bad"):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+
+
+def test_heldout_sampling_evaluation_saves_every_sample(tmp_path):
+    """--evaluate_heldout_sampling: after every fit step (and before training) K x --sampling_iters samples per
+    held-out prompt are saved with reward, return and KL; the reported statistics are those of the file."""
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text('{"text": "copy :"}\n{"text": "a :"}\n{"text": "b :"}\n')
+    rows, _, _ = _train(tmp_path / "run", 1, "--duplicate_rollout_batch_by", "4", "--rollout_batch_size", "1",
+                        "--train_batch_size", "4", "--micro_train_batch_size", "4", "--fit_steps", "2",
+                        "--harmlessness_training_num_episodes", "1", "--alpha", "1", "--seed", "1",
+                        "--actor_learning_rate", "1e-3", "--base_actor_learning_rate", "1e-3", "--init_kl_coef", "0.1",
+                        "--evaluate_heldout_sampling", "--heldout_prompt_data", str(heldout), "--heldout_input_key",
+                        "text", "--sampling_iters", "2", "--threshold", "0", "--heldout_cvar_fraction", "0.25")
+    evals = [r for r in rows if "heldout_cvar" in r]
+    assert [r["step"] for r in evals] == [0, 1, 2] and all("log_p_bad" in r for r in evals)
+    for r in evals:
+        saved = [json.loads(line) for line in (tmp_path / "run" / f"heldout_{int(r['samples_drawn'])}.jsonl").open()]
+        assert len(saved) == 3 * 4 * 2
+        rewards = torch.tensor([s["reward"] for s in saved])
+        assert r["heldout_reward_mean"] == pytest.approx(float(rewards.mean()), abs=1e-6)
+        assert r["heldout_return_mean"] == pytest.approx(sum(s["return"] for s in saved) / len(saved), abs=1e-6)
+        assert r["heldout_p_below"] == pytest.approx(float((rewards < 0).float().mean()))
+        assert r["heldout_cvar"] == pytest.approx(float(rewards.sort().values[:6].mean()), abs=1e-6)
+        for s in saved:
+            assert s["return"] == pytest.approx(s["reward"] - 0.1 * s["kl"], abs=1e-5)
+    assert evals[-1]["heldout_kl_mean"] != 0  # the policy moved away from the reference

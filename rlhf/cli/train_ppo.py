@@ -6,6 +6,7 @@ the topology, the roles, the rollout engine and the reward source, and runs the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import urllib.parse
@@ -184,19 +185,22 @@ def build_trainer(cfg: TrainPPOConfig, topology: Topology, roles: Roles, engine,
     if not rp.do_harmlessness_training:
         return PPOTrainer(cfg, topology, roles, engine, sampler, tokenizer, device), None
     from rlhf.trainers.repulse import RepulseTrainer
+    from rlhf.trainers.repulse_eval import AnalyticEvaluator, HeldoutEvaluator
 
-    evaluator = None
+    evaluators = []
     if rp.analytic_bad_word_calc:
-        from rlhf.trainers.repulse_eval import AnalyticEvaluator
-
         prompt = single_prompt(cfg.data, rp.custom_prompt, tokenizer)
         exp = roles.experience
         ref_layout = exp.ref_batcher.layout if exp.ref_batcher is not None else None
-        evaluator = AnalyticEvaluator(cfg, tokenizer, prompt.text, list(prompt.token_ids), None, exp.reward,
-                                      exp.ref_model, ref_layout)
-    trainer = RepulseTrainer(cfg, topology, roles, engine, sampler, tokenizer, device, evaluator=evaluator)
+        evaluators.append(AnalyticEvaluator(cfg, tokenizer, prompt.text, list(prompt.token_ids), None, exp.reward,
+                                            exp.ref_model, ref_layout))
+    if rp.evaluate_heldout_sampling:
+        data = dataclasses.replace(cfg.data, prompt_data=rp.heldout_prompt_data, input_key=rp.heldout_input_key)
+        evaluators.append(HeldoutEvaluator(cfg, load_prompts(data, tokenizer), cfg.logging.save_path,
+                                           topology.rank == 0, topology.num_engines))
+    trainer = RepulseTrainer(cfg, topology, roles, engine, sampler, tokenizer, device, evaluators=evaluators)
     fit_step = sampler.steps_per_episode * rp.harmlessness_training_num_episodes
-    return trainer, fit_step if evaluator is not None else None
+    return trainer, fit_step if evaluators else None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -297,8 +297,7 @@ class TrainPPOConfig(JobConfig):
         "eval_n_samples_per_prompt async_train async_queue_size agent_func_path "
         "save_value_network vllm_generate_batch_size "
         # the RePULSe fork's flags whose features are not built yet
-        "save_info_path save_steps_harmless save_negdata save_negdata_threshold rm_max_len "
-        "evaluate_heldout_sampling heldout_prompt_data heldout_input_key sampling_iters"
+        "save_info_path save_steps_harmless save_negdata save_negdata_threshold rm_max_len"
     ).split())
     """OpenRLHF train_ppo flags whose features are not built yet: refused, never silently ignored."""
 

@@ -48,6 +48,14 @@ class RepulseConfig:
                                     "evaluation")
     bad_words: str | None = opt(None, "space-separated words, each one token, that make a response bad "
                                 "(the set B of the analytic P(bad))")
+    evaluate_heldout_sampling: bool = opt(False, "after every fit step sample K responses per held-out prompt "
+                                          "from the policy: save each one's reward, return and KL, report the mean "
+                                          "return, P(r < --threshold) and the CVaR")
+    heldout_prompt_data: str | None = opt(None, "held-out prompts (a local JSON/JSONL file or directory)")
+    heldout_input_key: str = opt("input", "dataset column of the held-out prompts")
+    sampling_iters: int = opt(1, "rounds of K samples per held-out prompt in each held-out evaluation")
+    heldout_cvar_fraction: float = opt(0.01, "the worst fraction of held-out rewards the CVaR averages (not a fork "
+                                       "flag)")
 
     def __post_init__(self) -> None:
         require(self.harmlessness_training_loss_type in LOSS_TYPES,
@@ -73,6 +81,10 @@ class RepulseConfig:
                     "whose 2-token responses are evaluated)")
         if self.new_custom_single_prompt:
             require(self.custom_prompt is not None, "--new_custom_single_prompt needs --custom_prompt")
+        if self.evaluate_heldout_sampling:
+            require(self.heldout_prompt_data is not None, "--evaluate_heldout_sampling needs --heldout_prompt_data")
+        require(self.sampling_iters >= 1, "--sampling_iters must be >= 1")
+        require(0 < self.heldout_cvar_fraction <= 1, "--heldout_cvar_fraction must lie in (0, 1]")
 
     @property
     def uses_proposal(self) -> bool:

@@ -117,20 +117,23 @@ class PPOTrainer:
         for model in models if enabled else []:
             model.offload() if to_host else model.reload(self.device)
 
-    def _engine_prompts(self, step: int, stream: int = 0) -> tuple[list[Prompt], list[int], int]:
+    def _engine_prompts(self, step: int, stream: int = 0, batch: list[Prompt] | None = None
+                        ) -> tuple[list[Prompt], list[int], int]:
         """Prompts for this rank's engine, their sampling seeds, and the index of this rank's share within
         them. A prompt's seed depends only on (run seed, step, its index in the step's global batch): the
-        ranks of one engine get the same seeds, and the samples do not depend on the number of engines."""
-        batch = self.sampler.batch(step)
+        ranks of one engine get the same seeds, and the samples do not depend on the number of engines.
+        `batch`: a global batch other than the step's (e.g. held-out prompts)."""
+        batch = self.sampler.batch(step) if batch is None else batch
         per_engine = len(batch) // self.topology.num_engines
         first = self.topology.engine_index * per_engine
         seeds = [request_seed(self.cfg.seed, step, i, stream) for i in range(first, first + per_engine)]
         return batch[first:first + per_engine], seeds, self.topology.engine_rank
 
-    def generate(self, step: int, stream: int = 0) -> Rollout:
+    def generate(self, step: int, stream: int = 0, batch: list[Prompt] | None = None) -> Rollout:
         """Sample the step's responses per prompt (`cfg.samples_per_prompt`) with the weights the engine holds;
-        keep this rank's share of prompts. `stream` > 0: other seeds for the same prompts."""
-        prompts, seeds, share = self._engine_prompts(step, stream)
+        keep this rank's share of prompts. `stream` > 0: other seeds for the same prompts. `batch`: sample
+        these prompts instead of the step's (every rank passes the same list)."""
+        prompts, seeds, share = self._engine_prompts(step, stream, batch)
         r = self.cfg.rollout
         spec = SamplingSpec(n=self.cfg.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
                             max_tokens=r.generate_max_len)

@@ -54,13 +54,13 @@ class GroupSamples(TokenBatch):
 class RepulseTrainer(PPOTrainer):
     """One RePULSe step (a `rlhf.train.loop.Job`); construct on every rank with the same config."""
 
-    def __init__(self, *args, evaluator=None, **kwargs) -> None:
+    def __init__(self, *args, evaluators=(), **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.rp = self.cfg.repulse
         self.k = self.cfg.samples_per_prompt
         self.proposal: Actor | None = self.roles.proposal
         self.samples_drawn = 0  # responses sampled so far, p and q together (the sample budget)
-        self.evaluator = evaluator  # RePULSe's evaluation after every fit step (None: none)
+        self.evaluators = list(evaluators)  # RePULSe's evaluations after every fit step
 
     # ---- checkpoint -----------------------------------------------------------------------------------
 
@@ -77,9 +77,12 @@ class RepulseTrainer(PPOTrainer):
         self.samples_drawn = int(state["samples_drawn"])
 
     def evaluate(self) -> dict[str, float]:
-        if self.evaluator is None:
+        if not self.evaluators:
             return {}
-        return {"samples_drawn": float(self.samples_drawn), **self.evaluator(self)}
+        metrics = {"samples_drawn": float(self.samples_drawn)}
+        for evaluator in self.evaluators:
+            metrics.update(evaluator(self))
+        return metrics
 
     # ---- the step -----------------------------------------------------------------------------------
 

@@ -106,3 +106,53 @@ class AnalyticEvaluator:
                                                 seq, mask))
         self._rewards = result.rewards_B.float().reshape(V, V)
         return self._rewards
+
+
+class HeldoutEvaluator:
+    """--evaluate_heldout_sampling: K samples of the policy per held-out prompt (--sampling_iters rounds);
+    each sample's reward, return (r - c_KL x k1 KL) and KL go to `out_dir/heldout_<samples drawn>.jsonl`;
+    reported: mean reward, return and KL, P(r < --threshold) and the CVaR of the rewards. Collective (every
+    rank generates its share, as in a training step)."""
+
+    def __init__(self, cfg: TrainPPOConfig, prompts: list, out_dir: str, is_writer: bool, num_engines: int) -> None:
+        usable = len(prompts) - len(prompts) % num_engines
+        if usable == 0:
+            raise UsageError(f"--heldout_prompt_data {cfg.repulse.heldout_prompt_data}: {len(prompts)} prompt(s) "
+                             f"cannot be split over the {num_engines} rollout engines; give at least {num_engines}")
+        if usable < len(prompts):
+            import warnings
+
+            warnings.warn(f"--heldout_prompt_data: the last {len(prompts) - usable} prompt(s) are not evaluated (the "
+                          f"prompts split evenly over the {num_engines} rollout engines)", stacklevel=2)
+        self.cfg, self.prompts, self.out_dir, self.is_writer = cfg, prompts[:usable], out_dir, is_writer
+
+    def __call__(self, trainer) -> dict[str, float]:
+        from rlhf.distributed.collectives import all_gather_rollout
+
+        cfg, rp = self.cfg, self.cfg.repulse
+        rewards, returns, kls, rows = [], [], [], []
+        for it in range(rp.sampling_iters):
+            local = trainer.generate(trainer.samples_drawn, stream=10_000 + it, batch=self.prompts)
+            batch = all_gather_rollout(local, trainer.tokenizer.pad_token_id)
+            raw, old, ref = trainer.roles.experience.score(batch, with_ref=cfg.algo.needs_ref)
+            if ref is not None:
+                ret, kl = repulse.policy_returns_PK(raw, old, ref, batch.action_mask_BT1, cfg.algo.init_kl_coef)
+            else:
+                ret, kl = raw.float(), torch.zeros_like(raw)
+            rewards.append(raw.float())
+            returns.append(ret)
+            kls.append(kl)
+            rows += [{"prompt": p, "response": r, "reward": float(a), "return": float(b), "kl": float(c)}
+                     for p, r, a, b, c in zip(batch.prompts, batch.responses, raw, ret, kl)]
+        r, ret, kl = torch.cat(rewards), torch.cat(returns), torch.cat(kls)
+        if self.is_writer:
+            import json
+            import os
+
+            os.makedirs(self.out_dir, exist_ok=True)
+            path = os.path.join(self.out_dir, f"heldout_{trainer.samples_drawn}.jsonl")
+            with open(path, "w") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
+        return {"heldout_reward_mean": float(r.mean()), "heldout_return_mean": float(ret.mean()),
+                "heldout_kl_mean": float(kl.mean()), "heldout_p_below": repulse.prob_below(r, rp.threshold),
+                "heldout_cvar": repulse.cvar(r, rp.heldout_cvar_fraction)}
