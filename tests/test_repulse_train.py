@@ -37,9 +37,11 @@ def test_repulse_resume_equals_uninterrupted(tmp_path):
            "--micro_train_batch_size", "4", "--fit_steps", "2", "--harmlessness_training_num_episodes", "2",
            "--alpha", "1", "--actor_learning_rate", "3e-3", "--base_actor_learning_rate", "3e-3", "--seed", "3",
            "--zero_stage", "2"]
-    straight = _train(tmp_path / "straight", 2, *run)
+    run += ["--save_negdata", "--save_negdata_threshold", "0"]  # the responses with a negative reward
+    straight = _train(tmp_path / "straight", 2, *run, "--save_info_path", str(tmp_path / "straight" / "info"))
     ckpt = tmp_path / "ckpt"
-    saving = _train(tmp_path / "saving", 2, *run, "--save_steps", "2", "--ckpt_path", str(ckpt))
+    saving = _train(tmp_path / "saving", 2, *run, "--save_steps_harmless", "2", "--ckpt_path", str(ckpt),
+                    "--save_info_path", str(tmp_path / "saving" / "info"))
     assert [s for s, _ in complete_checkpoints(str(ckpt))] == [2, 4]
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
@@ -48,7 +50,17 @@ def test_repulse_resume_equals_uninterrupted(tmp_path):
     import shutil
 
     shutil.rmtree(ckpt / "global_step4")
-    resumed = _train(resumed_dir, 2, *run, "--load_checkpoint", "--ckpt_path", str(ckpt))
+    # the lost attempt's files run to step 4: the resumed run cuts them back to the checkpoint's rows
+    shutil.copy(tmp_path / "saving" / "negdata.jsonl", resumed_dir / "negdata.jsonl")
+    shutil.copytree(tmp_path / "saving" / "info", resumed_dir / "info")
+    resumed = _train(resumed_dir, 2, *run, "--load_checkpoint", "--ckpt_path", str(ckpt),
+                     "--save_info_path", str(resumed_dir / "info"))
+    negdata = [json.loads(line) for line in (tmp_path / "straight" / "negdata.jsonl").open()]
+    assert negdata and all(r["reward"] < 0 for r in negdata) and {r["source"] for r in negdata} == {"policy",
+                                                                                                 "proposal"}
+    for name in ("negdata.jsonl", "info/evaluations.jsonl"):
+        assert (resumed_dir / name).read_text() == (tmp_path / "straight" / name).read_text(), name
+    assert len((tmp_path / "straight" / "info" / "evaluations.jsonl").read_text().splitlines()) == 3
     steps = [r["step"] for r in straight[0]]
     assert steps == [0, 1, 2, 3, 4] and [r["step"] for r in resumed[0]] == steps
     for a, b in zip(straight[0], resumed[0]):

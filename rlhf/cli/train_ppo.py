@@ -167,7 +167,7 @@ def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ())
     trainer, eval_every = build_trainer(cfg, topology, roles, engine, sampler, tokenizer, device)
     checkpointer = Checkpointer(cfg.checkpoint, default_ckpt_path=TrainPPOConfig().checkpoint.ckpt_path,
                                 rank=launch.rank, world_size=launch.world_size, logger=logger)
-    loop = Loop(steps, log.logging_steps, cfg.checkpoint.save_steps, eval_every, logger, checkpointer, launch.rank)
+    loop = Loop(steps, log.logging_steps, cfg.save_steps, eval_every, logger, checkpointer, launch.rank)
     start = loop.resume(trainer)
     trainer.sync_weights()
     try:

@@ -295,9 +295,7 @@ class TrainPPOConfig(JobConfig):
     PENDING_FLAGS: ClassVar[tuple[str, ...]] = tuple((
         "ds_tensor_parallel_size max_len prompt_data_probs eval_dataset eval_split eval_temperature "
         "eval_n_samples_per_prompt async_train async_queue_size agent_func_path "
-        "save_value_network vllm_generate_batch_size "
-        # the RePULSe fork's flags whose features are not built yet
-        "save_info_path save_steps_harmless save_negdata save_negdata_threshold rm_max_len"
+        "save_value_network vllm_generate_batch_size"
     ).split())
     """OpenRLHF train_ppo flags whose features are not built yet: refused, never silently ignored."""
 
@@ -368,6 +366,13 @@ class TrainPPOConfig(JobConfig):
         return self.algo.advantage_estimator == "gae" and not self.repulse.do_harmlessness_training
 
     @property
+    def save_steps(self) -> int:
+        """The checkpoint interval: --save_steps, or --save_steps_harmless in a RePULSe run."""
+        rp = self.repulse
+        return rp.save_steps_harmless if rp.do_harmlessness_training and rp.save_steps_harmless != -1 \
+            else self.checkpoint.save_steps
+
+    @property
     def samples_per_prompt(self) -> int:
         """Samples per prompt and step: --n_samples_per_prompt, times --duplicate_rollout_batch_by (RePULSe)."""
         dup = self.repulse.duplicate_rollout_batch_by if self.repulse.do_harmlessness_training else 1
@@ -412,12 +417,18 @@ class TrainPPOConfig(JobConfig):
         require(self.placement.num_ranks("critic") == 0 and not self.model.critic_pretrain,
                 "--do_harmlessness_training trains no critic: drop the critic flags")
         self._check_repulse_unused()
+        if rp.save_steps_harmless != -1:
+            require(self.checkpoint.save_steps == -1, "--save_steps_harmless and --save_steps both set a checkpoint "
+                    "interval: give one")
         if rp.analytic_bad_word_calc:
             p = self.placement
             require(p.colocate_all_models or not any(p.num_ranks(r) for r in ("actor", "critic", "reward", "ref")),
                     "--analytic_bad_word_calc evaluates on every rank: colocate the models (--colocate_all_models)")
             require(not self.reward.reward_paths, "--analytic_bad_word_calc scores every 2-token response with a "
                     "reward function: use --remote_rm_url (a .py file or server), not --reward_pretrain")
+        if rp.rm_max_len != RepulseConfig().rm_max_len and not self.reward.reward_paths:
+            warnings.warn(f"--rm_max_len {rp.rm_max_len} has no effect: rewards come from --remote_rm_url (text), "
+                          "not reward models", stacklevel=2)
         if self.batch.max_epochs != 1:
             warnings.warn(f"--max_epochs {self.batch.max_epochs} is ignored with --do_harmlessness_training: "
                           "each batch gives one update of q and one of p, as in the fork", stacklevel=2)

@@ -54,6 +54,13 @@ class RepulseConfig:
     heldout_prompt_data: str | None = opt(None, "held-out prompts (a local JSON/JSONL file or directory)")
     heldout_input_key: str = opt("input", "dataset column of the held-out prompts")
     sampling_iters: int = opt(1, "rounds of K samples per held-out prompt in each held-out evaluation")
+    save_negdata: bool = opt(False, "append every sampled response (policy and proposal) whose reward is below "
+                             "--save_negdata_threshold to SAVE_PATH/negdata.jsonl")
+    save_negdata_threshold: float = opt(-10000.0, "reward below which --save_negdata keeps a response")
+    rm_max_len: int = opt(2048, "reward models see at most this many tokens of each sample (prompt and response)")
+    save_steps_harmless: int = opt(-1, "write a checkpoint every N RePULSe steps (-1: --save_steps decides)")
+    save_info_path: str | None = opt(None, "also append each evaluation's row to DIR/evaluations.jsonl (the fork "
+                                     "defaults to ./info; here nothing is written unless given)")
     heldout_cvar_fraction: float = opt(0.01, "the worst fraction of held-out rewards the CVaR averages (not a fork "
                                        "flag)")
 
@@ -84,6 +91,9 @@ class RepulseConfig:
         if self.evaluate_heldout_sampling:
             require(self.heldout_prompt_data is not None, "--evaluate_heldout_sampling needs --heldout_prompt_data")
         require(self.sampling_iters >= 1, "--sampling_iters must be >= 1")
+        require(self.rm_max_len >= 1, "--rm_max_len must be >= 1")
+        require(self.save_steps_harmless == -1 or self.save_steps_harmless >= 1,
+                "--save_steps_harmless must be -1 or >= 1")
         require(0 < self.heldout_cvar_fraction <= 1, "--heldout_cvar_fraction must lie in (0, 1]")
 
     @property

@@ -7,6 +7,7 @@ Owns the KL controller and the reward normaliser (their state goes into checkpoi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -103,9 +104,11 @@ class ExperienceMaker:
         ring runs it), assembled on every rank. Collective over the world."""
         return self._by_role(role, compute, shape)
 
-    def score(self, batch: Rollout, with_ref: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def score(self, batch: Rollout, with_ref: bool, rm_max_len: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(raw rewards [B], actor log-probs [B, T-1], reference log-probs [B, T-1] or None) of a global batch,
-        identical on every rank; nothing shaped, no advantages (RePULSe's step does its own). Collective."""
+        identical on every rank; nothing shaped, no advantages (RePULSe's step does its own). `rm_max_len`:
+        reward models see only each sample's first that many tokens. Collective."""
         B, T = batch.sequences_BT.shape
         seq, mask = batch.sequences_BT, batch.attention_mask_BT
         old = self._by_role(Role.ACTOR, lambda w: self.actor.logprobs(seq[w], mask[w]), (B, T - 1))
@@ -114,6 +117,8 @@ class ExperienceMaker:
             temperature = self.cfg.rollout.temperature
             ref = self._by_role(Role.REF, lambda w: batched_logprobs(self.ref_model, seq[w], mask[w], self.ref_batcher,
                                                                      temperature, self.device), (B, T - 1))
+        if rm_max_len is not None and T > rm_max_len:
+            batch = dataclasses.replace(batch, sequences_BT=seq[:, :rm_max_len], attention_mask_BT=mask[:, :rm_max_len])
         raw_rewards, _, _ = self._rewards(batch)
         return raw_rewards, old, ref
 

@@ -134,7 +134,7 @@ class HeldoutEvaluator:
         for it in range(rp.sampling_iters):
             local = trainer.generate(trainer.samples_drawn, stream=10_000 + it, batch=self.prompts)
             batch = all_gather_rollout(local, trainer.tokenizer.pad_token_id)
-            raw, old, ref = trainer.roles.experience.score(batch, with_ref=cfg.algo.needs_ref)
+            raw, old, ref = trainer.roles.experience.score(batch, with_ref=cfg.algo.needs_ref, rm_max_len=rp.rm_max_len)
             if ref is not None:
                 ret, kl = repulse.policy_returns_PK(raw, old, ref, batch.action_mask_BT1, cfg.algo.init_kl_coef)
             else:
