@@ -137,3 +137,26 @@ def test_analytic_p_bad_matches_monte_carlo():
     stderr = math.sqrt(exact * (1 - exact) / n)
     assert 0.01 < exact < 0.5
     assert abs(estimate - exact) < 4 * stderr, (estimate, exact, stderr)
+
+
+def test_rm_max_len_truncates_what_reward_models_see():
+    """ExperienceMaker.score hands the reward path samples cut to --rm_max_len tokens (texts unchanged)."""
+    from types import SimpleNamespace
+
+    from rlhf.data.records import Rollout
+    from rlhf.trainers.experience import ExperienceMaker
+
+    seen = []
+    stub = SimpleNamespace(
+        _by_role=lambda role, compute, shape: compute(slice(None)),
+        actor=SimpleNamespace(logprobs=lambda seq, mask: torch.zeros(seq.shape[0], seq.shape[1] - 1)),
+        _rewards=lambda batch: (seen.append(batch) or torch.zeros(batch.num_samples), None, None))
+    B, T = 2, 6
+    batch = Rollout(torch.arange(B * T).reshape(B, T), torch.ones(B, T, dtype=torch.long), torch.ones(B, T - 1),
+                    torch.zeros(B, T - 1), torch.tensor([2, 2]), torch.tensor([4, 4]), ["stop"] * B, ["p"] * B,
+                    ["r"] * B)
+    ExperienceMaker.score(stub, batch, with_ref=False, rm_max_len=4)
+    ExperienceMaker.score(stub, batch, with_ref=False, rm_max_len=10)
+    assert seen[0].sequences_BT.tolist() == [[0, 1, 2, 3], [6, 7, 8, 9]]
+    assert seen[0].attention_mask_BT.shape == (2, 4) and seen[0].responses == ["r", "r"]
+    assert seen[1] is batch  # shorter than the limit: untouched
