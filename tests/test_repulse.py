@@ -43,6 +43,22 @@ def test_ctl_loss_weights_and_gradient_by_hand():
     assert logq.grad[0].tolist() == [pytest.approx(row, abs=1e-6) for row in grad]
 
 
+def test_dpg_loss_and_gradient_by_hand():
+    logq = torch.tensor([[[-0.7, -1.2], [-2.0, -0.3]]], requires_grad=True)
+    logp = torch.tensor([[[-0.9, -1.0], [-1.5, -0.6]]])
+    logq_old = torch.tensor([[[-0.8, -1.1], [-1.9, -0.4]]])
+    mask = torch.tensor([[[1.0, 1.0], [1.0, 0.0]]])
+    beta_r = torch.tensor([[0.4, -1.0]])
+    loss, w = repulse.PROPOSAL_LOSSES["dpg"](logq, logp, logq_old, mask, beta_r)
+    lq, lp, lo = logq.detach()[0].tolist(), logp[0].tolist(), logq_old[0].tolist()
+    sigma = _softmax([lp[0][0] + lp[0][1] + 0.4 - lo[0][0] - lo[0][1], lp[1][0] - 1.0 - lo[1][0]])
+    expected = -(sigma[0] * ((lq[0][0] - lp[0][0]) + (lq[0][1] - lp[0][1])) / 2 + sigma[1] * (lq[1][0] - lp[1][0])) / 2
+    assert w[0].tolist() == pytest.approx(sigma, abs=1e-6)
+    assert float(loss.detach()) == pytest.approx(expected, abs=1e-6)
+    loss.backward()  # -w_sigma_i / (tokens of sample i · P·K) on response tokens, 0 after the response
+    assert logq.grad[0].tolist() == [pytest.approx([-sigma[0] / 4, -sigma[0] / 4]), pytest.approx([-sigma[1] / 2, 0.0])]
+
+
 def test_ctl_loss_ignores_positions_after_the_response():
     logq = torch.tensor([[[-0.7, -1.2], [-2.0, -0.3]]])
     logp = torch.tensor([[[-0.9, -1.0], [-1.5, -0.6]]])

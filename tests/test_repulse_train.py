@@ -152,8 +152,8 @@ def test_repulse_config_checks():
         cfg(duplicate_rollout_batch_by=8)
     with pytest.raises(UsageError, match="--analytic_bad_word_calc needs --bad_words"):
         RepulseConfig(analytic_bad_word_calc=True, custom_prompt="a")
-    with pytest.raises(UsageError, match="dpg is not built yet"):
-        RepulseConfig(actor_loss_type="dpg")
+    with pytest.raises(UsageError, match="the proposal trains with ctl or dpg"):
+        RepulseConfig(actor_loss_type="sixo")
     from rlhf.config.common import EngineConfig  # noqa: F401
     from rlhf.config.ppo import AlgoConfig
 

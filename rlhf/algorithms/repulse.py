@@ -51,6 +51,25 @@ def ctl_loss(logq_PKT1: torch.Tensor, logp_PKT1: torch.Tensor, logq_old_PKT1: to
     return -per_sample.mean(), w_sigma, w_pi
 
 
+def dpg_loss(logq_PKT1: torch.Tensor, logp_PKT1: torch.Tensor, logq_old_PKT1: torch.Tensor, mask_PKT1: torch.Tensor,
+             beta_r_PK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distributional policy gradient for q (`--actor_loss_type dpg`): -mean over P·K of
+    masked_mean_t[w_sigma · log psi_t]. The fork also subtracts sum_v sg(q_v)·log psi_v at every position,
+    whose gradient sum_v q_v·∇log q_v = ∇ sum_v q_v is 0 under policy_psi_q_p_s_t (log p detached): it is left
+    out, so the gradient is the fork's and the logged value differs from its by the per-token KL(q || p).
+    Returns (loss, w_sigma [P, K])."""
+    mask = mask_PKT1.float()
+    logp = logp_PKT1.detach().float()
+    log_psi = torch.where(mask.bool(), logq_PKT1.float() - logp, 0.0)
+    w_sigma = snis_weights_PK(masked_sum_PK(logp, mask), beta_r_PK,
+                              masked_sum_PK(logq_old_PKT1.detach().float(), mask))
+    return -masked_mean_PK(w_sigma[..., None] * log_psi, mask).mean(), w_sigma
+
+
+PROPOSAL_LOSSES: dict[str, Callable[..., tuple]] = {"ctl": ctl_loss, "dpg": dpg_loss}
+"""--actor_loss_type -> the proposal's loss; each returns (loss, ...) from the same arguments."""
+
+
 def rloo_baseline_PK(returns_PK: torch.Tensor) -> torch.Tensor:
     """Leave-one-out mean of the other K - 1 returns of the prompt (`--reinforce_baseline_type expectation`)."""
     K = returns_PK.shape[-1]

@@ -26,7 +26,8 @@ class RepulseConfig:
     alpha: float = opt(0.0, "weight of the negative term (effective weight alpha / K, as in the fork)")
     target_dist_beta: float = opt(1.0, "beta of sigma ∝ p·exp(beta·r) (negative: toward low rewards)")
     base_actor_learning_rate: float = opt(1e-6, "the policy's learning rate (--actor_learning_rate is q's)")
-    actor_loss_type: str = opt("ctl", "the proposal's loss: ctl")
+    actor_loss_type: str = opt("ctl", "the proposal's loss: ctl (contrastive twist learning) or dpg (distributional "
+                               "policy gradient)")
     parameterization: str = opt("policy_psi_q_p_s_t", "the proposal's parameterization: policy_psi_q_p_s_t "
                                 "(q is a full policy; log psi = log q - log p)")
     reinforce_baseline_type: str = opt("expectation", "baseline of the policy's REINFORCE: expectation "
@@ -68,8 +69,8 @@ class RepulseConfig:
         require(self.harmlessness_training_loss_type in LOSS_TYPES,
                 f"--harmlessness_training_loss_type {self.harmlessness_training_loss_type!r}: choose "
                 f"{' or '.join(LOSS_TYPES)}")
-        require(self.actor_loss_type == "ctl", f"--actor_loss_type {self.actor_loss_type!r}: this build trains "
-                "the proposal with ctl only (dpg is not built yet)")
+        require(self.actor_loss_type in ("ctl", "dpg"), f"--actor_loss_type {self.actor_loss_type!r}: with "
+                "--do_harmlessness_training the proposal trains with ctl or dpg")
         require(self.parameterization == "policy_psi_q_p_s_t",
                 f"--parameterization {self.parameterization!r}: only policy_psi_q_p_s_t is built")
         require(self.reinforce_baseline_type == "expectation",

@@ -135,7 +135,7 @@ def describe_repulse(cfg: TrainPPOConfig) -> str:
     elif rp.use_base_as_proposal:
         variant = f"REINFORCE + negatives from the policy's own samples (alpha {rp.alpha})"
     else:
-        variant = (f"RePULSe: proposal q by CTL toward p·exp({rp.target_dist_beta:g}·r) "
+        variant = (f"RePULSe: proposal q by {rp.actor_loss_type.upper()} toward p·exp({rp.target_dist_beta:g}·r) "
                    f"(lr {cfg.optim.actor_learning_rate:g}, {cfg.batch.num_episodes} update(s) per step), policy by "
                    f"REINFORCE + alpha {rp.alpha:g} x weighted q samples")
     parts = [variant, f"{k} samples per prompt", f"policy lr {rp.base_actor_learning_rate:g}"]

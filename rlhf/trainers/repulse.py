@@ -29,7 +29,7 @@ from rlhf.trainers.actor import Actor
 from rlhf.trainers.ppo import PPOTrainer
 
 REPULSE_METRICS = {
-    **dict.fromkeys(("ctl_loss", "policy_loss", "neg_term"), Reduce.SHARE),
+    **dict.fromkeys(("ctl_loss", "dpg_loss", "policy_loss", "neg_term"), Reduce.SHARE),
     **dict.fromkeys(("grad_norm", "lr", "q_grad_norm", "q_lr", "nonfinite_skipped", "q_nonfinite_skipped"),
                     Reduce.LEAD),
 }
@@ -241,7 +241,7 @@ class RepulseTrainer(PPOTrainer):
         return out.logprobs_BT1, micro.action_mask_BT1.to(dev)
 
     def _train_proposal(self, samples: GroupSamples, step: int) -> dict[str, float]:
-        """CTL: one optimizer step per --train_batch_size q samples; the loss of a micro-batch is its share
+        """CTL (or DPG): one optimizer step per --train_batch_size q samples; the loss of a micro-batch is its share
         (samples / step samples) of the mean over the step's P·K samples."""
         total = float(self.cfg.batch.train_batch_size)
         q, dev = self.proposal, self.device
@@ -250,11 +250,11 @@ class RepulseTrainer(PPOTrainer):
             logq, mask = self._mean_logprobs(q, micro)
             P = micro.num_samples // self.k
             shape = (P, self.k, -1)
-            loss, _, _ = repulse.ctl_loss(logq.reshape(shape), micro.logp_BT1.to(dev).reshape(shape),
-                                          micro.logq_old_BT1.to(dev).reshape(shape), mask.reshape(shape),
-                                          micro.beta_r_B.to(dev).reshape(P, self.k))
+            loss = repulse.PROPOSAL_LOSSES[self.rp.actor_loss_type](
+                logq.reshape(shape), micro.logp_BT1.to(dev).reshape(shape), micro.logq_old_BT1.to(dev).reshape(shape),
+                mask.reshape(shape), micro.beta_r_B.to(dev).reshape(P, self.k))[0]
             share = loss * (micro.num_samples / total)
-            return MicroLoss(share, {"ctl_loss": share})
+            return MicroLoss(share, {f"{self.rp.actor_loss_type}_loss": share})
 
         stats: dict[str, float] = {}
         for micros in self._group_steps(samples, step):
