@@ -146,7 +146,7 @@ class RepulseTrainer(PPOTrainer):
             stats: dict[str, float] = {}
             q_stats: dict[str, float] = {}
             negatives = None
-            for q_batch in q_batches:  # --num_episodes CTL updates, each on fresh q samples
+            for q_batch in q_batches:  # --num_episodes q updates, each on its own batch (drawn before them)
                 negatives, q_metrics = self._proposal_samples(q_batch, step)
                 add_update(q_stats, self._train_proposal(negatives, step))
             if self.rp.use_base_as_proposal:
