@@ -14,6 +14,7 @@ import torch
 
 from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_REWARD_MODEL_DIR, TINY_DIR
 from rlhf.config.common import PARAM_DTYPES, opt, require
+from rlhf.config.ppo import RewardConfig
 
 EMBEDDED_GCG_GOALS = str(TINY_DIR / "gcg_goals.csv")
 """Goals and targets in the embedded tiny vocabulary (copy-task prompts whose target is another digit)."""
@@ -79,8 +80,9 @@ class GCGModelConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class GCGRewardConfig:
-    """Where the rewards of the sampled completions come from (one source)."""
+class GCGRewardConfig(RewardConfig):
+    """Where the rewards of the sampled completions come from: train_ppo's reward flags, one source at a time,
+    plus the reward models' head name."""
 
     reward_pretrain: str | None = opt(None, "reward model directories (scalar head), comma separated (scores are "
                                       "summed); they must share the policy's vocabulary")
@@ -88,21 +90,11 @@ class GCGRewardConfig:
                                     "reward_func(queries, prompts, labels) (labels are None here)")
     value_head_prefix: str = opt("score", "attribute name of the reward models' scalar head (the name stored in a "
                                  "model's config wins)")
-    remote_rm_timeout: float = opt(30.0, "seconds per HTTP reward request")
-    remote_rm_retries: int = opt(3, "attempts per HTTP reward request")
-    reward_func_timeout: float = opt(300.0, "seconds one reward_func call may take before the run fails (0: no "
-                                     "limit)")
 
     def __post_init__(self) -> None:
         require(not (self.reward_pretrain and self.remote_rm_url), "give one reward source: --reward_pretrain "
                 f"{self.reward_pretrain} and --remote_rm_url {self.remote_rm_url} are both set")
-        require(self.reward_func_timeout >= 0, "--reward_func_timeout must be >= 0 (seconds; 0: no limit)")
-        require(self.remote_rm_timeout > 0 and self.remote_rm_retries >= 1,
-                "--remote_rm_timeout must be > 0 and --remote_rm_retries >= 1")
-
-    @property
-    def reward_model_paths(self) -> list[str]:
-        return [p for p in (self.reward_pretrain or "").split(",") if p]
+        super().__post_init__()
 
     @property
     def given(self) -> bool:
