@@ -104,20 +104,26 @@ class ExperienceMaker:
         ring runs it), assembled on every rank. Collective over the world."""
         return self._by_role(role, compute, shape)
 
+    def _logprobs(self, batch: Rollout, with_ref: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(actor log-probs, reference log-probs or None), float32 [B, T-1] on every rank. Collective."""
+        B, T = batch.sequences_BT.shape
+        seq, mask = batch.sequences_BT, batch.attention_mask_BT
+        old = self._by_role(Role.ACTOR, lambda w: self.actor.logprobs(seq[w], mask[w]), (B, T - 1))
+        if not with_ref:
+            return old, None
+        temperature = self.cfg.rollout.temperature
+        ref = self._by_role(Role.REF, lambda w: batched_logprobs(self.ref_model, seq[w], mask[w], self.ref_batcher,
+                                                                 temperature, self.device), (B, T - 1))
+        return old, ref
+
     def score(self, batch: Rollout, with_ref: bool, rm_max_len: int | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(raw rewards [B], actor log-probs [B, T-1], reference log-probs [B, T-1] or None) of a global batch,
         identical on every rank; nothing shaped, no advantages (RePULSe's step does its own). `rm_max_len`:
         reward models see only each sample's first that many tokens. Collective."""
-        B, T = batch.sequences_BT.shape
         seq, mask = batch.sequences_BT, batch.attention_mask_BT
-        old = self._by_role(Role.ACTOR, lambda w: self.actor.logprobs(seq[w], mask[w]), (B, T - 1))
-        ref = None
-        if with_ref:
-            temperature = self.cfg.rollout.temperature
-            ref = self._by_role(Role.REF, lambda w: batched_logprobs(self.ref_model, seq[w], mask[w], self.ref_batcher,
-                                                                     temperature, self.device), (B, T - 1))
-        if rm_max_len is not None and T > rm_max_len:
+        old, ref = self._logprobs(batch, with_ref)
+        if rm_max_len is not None and seq.shape[1] > rm_max_len:
             batch = dataclasses.replace(batch, sequences_BT=seq[:, :rm_max_len], attention_mask_BT=mask[:, :rm_max_len])
         raw_rewards, _, _ = self._rewards(batch)
         return raw_rewards, old, ref
@@ -126,12 +132,7 @@ class ExperienceMaker:
         """Experience for the whole global batch (identical on every rank) and step metrics."""
         B, T = batch.sequences_BT.shape
         seq, mask = batch.sequences_BT, batch.attention_mask_BT
-        old = self._by_role(Role.ACTOR, lambda w: self.actor.logprobs(seq[w], mask[w]), (B, T - 1))
-        ref = None
-        if self.ref_model is not None or Role.REF in self.topology.plan:
-            temperature = self.cfg.rollout.temperature
-            ref = self._by_role(Role.REF, lambda w: batched_logprobs(self.ref_model, seq[w], mask[w], self.ref_batcher,
-                                                                     temperature, self.device), (B, T - 1))
+        old, ref = self._logprobs(batch, with_ref=self.ref_model is not None or Role.REF in self.topology.plan)
         values = None
         if Role.CRITIC in self.topology.plan:
             values = self._by_role(Role.CRITIC, lambda w: self.critic.values(seq[w], mask[w]), (B, T - 1))
