@@ -21,7 +21,9 @@ TOY = [*CPU, "--pretrain", f"{TINY_DIR}/policy", "--remote_rm_url", TOY_REWARD, 
        "--custom_prompt", TOY_PROMPT, "--input_template", "{} ", "--do_harmlessness_training",
        "--generate_max_len", "2", "--prompt_max_len", "8", "--init_kl_coef", "0", "--rollout_engine", "hf",
        "--lr_scheduler", "constant", "--lr_warmup_ratio", "0", "--adam_betas", "0.9", "0.999",
-       "--analytic_bad_word_calc", "--bad_words", TOY_BAD_WORDS, "--target_dist_beta", "-1"]
+       "--analytic_bad_word_calc", "--bad_words", TOY_BAD_WORDS, "--target_dist_beta", "-1",
+       "--harmlessness_training_loss_type", "neg_training", "--reinforce_baseline_type", "expectation",
+       "--actor_loss_type", "ctl", "--parameterization", "policy_psi_q_p_s_t"]
 
 
 def _train(out, nproc, *extra):
@@ -135,13 +137,14 @@ def test_ctl_moves_the_proposal_toward_sigma(tmp_path):
 
 
 def test_repulse_config_checks():
-    from rlhf.config.ppo import TrainPPOConfig
+    from rlhf.config.ppo import BatchConfig, TrainPPOConfig
     from rlhf.config.repulse import RepulseConfig
 
-    def cfg(**repulse):
-        from rlhf.config.ppo import BatchConfig
+    repulse_flags = dict(harmlessness_training_loss_type="neg_training", reinforce_baseline_type="expectation",
+                         actor_loss_type="ctl", parameterization="policy_psi_q_p_s_t", target_dist_beta=-1.0)
 
-        return TrainPPOConfig(repulse=RepulseConfig(do_harmlessness_training=True, **repulse),
+    def cfg(**repulse):
+        return TrainPPOConfig(repulse=RepulseConfig(do_harmlessness_training=True, **{**repulse_flags, **repulse}),
                               batch=BatchConfig(rollout_batch_size=2, train_batch_size=8, micro_train_batch_size=4))
 
     assert cfg(duplicate_rollout_batch_by=4).samples_per_prompt == 4
@@ -150,19 +153,44 @@ def test_repulse_config_checks():
         cfg(duplicate_rollout_batch_by=1)
     with pytest.raises(UsageError, match="--micro_train_batch_size 4 must be a multiple of the 8 samples"):
         cfg(duplicate_rollout_batch_by=8)
-    with pytest.raises(UsageError, match="--analytic_bad_word_calc needs --bad_words"):
-        RepulseConfig(analytic_bad_word_calc=True, custom_prompt="a")
     with pytest.raises(UsageError, match="the proposal trains with ctl or dpg"):
-        RepulseConfig(actor_loss_type="sixo")
-    from rlhf.config.common import EngineConfig  # noqa: F401
-    from rlhf.config.ppo import AlgoConfig
+        RepulseConfig(do_harmlessness_training=True, **{**repulse_flags, "actor_loss_type": "sixo"})
+    # the fork's defaults: nothing RePULSe-specific is assumed, each choice is asked for by name
+    with pytest.raises(UsageError, match="--do_harmlessness_training needs one of neg_training, reinforce"):
+        RepulseConfig(do_harmlessness_training=True)
+    with pytest.raises(UsageError, match="needs --reinforce_baseline_type expectation"):
+        RepulseConfig(do_harmlessness_training=True, harmlessness_training_loss_type="reinforce")
+    with pytest.raises(UsageError, match="add --actor_loss_type ctl"):
+        RepulseConfig(do_harmlessness_training=True, **{**repulse_flags, "actor_loss_type": "ppo"})
+    with pytest.raises(UsageError, match="the proposal's target sigma need --target_dist_beta"):
+        RepulseConfig(do_harmlessness_training=True, **{**repulse_flags, "target_dist_beta": None})
+    with pytest.raises(UsageError, match="exists only with --do_harmlessness_training"):
+        RepulseConfig(actor_loss_type="ctl", parameterization="policy_psi_q_p_s_t")
+    from rlhf.config.ppo import AlgoConfig, PPOOptimConfig
 
     with pytest.raises(UsageError, match="does not use --use_kl_loss .*, --dynamic_filtering: drop them"):
-        TrainPPOConfig(repulse=RepulseConfig(do_harmlessness_training=True, duplicate_rollout_batch_by=4),
-                       algo=AlgoConfig(use_kl_loss=True, dynamic_filtering=True))
-    assert RepulseConfig(do_harmlessness_training=True).uses_proposal
-    assert not RepulseConfig(do_harmlessness_training=True, use_base_as_proposal=True).uses_proposal
-    assert not RepulseConfig(do_harmlessness_training=True, harmlessness_training_loss_type="reinforce").uses_proposal
+        TrainPPOConfig(
+            repulse=RepulseConfig(do_harmlessness_training=True, duplicate_rollout_batch_by=4, **repulse_flags),
+            algo=AlgoConfig(use_kl_loss=True, dynamic_filtering=True))
+    reinforce = dict(repulse_flags, harmlessness_training_loss_type="reinforce", target_dist_beta=None)
+    assert RepulseConfig(do_harmlessness_training=True, **repulse_flags).uses_proposal
+    assert not RepulseConfig(do_harmlessness_training=True, use_base_as_proposal=True, **repulse_flags).uses_proposal
+    assert not RepulseConfig(do_harmlessness_training=True, **reinforce).uses_proposal
+    # q's learning rate: 0 is allowed (the fork's baselines pass it), a rate for no q is reported
+    with pytest.warns(UserWarning, match="--actor_learning_rate 0.0003 has no effect: .* trains no proposal"):
+        TrainPPOConfig(repulse=RepulseConfig(do_harmlessness_training=True, duplicate_rollout_batch_by=4, **reinforce),
+                       optim=PPOOptimConfig(actor_learning_rate=3e-4),
+                       batch=BatchConfig(rollout_batch_size=2, train_batch_size=8, micro_train_batch_size=4))
+    TrainPPOConfig(repulse=RepulseConfig(do_harmlessness_training=True, duplicate_rollout_batch_by=4, **reinforce),
+                   optim=PPOOptimConfig(actor_learning_rate=0),
+                   batch=BatchConfig(rollout_batch_size=2, train_batch_size=8, micro_train_batch_size=4))
+    with pytest.raises(UsageError, match="--actor_learning_rate must be positive"):
+        TrainPPOConfig(optim=PPOOptimConfig(actor_learning_rate=0))
+    # PPO runs take --duplicate_rollout_batch_by as samples per prompt (the fork's PPO commands do)
+    assert TrainPPOConfig(repulse=RepulseConfig(duplicate_rollout_batch_by=4),
+                          batch=BatchConfig(rollout_batch_size=2, train_batch_size=8)).samples_per_prompt == 4
+    with pytest.warns(UserWarning, match="--alpha, --target_dist_beta only act with --do_harmlessness_training"):
+        TrainPPOConfig(repulse=RepulseConfig(alpha=1.0, target_dist_beta=-1.0))
 
 
 def test_packed_repulse_steps_equal_padded(tmp_path):

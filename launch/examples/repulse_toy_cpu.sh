@@ -28,6 +28,8 @@ run() {  # run NAME SEED EPISODES FLAGS...
     --pretrain "$tiny/policy" --remote_rm_url "$toy/reward.py" \
     --new_custom_single_prompt --custom_prompt "copy :" --input_template "{} " \
     --do_harmlessness_training --duplicate_rollout_batch_by 8 --n_samples_per_prompt 1 \
+    --harmlessness_training_loss_type neg_training --reinforce_baseline_type expectation \
+    --actor_loss_type ctl --parameterization policy_psi_q_p_s_t \
     --rollout_batch_size 1 --train_batch_size 8 --micro_train_batch_size 8 \
     --generate_max_len 2 --prompt_max_len 8 --init_kl_coef 0 \
     --fit_steps "$fit_steps" --harmlessness_training_num_episodes "$episodes" \

@@ -28,5 +28,6 @@ EMBEDDED_PRM_REWARD_TOKENS = ("w1", "w2")
 
 # the RePULSe toy (one prompt, 2-word responses, bad words x y z) on the embedded tiny policy
 TOY_REWARD = str(TOY_DIR / "reward.py")
+TOY_PROMPTS = str(TOY_DIR / "prompts.jsonl")  # the one prompt, under the key "prompt" (the fork's dataset's)
 TOY_PROMPT = "copy :"
 TOY_BAD_WORDS = "x y z"

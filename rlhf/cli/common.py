@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from rlhf.config.common import CheckpointConfig, LoggingConfig
+from rlhf.config.common import CheckpointConfig, LoggingConfig, replace_quietly
 from rlhf.config.errors import UsageError, usage_errors_exit
 from rlhf.config.flags import parse_config
 from rlhf.distributed.launch import LaunchEnv, read_launch_env
@@ -56,7 +56,7 @@ def for_this_machine(cfg: C) -> C:
     attn = resolve_attention(m.attn, flag)
     if attn == m.attn:
         return cfg
-    return dataclasses.replace(cfg, model=dataclasses.replace(m, attn_implementation=attn, flash_attn=False))
+    return replace_quietly(cfg, model=replace_quietly(m, attn_implementation=attn, flash_attn=False))
 
 
 def check_outputs(logging: LoggingConfig, checkpoint: CheckpointConfig, default_ckpt_path: str) -> None:

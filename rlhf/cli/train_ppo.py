@@ -18,7 +18,7 @@ import torch.distributed as dist
 from rlhf.cli.common import begin, check_outputs, for_this_machine, main_for, metrics_logger
 from rlhf.config.errors import UsageError
 from rlhf.config.ppo import TrainPPOConfig
-from rlhf.data.prompts import PromptSampler, load_prompts, single_prompt
+from rlhf.data.prompts import Prompt, PromptSampler, load_prompts, single_prompt
 from rlhf.distributed.launch import init_distributed
 from rlhf.distributed.topology import Role, Topology, plan_ranks
 from rlhf.models.loading import check_liger_kernel, check_local_model, load_tokenizer
@@ -34,7 +34,7 @@ from rlhf.trainers.build import (
     describe_layout,
     placement_from_config,
 )
-from rlhf.trainers.ppo import PPOTrainer, Roles, total_steps
+from rlhf.trainers.ppo import PPOTrainer, Roles, episodes_per_fit_step, total_steps
 from rlhf.utils.seeding import seed_everything
 from rlhf.utils.watchdog import Watchdog
 
@@ -143,9 +143,8 @@ def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ())
     plan = check_before_engines(cfg, launch.world_size)
     reward_source = build_reward_source(cfg)
     tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code)
-    rp = cfg.repulse
-    if rp.do_harmlessness_training and rp.new_custom_single_prompt:  # the toy: one prompt, every step
-        prompts = [single_prompt(cfg.data, rp.custom_prompt, tokenizer)] * cfg.batch.rollout_batch_size
+    if cfg.repulse.new_custom_single_prompt:  # the toy: one prompt, every step
+        prompts = [the_single_prompt(cfg, tokenizer)] * cfg.batch.rollout_batch_size
     else:
         prompts = load_prompts(cfg.data, tokenizer)
     sampler = PromptSampler(prompts, cfg.batch.rollout_batch_size, cfg.seed)
@@ -178,28 +177,47 @@ def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ())
     dist.barrier()
 
 
+def the_single_prompt(cfg: TrainPPOConfig, tokenizer) -> Prompt:
+    """The one prompt of --new_custom_single_prompt / the analytic evaluation: --custom_prompt, else the only
+    prompt of --prompt_data (which may repeat it)."""
+    rp = cfg.repulse
+    if rp.custom_prompt is not None:
+        return single_prompt(cfg.data, rp.custom_prompt, tokenizer)
+    prompts = load_prompts(cfg.data, tokenizer)
+    texts = sorted({p.text for p in prompts})
+    if len(texts) != 1:
+        raise UsageError(f"--new_custom_single_prompt trains on one prompt, but --prompt_data {cfg.data.prompt_data} "
+                         f"holds {len(texts)} different prompts (e.g. {texts[:2]}); give --custom_prompt TEXT or a "
+                         "file of one prompt")
+    return prompts[0]
+
+
 def build_trainer(cfg: TrainPPOConfig, topology: Topology, roles: Roles, engine, sampler: PromptSampler, tokenizer,
                   device: torch.device) -> tuple[PPOTrainer, int | None]:
-    """PPO's trainer, or RePULSe's with its evaluation after every fit step; and how often to evaluate."""
-    rp = cfg.repulse
-    if not rp.do_harmlessness_training:
-        return PPOTrainer(cfg, topology, roles, engine, sampler, tokenizer, device), None
-    from rlhf.trainers.repulse import RepulseTrainer
+    """PPO's trainer, or RePULSe's, with the fork's evaluations after every fit step; and how often to
+    evaluate (None: never)."""
     from rlhf.trainers.repulse_eval import AnalyticEvaluator, HeldoutEvaluator
 
+    rp = cfg.repulse
     evaluators = []
     if rp.analytic_bad_word_calc:
-        prompt = single_prompt(cfg.data, rp.custom_prompt, tokenizer)
+        prompt = the_single_prompt(cfg, tokenizer)
         exp = roles.experience
         ref_layout = exp.ref_batcher.layout if exp.ref_batcher is not None else None
-        evaluators.append(AnalyticEvaluator(cfg, tokenizer, prompt.text, list(prompt.token_ids), None, exp.reward,
-                                            exp.ref_model, ref_layout))
+        analytic = AnalyticEvaluator(cfg, tokenizer, prompt.text, list(prompt.token_ids), prompt.label, exp.reward,
+                                     exp.ref_model, ref_layout, roles.actor.model.module.config.vocab_size)
+        if topology.rank == 0:
+            print(analytic.describe(), flush=True)
+        evaluators.append(analytic)
     if rp.evaluate_heldout_sampling:
         data = dataclasses.replace(cfg.data, prompt_data=rp.heldout_prompt_data, input_key=rp.heldout_input_key)
         evaluators.append(HeldoutEvaluator(cfg, load_prompts(data, tokenizer), cfg.logging.save_path,
                                            topology.rank == 0, topology.num_engines))
-    trainer = RepulseTrainer(cfg, topology, roles, engine, sampler, tokenizer, device, evaluators=evaluators)
-    fit_step = sampler.steps_per_episode * rp.harmlessness_training_num_episodes
+    trainer_cls = PPOTrainer
+    if rp.do_harmlessness_training:
+        from rlhf.trainers.repulse import RepulseTrainer as trainer_cls
+    trainer = trainer_cls(cfg, topology, roles, engine, sampler, tokenizer, device, evaluators=evaluators)
+    fit_step = sampler.steps_per_episode * episodes_per_fit_step(cfg)
     return trainer, fit_step if evaluators else None
 
 

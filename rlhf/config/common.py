@@ -8,8 +8,10 @@ This module knows nothing of argparse or of any job.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -23,6 +25,17 @@ def opt(default: Any, help: str, flag: str | None = None, nargs: str | int | Non
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: default, metadata=meta)
     return field(default=default, metadata=meta)
+
+
+T = TypeVar("T")
+
+
+def replace_quietly(config: T, **changes: Any) -> T:
+    """`dataclasses.replace` without the validation's warnings: the config's notes were shown when its flags
+    were parsed, and a derived config (demo defaults, this machine's attention) would repeat them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return dataclasses.replace(config, **changes)
 
 
 def require(cond: bool, message: str) -> None:

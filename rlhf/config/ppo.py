@@ -21,6 +21,7 @@ from rlhf.config.common import (
     ModelConfig,
     OptimConfig,
     opt,
+    replace_quietly,
     require,
 )
 from rlhf.config.repulse import RepulseConfig
@@ -44,9 +45,6 @@ class PPOOptimConfig(OptimConfig):
     actor_learning_rate: float = opt(1e-6, "actor learning rate")
     critic_learning_rate: float = opt(9e-6, "critic learning rate")
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require(self.actor_learning_rate > 0, "--actor_learning_rate must be positive")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -314,19 +312,26 @@ class TrainPPOConfig(JobConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        rp = self.repulse
+        if rp.do_harmlessness_training:  # then it is q's rate; 0 keeps q fixed (the fork's baseline commands)
+            require(self.optim.actor_learning_rate >= 0, "--actor_learning_rate must be >= 0")
+        else:
+            require(self.optim.actor_learning_rate > 0, "--actor_learning_rate must be positive")
         self._check_repulse()
+        self._check_evaluation()
         if self.logging.eval_steps != -1:
             warnings.warn(f"--eval_steps {self.logging.eval_steps} has no effect: there is no --eval_dataset "
                           "(evaluation during RL is not built yet)", stacklevel=2)
         n, algo = self.samples_per_prompt, self.algo
         if algo.advantage_estimator in GROUP_ESTIMATORS and not self.repulse.do_harmlessness_training:
             require(n > 1, f"--advantage_estimator {algo.advantage_estimator} compares samples of one prompt: "
-                            f"--n_samples_per_prompt must be > 1 (got {n})")
+                            f"--n_samples_per_prompt (times --duplicate_rollout_batch_by) must be > 1 (got {n})")
         require(not algo.dynamic_filtering or n > 1, "--dynamic_filtering filters prompt groups: "
                  "--n_samples_per_prompt must be > 1")
         require(self.batch.train_batch_size <= self.batch.rollout_batch_size * n,
                  f"--train_batch_size {self.batch.train_batch_size} exceeds the samples of one step "
-                 f"(--rollout_batch_size x --n_samples_per_prompt = {self.batch.rollout_batch_size * n})")
+                 f"(--rollout_batch_size x --n_samples_per_prompt x --duplicate_rollout_batch_by = "
+                 f"{self.batch.rollout_batch_size * n})")
         if algo.overlong_buffer_len is not None:
             require(0 < algo.overlong_buffer_len <= self.rollout.generate_max_len,
                      "--overlong_buffer_len must lie in (0, --generate_max_len]")
@@ -374,9 +379,9 @@ class TrainPPOConfig(JobConfig):
 
     @property
     def samples_per_prompt(self) -> int:
-        """Samples per prompt and step: --n_samples_per_prompt, times --duplicate_rollout_batch_by (RePULSe)."""
-        dup = self.repulse.duplicate_rollout_batch_by if self.repulse.do_harmlessness_training else 1
-        return self.rollout.n_samples_per_prompt * dup
+        """Samples per prompt and step: --n_samples_per_prompt times --duplicate_rollout_batch_by (the RePULSe
+        fork's flag; its PPO runs use it too)."""
+        return self.rollout.n_samples_per_prompt * self.repulse.duplicate_rollout_batch_by
 
     def _check_repulse_unused(self) -> None:
         """PPO settings RePULSe's step does not use (or has not built yet): refused when set, never ignored."""
@@ -420,18 +425,42 @@ class TrainPPOConfig(JobConfig):
         if rp.save_steps_harmless != -1:
             require(self.checkpoint.save_steps == -1, "--save_steps_harmless and --save_steps both set a checkpoint "
                     "interval: give one")
+        if self.batch.max_epochs != 1:
+            warnings.warn(f"--max_epochs {self.batch.max_epochs} is ignored with --do_harmlessness_training: "
+                          "each batch gives one update of q and one of p, as in the fork", stacklevel=2)
+        if not rp.uses_proposal and self.optim.actor_learning_rate not in (0, PPOOptimConfig().actor_learning_rate):
+            why = "--use_base_as_proposal" if rp.use_base_as_proposal else \
+                f"--harmlessness_training_loss_type {rp.harmlessness_training_loss_type}"
+            warnings.warn(f"--actor_learning_rate {self.optim.actor_learning_rate:g} has no effect: it is the "
+                          f"proposal's rate and {why} trains no proposal (the policy's is "
+                          "--base_actor_learning_rate)", stacklevel=2)
+
+    def _check_evaluation(self) -> None:
+        """The fork's evaluation and sample-saving flags (PPO and RePULSe alike), and RePULSe-only flags set
+        without --do_harmlessness_training."""
+        rp = self.repulse
+        if not rp.do_harmlessness_training:
+            defaults = RepulseConfig()
+            unused = [name for name in ("harmlessness_training_loss_type", "alpha", "target_dist_beta",
+                                        "base_actor_learning_rate", "reinforce_baseline_type", "reward_transform",
+                                        "rew_trans_alpha", "rew_trans_beta", "use_base_as_proposal",
+                                        "harmlessness_training_num_episodes", "save_steps_harmless")
+                      if getattr(rp, name) != getattr(defaults, name)]
+            if unused:
+                warnings.warn(", ".join(f"--{name}" for name in unused) + " only act with --do_harmlessness_training: "
+                              "ignored in this PPO run", stacklevel=3)
         if rp.analytic_bad_word_calc:
             p = self.placement
             require(p.colocate_all_models or not any(p.num_ranks(r) for r in ("actor", "critic", "reward", "ref")),
                     "--analytic_bad_word_calc evaluates on every rank: colocate the models (--colocate_all_models)")
-            require(not self.reward.reward_paths, "--analytic_bad_word_calc scores every 2-token response with a "
-                    "reward function: use --remote_rm_url (a .py file or server), not --reward_pretrain")
-        if rp.rm_max_len != RepulseConfig().rm_max_len and not self.reward.reward_paths:
+            require(self.rollout.generate_max_len == 2, "--analytic_bad_word_calc is exact for 2-token responses: "
+                    f"set --generate_max_len 2 (got {self.rollout.generate_max_len})")
+            require(rp.new_custom_single_prompt or rp.custom_prompt is not None, "--analytic_bad_word_calc "
+                    "evaluates one prompt: add --new_custom_single_prompt (the one prompt of --prompt_data) or "
+                    "--custom_prompt TEXT")
+        if rp.rm_max_len is not None and not self.reward.reward_paths:
             warnings.warn(f"--rm_max_len {rp.rm_max_len} has no effect: rewards come from --remote_rm_url (text), "
-                          "not reward models", stacklevel=2)
-        if self.batch.max_epochs != 1:
-            warnings.warn(f"--max_epochs {self.batch.max_epochs} is ignored with --do_harmlessness_training: "
-                          "each batch gives one update of q and one of p, as in the fork", stacklevel=2)
+                          "not reward models", stacklevel=3)
 
     @property
     def critic_init(self) -> str:
@@ -450,7 +479,7 @@ class TrainPPOConfig(JobConfig):
             data = replace(data, prompt_data=EMBEDDED_PROMPTS)
         if not (reward.reward_model_paths or reward.remote_rm_url):
             reward = replace(reward, remote_rm_url=EMBEDDED_REWARD)
-        return replace(self, model=replace(self.model, pretrain=EMBEDDED_MODEL_DIR), data=data, reward=reward)
+        return replace_quietly(self, model=replace(self.model, pretrain=EMBEDDED_MODEL_DIR), data=data, reward=reward)
 
     def check_world(self, world_size: int) -> None:
         """Validate rollout sharding against the world size (role sizes: `check_role_sizes`)."""

@@ -85,7 +85,8 @@ class Experience(TokenBatch):
     old_logprobs_BT1 / rollout_logprobs_BT1 / ref_logprobs_BT1: float32 [B, T-1] actor at experience
         time / rollout engine / reference model (None without a reference model).
     values_BT1, returns_BT1: float32 [B, T-1] critic values and returns (None without a critic).
-    advantages_BT1: float32 [B, T-1]; rewards_B: float32 [B] shaped sequence rewards.
+    advantages_BT1: float32 [B, T-1]; rewards_B: float32 [B] shaped sequence rewards; raw_rewards_B: float32 [B]
+        the reward sources' rewards before any shaping.
     """
 
     sequences_BT: torch.Tensor
@@ -98,6 +99,7 @@ class Experience(TokenBatch):
     ref_logprobs_BT1: torch.Tensor | None = None
     values_BT1: torch.Tensor | None = None
     returns_BT1: torch.Tensor | None = None
+    raw_rewards_B: torch.Tensor | None = None
 
     def slice(self, start: int, stop: int) -> Experience:
         """Samples [start, stop), trimmed to the longest real sequence among them."""

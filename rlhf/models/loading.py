@@ -12,11 +12,20 @@ import warnings
 
 import torch
 
+from rlhf.config.errors import UsageError
+
 
 def check_local_model(path: str, flag: str = "--pretrain") -> None:
-    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"{flag} {path}: not a local HF model directory (needs config.json); "
-                         "nothing is downloaded at run time")
+    """`path` must be a local HF model directory: models are never downloaded at run time (every rank would
+    race to fetch it, and cluster nodes often have no internet)."""
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return
+    if not os.path.exists(path) and path.count("/") == 1 and not path.startswith((".", "/")):
+        raise UsageError(f"{flag} {path}: the model must be a local path; {path!r} looks like a Hugging Face hub "
+                         "name, and nothing is downloaded at run time: fetch it first (e.g. `huggingface-cli download "
+                         f"{path} --local-dir DIR`) and pass {flag} DIR")
+    raise UsageError(f"{flag} {path}: the model must be a local HF model directory (with config.json); nothing is "
+                     "downloaded at run time")
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):

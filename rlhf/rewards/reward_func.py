@@ -53,6 +53,9 @@ class RewardFuncFile:
     def __init__(self, path: str, timeout_s: float = 0.0) -> None:
         self.path, self.timeout_s = path, timeout_s
         self.func = load_reward_func(path)
+        # a file may declare the words that make a response bad (the analytic P(bad)'s default set)
+        bad = self.func.__globals__.get("BAD_WORDS")
+        self.bad_words: tuple[str, ...] | None = tuple(bad) if bad is not None else None
 
     def score(self, batch: RewardInputs) -> RewardResult:
         with watchdog.stage("reward_func"):

@@ -26,8 +26,11 @@ def check_model_configs(models: list[tuple[str, str]], model: ModelConfig, engin
     rather than a library's."""
     from transformers import AutoConfig
 
+    from rlhf.models.loading import check_local_model
+
     check_lora(model.lora)
     for flag, path in models:
+        check_local_model(path, flag)
         config = AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code, local_files_only=True)
         limit = getattr(config, "max_position_embeddings", None)
         if limit is not None and longest > limit:

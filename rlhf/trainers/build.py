@@ -103,7 +103,7 @@ def check_models(cfg: TrainPPOConfig) -> None:
 def describe_algorithm(cfg: TrainPPOConfig, topology: Topology) -> str:
     """One line saying which algorithm runs: estimator, group size, KL and where it enters, the models
     that exist, and the active corrections."""
-    a, n = cfg.algo, cfg.rollout.n_samples_per_prompt
+    a, n = cfg.algo, cfg.samples_per_prompt
     if cfg.repulse.do_harmlessness_training:
         return describe_repulse(cfg)
     parts = [f"--advantage_estimator {a.advantage_estimator}", f"{n} sample{'s' if n > 1 else ''} per prompt"]
@@ -139,14 +139,15 @@ def describe_repulse(cfg: TrainPPOConfig) -> str:
                    f"(lr {cfg.optim.actor_learning_rate:g}, {cfg.batch.num_episodes} update(s) per step), policy by "
                    f"REINFORCE + alpha {rp.alpha:g} x weighted q samples")
     parts = [variant, f"{k} samples per prompt", f"policy lr {rp.base_actor_learning_rate:g}"]
-    if rp.reward_transform:
-        parts.append(f"reward transform {rp.reward_transform} (a {rp.transform_alpha:g}, b {rp.transform_beta:g}, "
-                     f"threshold {rp.threshold:g})")
+    if rp.reward_transform == "minus_alpha_exp_beta_r":
+        parts.append(f"reward transform r - {rp.transform_alpha:g}·exp({rp.transform_beta:g}·r)")
+    elif rp.reward_transform == "minus_alpha_ind":
+        parts.append(f"reward transform r - {rp.transform_alpha:g}·1[r < {rp.threshold:g}]")
     a = cfg.algo
     parts.append(f"KL k1 x {a.init_kl_coef:g} in the return" if a.needs_ref else "no KL term")
     parts.append(f"{rp.fit_steps} fit step(s) of {rp.harmlessness_training_num_episodes} episode(s)")
     if rp.analytic_bad_word_calc:
-        parts.append(f"exact log P(bad) of {rp.bad_words!r} after each fit step")
+        parts.append("exact log P(bad) after each fit step")
     return "algorithm: " + ", ".join(parts)
 
 

@@ -121,25 +121,23 @@ class ExperienceMaker:
         """(raw rewards [B], actor log-probs [B, T-1], reference log-probs [B, T-1] or None) of a global batch,
         identical on every rank; nothing shaped, no advantages (RePULSe's step does its own). `rm_max_len`:
         reward models see only each sample's first that many tokens. Collective."""
-        seq, mask = batch.sequences_BT, batch.attention_mask_BT
         old, ref = self._logprobs(batch, with_ref)
-        if rm_max_len is not None and seq.shape[1] > rm_max_len:
-            batch = dataclasses.replace(batch, sequences_BT=seq[:, :rm_max_len], attention_mask_BT=mask[:, :rm_max_len])
-        raw_rewards, _, _ = self._rewards(batch)
+        raw_rewards, _, _ = self._rewards(_truncated(batch, rm_max_len))
         return raw_rewards, old, ref
 
-    def make(self, batch: Rollout) -> tuple[Experience, dict[str, float]]:
-        """Experience for the whole global batch (identical on every rank) and step metrics."""
+    def make(self, batch: Rollout, rm_max_len: int | None = None) -> tuple[Experience, dict[str, float]]:
+        """Experience for the whole global batch (identical on every rank) and step metrics. `rm_max_len`:
+        reward models see only each sample's first that many tokens."""
         B, T = batch.sequences_BT.shape
         seq, mask = batch.sequences_BT, batch.attention_mask_BT
         old, ref = self._logprobs(batch, with_ref=self.ref_model is not None or Role.REF in self.topology.plan)
         values = None
         if Role.CRITIC in self.topology.plan:
             values = self._by_role(Role.CRITIC, lambda w: self.critic.values(seq[w], mask[w]), (B, T - 1))
-        raw_rewards, scores, extra = self._rewards(batch)
+        raw_rewards, scores, extra = self._rewards(_truncated(batch, rm_max_len))
         rewards = self._shape_rewards(raw_rewards, batch)
         action = batch.action_mask_BT1
-        n = self.cfg.rollout.n_samples_per_prompt
+        n = self.cfg.samples_per_prompt
         if self.cfg.algo.dynamic_filtering:
             keep = group_filter(scores.reshape(-1, n), *self.cfg.algo.dynamic_filtering_reward_range)
             action = action * keep.repeat_interleave(n)[:, None].float()
@@ -153,7 +151,7 @@ class ExperienceMaker:
             kept = int((action.sum(-1) > 0).sum())  # filtered groups do not move the controller
             self.kl_ctl.update(metrics["kl"], kept)
         exp = Experience(seq, mask, action, old, batch.rollout_logprobs_BT1, advantages, rewards, ref, values,
-                         returns if values is not None else None)
+                         returns if values is not None else None, raw_rewards)
         return exp, metrics
 
     def _rollout_mismatch(self, old: torch.Tensor, rollout: torch.Tensor, action: torch.Tensor) -> dict[str, float]:
@@ -204,6 +202,14 @@ class ExperienceMaker:
             metrics["kl"] = float(per_seq[kept].mean()) if kept.any() else 0.0
         metrics.update({f"reward_extra/{k}": float(v.mean()) for k, v in extra.items()})
         return metrics
+
+
+def _truncated(batch: Rollout, rm_max_len: int | None) -> Rollout:
+    """`batch` with each sample cut to its first `rm_max_len` tokens (what the reward models see)."""
+    seq, mask = batch.sequences_BT, batch.attention_mask_BT
+    if rm_max_len is None or seq.shape[1] <= rm_max_len:
+        return batch
+    return dataclasses.replace(batch, sequences_BT=seq[:, :rm_max_len], attention_mask_BT=mask[:, :rm_max_len])
 
 
 def _token_mean(values_BT1: torch.Tensor, action_BT1: torch.Tensor) -> float:

@@ -28,6 +28,7 @@ from rlhf.train.state import CheckpointedState
 from rlhf.trainers.actor import Actor
 from rlhf.trainers.critic import Critic
 from rlhf.trainers.experience import ExperienceMaker
+from rlhf.trainers.run_records import RunRecords
 from rlhf.utils.timers import StageTimer
 
 TRAIN_METRICS = {
@@ -39,13 +40,16 @@ TRAIN_METRICS = {
 
 
 def total_steps(cfg: TrainPPOConfig, sampler: PromptSampler) -> int:
-    """RL steps of the run: episodes x steps per episode (RePULSe: --fit_steps x
-    --harmlessness_training_num_episodes episodes), at most --max_steps."""
-    rp = cfg.repulse
-    episodes = rp.fit_steps * rp.harmlessness_training_num_episodes if rp.do_harmlessness_training \
-        else cfg.batch.num_episodes
-    steps = sampler.steps_per_episode * episodes
+    """RL steps of the run: --fit_steps x episodes per fit step x steps per episode, at most --max_steps."""
+    steps = sampler.steps_per_episode * cfg.repulse.fit_steps * episodes_per_fit_step(cfg)
     return min(steps, cfg.batch.max_steps) if cfg.batch.max_steps else steps
+
+
+def episodes_per_fit_step(cfg: TrainPPOConfig) -> int:
+    """Episodes between two evaluations of the fork's schedule: --harmlessness_training_num_episodes with
+    --do_harmlessness_training (where --num_episodes counts q's updates per step), else --num_episodes."""
+    rp = cfg.repulse
+    return rp.harmlessness_training_num_episodes if rp.do_harmlessness_training else cfg.batch.num_episodes
 
 
 @dataclass
@@ -66,13 +70,23 @@ class Roles:
 
 
 class PPOTrainer:
-    """One RL step (a `rlhf.train.loop.Job`). Construct on every rank with the same config."""
+    """One RL step (a `rlhf.train.loop.Job`). Construct on every rank with the same config. `evaluators`:
+    callables of the trainer run after every fit step (the RePULSe fork's evaluations), each returning
+    metrics."""
 
     def __init__(self, cfg: TrainPPOConfig, topology: Topology, roles: Roles, engine: RolloutEngine,
-                 sampler: PromptSampler, tokenizer, device: torch.device) -> None:
+                 sampler: PromptSampler, tokenizer, device: torch.device, evaluators=()) -> None:
         self.cfg, self.topology, self.roles, self.engine = cfg, topology, roles, engine
         self.sampler, self.tokenizer, self.device = sampler, tokenizer, device
         self.timer = StageTimer()
+        self.evaluators = list(evaluators)
+        self.records = RunRecords(cfg, topology.rank == 0)
+        self.rm_max_len = cfg.repulse.rm_max_len
+
+    @property
+    def samples_drawn(self) -> int:
+        """Responses sampled so far by the trained models (the sample budget)."""
+        return self.records.samples_drawn
 
     def checkpointed(self) -> CheckpointedState:
         """The actor's and critic's engines, the KL controller, the reward statistics and the ptx walk (equal
@@ -86,11 +100,20 @@ class PPOTrainer:
         return CheckpointedState(
             engines={"actor": actor.model if actor is not None else None,
                      "critic": critic.model if critic is not None else None},
-            components={"kl_ctl": exp.kl_ctl, "reward_stats": exp.reward_stats, "ptx": self.roles.ptx},
+            components={"kl_ctl": exp.kl_ctl, "reward_stats": exp.reward_stats, "ptx": self.roles.ptx,
+                        "records": self.records},
             hf_export=hf)
 
     def evaluate(self) -> dict[str, float]:
-        return {}  # evaluation during RL (--eval_dataset) is not built yet; the config warns about --eval_steps
+        """The evaluators' metrics with the sample count, also appended to --save_info_path's file (--eval_dataset
+        is not built yet; the config warns about --eval_steps)."""
+        if not self.evaluators:
+            return {}
+        metrics = {"samples_drawn": float(self.samples_drawn)}
+        for evaluator in self.evaluators:
+            metrics.update(evaluator(self))
+        self.records.info.append([metrics])
+        return metrics
 
     def step(self, step: int) -> dict[str, float]:
         """One RL step. Hybrid-engine transitions (sleep/offload) all happen here, around the stages."""
@@ -100,8 +123,11 @@ class PPOTrainer:
             self.engine.sleep()  # vLLM frees its memory until the next weight push
         with self.timer.stage("experience"):
             self._move(self.roles.frozen, to_host=False, enabled=e.ref_reward_offload)
-            experience, metrics = self.roles.experience.make(all_gather_rollout(local, self.tokenizer.pad_token_id))
+            batch = all_gather_rollout(local, self.tokenizer.pad_token_id)
+            experience, metrics = self.roles.experience.make(batch, rm_max_len=self.rm_max_len)
             self._move(self.roles.frozen, to_host=True, enabled=e.ref_reward_offload)
+        self.records.samples_drawn += batch.num_samples
+        self.records.keep_negatives(batch, experience.raw_rewards_B, "policy", step)
         train_actor = step >= self.cfg.algo.freezing_actor_steps
         with self.timer.stage("train"):
             self._move(self.roles.trainable, to_host=False, enabled=e.deepspeed_enable_sleep and step > 0)
@@ -111,6 +137,8 @@ class PPOTrainer:
             self.engine.wake_up()
             if train_actor or self.cfg.rollout.vllm_enable_sleep:  # sleep level 2 dropped the weights
                 self.sync_weights()
+        if self.evaluators:
+            metrics["samples_drawn"] = float(self.samples_drawn)
         return metrics
 
     def _move(self, models: list[DeepSpeedModel], to_host: bool, enabled: bool) -> None:

@@ -11,8 +11,6 @@ Per-role math lives in `rlhf.algorithms.repulse`; this module only orders the st
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 
 import torch
@@ -53,75 +51,21 @@ class GroupSamples(TokenBatch):
     beta_r_B: torch.Tensor
 
 
-class JsonlAppender:
-    """Rows appended to a JSON Lines file by rank 0, with the count written kept in checkpoints: a resumed run
-    cuts the file back to the checkpoint's rows before appending (no duplicates from the lost attempt)."""
-
-    def __init__(self, path: str | None, is_writer: bool) -> None:
-        self.path, self.is_writer, self.count = path, is_writer and path is not None, 0
-
-    def append(self, rows: list[dict]) -> None:
-        if self.is_writer and rows:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            with open(self.path, "a") as f:
-                f.writelines(json.dumps(row) + "\n" for row in rows)
-        self.count += len(rows)
-
-    def state_dict(self) -> dict:
-        return {"count": self.count}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.count = int(state["count"])
-        if self.is_writer and os.path.exists(self.path):
-            with open(self.path) as f:
-                kept = f.readlines()[:self.count]
-            with open(self.path, "w") as f:
-                f.writelines(kept)
-
-
 class RepulseTrainer(PPOTrainer):
     """One RePULSe step (a `rlhf.train.loop.Job`); construct on every rank with the same config."""
 
-    def __init__(self, *args, evaluators=(), **kwargs) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.rp = self.cfg.repulse
         self.k = self.cfg.samples_per_prompt
         self.proposal: Actor | None = self.roles.proposal
-        self.samples_drawn = 0  # responses sampled so far, p and q together (the sample budget)
-        self.evaluators = list(evaluators)  # RePULSe's evaluations after every fit step
-        writer = self.topology.rank == 0
-        rp = self.rp
-        self.negdata = JsonlAppender(os.path.join(self.cfg.logging.save_path, "negdata.jsonl")
-                                     if rp.save_negdata else None, writer)
-        self.info = JsonlAppender(os.path.join(rp.save_info_path, "evaluations.jsonl")
-                                  if rp.save_info_path else None, writer)
-        self.rm_max_len = rp.rm_max_len
 
     # ---- checkpoint -----------------------------------------------------------------------------------
 
     def checkpointed(self) -> CheckpointedState:
         state = super().checkpointed()
         state.engines["proposal"] = self.proposal.model if self.proposal is not None else None
-        state.components["repulse"] = self
         return state
-
-    def state_dict(self) -> dict:
-        return {"samples_drawn": self.samples_drawn, "negdata": self.negdata.state_dict(),
-                "info": self.info.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.samples_drawn = int(state["samples_drawn"])
-        self.negdata.load_state_dict(state["negdata"])
-        self.info.load_state_dict(state["info"])
-
-    def evaluate(self) -> dict[str, float]:
-        if not self.evaluators:
-            return {}
-        metrics = {"samples_drawn": float(self.samples_drawn)}
-        for evaluator in self.evaluators:
-            metrics.update(evaluator(self))
-        self.info.append([metrics])
-        return metrics
 
     # ---- the step -----------------------------------------------------------------------------------
 
@@ -140,7 +84,7 @@ class RepulseTrainer(PPOTrainer):
             positives, metrics = self._policy_samples(all_gather_rollout(p_local, pad), step)
             q_batches = [all_gather_rollout(q, pad) for q in q_locals]
             self._move(self.roles.frozen, to_host=True, enabled=e.ref_reward_offload)
-        self.samples_drawn += positives.num_samples * (1 + len(q_batches))
+        self.records.samples_drawn += positives.num_samples * (1 + len(q_batches))
         with self.timer.stage("train"):
             self._move(self.roles.trainable, to_host=False, enabled=e.deepspeed_enable_sleep and step > 0)
             stats: dict[str, float] = {}
@@ -165,19 +109,11 @@ class RepulseTrainer(PPOTrainer):
 
     # ---- experience -----------------------------------------------------------------------------------
 
-    def _keep_negatives(self, batch: Rollout, rewards: torch.Tensor, source: str, step: int) -> None:
-        """--save_negdata: the responses of `batch` whose reward is below --save_negdata_threshold."""
-        if not self.rp.save_negdata:
-            return
-        low = (rewards < self.rp.save_negdata_threshold).nonzero().flatten().tolist()
-        self.negdata.append([{"step": step + 1, "source": source, "prompt": batch.prompts[i],
-                              "response": batch.responses[i], "reward": float(rewards[i])} for i in low])
-
     def _policy_samples(self, batch: Rollout, step: int) -> tuple[GroupSamples, dict[str, float]]:
         """p's samples: rewards, the optional transform, k1 KL to the reference, returns and advantages."""
         exp, rp = self.roles.experience, self.rp
         raw, old, ref = exp.score(batch, with_ref=self.cfg.algo.needs_ref, rm_max_len=self.rm_max_len)
-        self._keep_negatives(batch, raw, "policy", step)
+        self.records.keep_negatives(batch, raw, "policy", step)
         rewards = raw
         if rp.reward_transform is not None:
             rewards = repulse.REWARD_TRANSFORMS[rp.reward_transform](raw, rp.transform_alpha, rp.transform_beta,
@@ -191,8 +127,9 @@ class RepulseTrainer(PPOTrainer):
         returns_PK = returns.reshape(-1, self.k)
         advantages = (returns_PK - repulse.rloo_baseline_PK(returns_PK)).reshape(-1)
         zeros = torch.zeros_like(old)
+        beta = rp.target_dist_beta if rp.target_dist_beta is not None else 0.0  # None: no negatives use it
         samples = GroupSamples(batch.sequences_BT, batch.attention_mask_BT, action, advantages, zeros, old,
-                               rp.target_dist_beta * raw.float())
+                               beta * raw.float())
         metrics = {"reward_mean": float(raw.mean()), "reward_shaped_mean": float(rewards.mean()),
                    "return_mean": float(returns.mean()), "kl": float(kl.mean()),
                    "response_length": float(batch.response_lens_B.float().mean())}
@@ -202,7 +139,7 @@ class RepulseTrainer(PPOTrainer):
         """q's samples: beta·r, log q at sampling time, log p, and the SNIS weights toward sigma."""
         exp = self.roles.experience
         raw, logp, _ = exp.score(batch, with_ref=False, rm_max_len=self.rm_max_len)
-        self._keep_negatives(batch, raw, "proposal", step)
+        self.records.keep_negatives(batch, raw, "proposal", step)
         B, T = batch.sequences_BT.shape
         seq, mask = batch.sequences_BT, batch.attention_mask_BT
         logq = exp.gather(Role.ACTOR, lambda w: self.proposal.logprobs(seq[w], mask[w]), (B, T - 1))

@@ -1,7 +1,10 @@
-"""RePULSe's analytic evaluation of the toy setting (`--analytic_bad_word_calc`): for one prompt and 2-token
-responses, the exact log P(bad) of the policy, and the exact expected reward and return, by enumerating all
-V x V responses (so the toy's curves carry no sampling noise). Runs on every rank (all roles colocated):
-every rank computes the same numbers, ZeRO-3 forwards stay collective.
+"""The RePULSe fork's evaluations after every fit step, for PPO and RePULSe runs alike.
+
+`--analytic_bad_word_calc`: for one prompt and 2-token responses, the exact log P(bad) of the policy, and,
+where the V x V responses can be enumerated, the exact expected reward and return (so the toy's curves carry
+no sampling noise; with a large vocabulary the row's reward and return are the fit step's sample means).
+Runs on every rank (all roles colocated): every rank computes the same numbers, ZeRO-3 forwards stay
+collective. `--evaluate_heldout_sampling`: the frontier's numbers on held-out prompts.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from rlhf.rewards.base import RewardInputs, RewardSource
 
 MAX_ENUMERATED = 1 << 20
 """At most this many 2-token responses are enumerated for the exact expected reward."""
+SCORE_CHUNK = 4096
+"""Responses per reward call while enumerating (bounds a reward model's activation memory)."""
 
 
 def bad_token_ids(words: str, tokenizer) -> list[int]:
@@ -32,28 +37,50 @@ def bad_token_ids(words: str, tokenizer) -> list[int]:
     return ids
 
 
+def resolve_bad_words(cfg: TrainPPOConfig, reward: RewardSource | None) -> str:
+    """--bad_words, else the BAD_WORDS a --remote_rm_url file declares; a usage error when neither exists."""
+    if cfg.repulse.bad_words:
+        return cfg.repulse.bad_words
+    declared = getattr(reward, "bad_words", None)
+    if declared:
+        return " ".join(declared)
+    raise UsageError("--analytic_bad_word_calc needs the set of bad words: give --bad_words \"w1 w2 ...\" (single "
+                     "tokens of the policy's vocabulary; the fork hard-codes 19 distilgpt2 token ids for its "
+                     "toxicity model), or a --remote_rm_url file that defines BAD_WORDS")
+
+
 class AnalyticEvaluator:
-    """Exact 2-token statistics of p for --custom_prompt (see the module docstring)."""
+    """Exact 2-token statistics of p for the single prompt (see the module docstring)."""
 
     def __init__(self, cfg: TrainPPOConfig, tokenizer, prompt_text: str, prompt_ids: list[int], label,
-                 reward: RewardSource, ref_model: torch.nn.Module | None, ref_layout=None) -> None:
-        rp = cfg.repulse
-        if cfg.rollout.generate_max_len != 2:
-            raise UsageError(f"--analytic_bad_word_calc is exact for 2-token responses: set --generate_max_len 2 "
-                             f"(got {cfg.rollout.generate_max_len})")
+                 reward: RewardSource, ref_model: torch.nn.Module | None, ref_layout=None,
+                 vocab_size: int | None = None) -> None:
         self.cfg, self.tokenizer, self.reward, self.ref_model = cfg, tokenizer, reward, ref_model
         self.ref_layout = ref_layout
         self.prompt_text, self.prompt_ids, self.label = prompt_text, prompt_ids, label
-        self.bad_ids = bad_token_ids(rp.bad_words, tokenizer)
+        self.bad_words = resolve_bad_words(cfg, reward)
+        self.bad_ids = bad_token_ids(self.bad_words, tokenizer)
         self.eos = tokenizer.eos_token_id
         self.temperature = cfg.rollout.temperature
+        self.exact_reward = vocab_size is None or vocab_size * vocab_size <= MAX_ENUMERATED
         self._rewards = None  # [V, V] rewards of every response (fixed: the reward does not change)
+
+    def describe(self) -> str:
+        """The line printed at start-up: what is evaluated and how."""
+        how = "the exact expected reward and return by enumerating every 2-token response" if self.exact_reward \
+            else (f"reward and return: the fit step's sample means (more than {MAX_ENUMERATED} 2-token responses to "
+                  "enumerate)")
+        return (f"analytic evaluation after every fit step: exact log P(bad) of 2-token responses to "
+                f"{self.prompt_text!r}, bad words {self.bad_words!r}; {how}")
 
     def __call__(self, trainer) -> dict[str, float]:
         actor = trainer.roles.actor
         actor.model.eval()
         first, second = self._logprobs(actor.model.engine, actor.infer_batcher.layout)
         out = {"log_p_bad": float(log_p_bad(first, second, self.bad_ids, self.eos))}
+        out["p_bad"] = math.exp(out["log_p_bad"])
+        if not self.exact_reward:
+            return out
         joint = self._joint(first, second)  # [V, V] log-prob of each response (row a = eos: [eos] alone)
         rewards = self._all_rewards(first.shape[0])
         rp = self.cfg.repulse
@@ -68,7 +95,6 @@ class AnalyticEvaluator:
             ref_joint = self._joint(*self._logprobs(self.ref_model, self.ref_layout))
             returns = shaped - self.cfg.algo.init_kl_coef * torch.where(probs > 0, joint - ref_joint, 0.0)
         out["return_mean"] = float((probs * returns).sum())
-        out["p_bad"] = math.exp(out["log_p_bad"])
         return out
 
     @torch.no_grad()
@@ -102,9 +128,15 @@ class AnalyticEvaluator:
         pad = self.tokenizer.pad_token_id
         seq = torch.tensor([s + [pad] * (width - len(s)) for s in sequences])
         mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
-        result = self.reward.score(RewardInputs(queries, [self.prompt_text] * len(queries), [self.label] * len(queries),
-                                                seq, mask))
-        self._rewards = result.rewards_B.float().reshape(V, V)
+        if self.cfg.repulse.rm_max_len is not None:
+            seq, mask = seq[:, :self.cfg.repulse.rm_max_len], mask[:, :self.cfg.repulse.rm_max_len]
+        parts = []
+        for at in range(0, len(queries), SCORE_CHUNK):
+            part = slice(at, at + SCORE_CHUNK)
+            n = len(queries[part])
+            parts.append(self.reward.score(RewardInputs(queries[part], [self.prompt_text] * n, [self.label] * n,
+                                                        seq[part], mask[part])).rewards_B.float().cpu())
+        self._rewards = torch.cat(parts).reshape(V, V)
         return self._rewards
 
 
