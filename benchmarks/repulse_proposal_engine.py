@@ -37,6 +37,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_KV_CACHE_BYTES = 64 << 20  # --vllm_kv_cache_bytes's default
+CPU_BLOCK_TOKENS = 128  # vLLM's KV-cache block size on CPU (0.32)
 EXAMPLE_PARAMS, EXAMPLE_BYTES_PER_PARAM = 135e6, 2  # SmolLM-135M (the paper's policy) in bf16
 
 
@@ -84,12 +85,14 @@ def perturbed_copy(policy: torch.nn.Module, scale: float = 0.5) -> torch.nn.Modu
 
 
 def kv_cache_bytes(config, num_seqs: int, max_model_len: int, dtype: torch.dtype, requested: int | None) -> int:
-    """The requested size, or the project default grown to hold one whole batch (no preemption in the timings)."""
+    """The requested size, or the project default grown to hold one whole batch (no preemption in the timings).
+    vLLM on CPU allocates in blocks of 128 tokens and the K samples of a prompt do not share blocks here."""
     if requested is not None:
         return requested
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize
-    return max(DEFAULT_KV_CACHE_BYTES, int(1.25 * num_seqs * max_model_len * per_token))
+    tokens_per_seq = -(-max_model_len // CPU_BLOCK_TOKENS) * CPU_BLOCK_TOKENS
+    return max(DEFAULT_KV_CACHE_BYTES, int(1.1 * num_seqs * tokens_per_seq * per_token))
 
 
 def build_engine(args, model_dir: str, device: torch.device, tokenizer, max_model_len: int, kv_bytes: int):
@@ -117,46 +120,55 @@ def measured_build(build: Callable[[], object], device: torch.device) -> tuple[o
 
 
 class Run:
-    """The two schemes over the same prompts, seeds and weights; per-repeat seconds in `times`."""
+    """The two schemes over the same prompts, seeds and weights; per-repeat seconds in `times`, sample
+    agreement counts in `matches`."""
 
     def __init__(self, engine_p, engine_q, p, q, prompts: list[list[int]], spec, device: torch.device) -> None:
         self.engine_p, self.engine_q, self.p, self.q = engine_p, engine_q, p, q
         self.prompts, self.spec, self.device = prompts, spec, device
         self.times: dict[str, list[float]] = {}
-        self.matches = {"swap q == dedicated q": 0, "p after swap-back == p before": 0, "q differs from p": 0}
+        self.matches = {"q differs from p": 0, "swap q == dedicated q": 0, "p after swap-back == p before": 0}
 
-    def _t(self, key: str, fn: Callable[[], object], record: bool) -> object:
-        seconds, out = timed(fn, self.device)
-        if record:
-            self.times.setdefault(key, []).append(seconds)
-        return out
+    def warm_up(self) -> None:
+        """One untimed generate per engine, on the same seeds: q's weights really differ from p's."""
+        seeds = self._seeds(-1)
+        self._count("q differs from p", self._generate(self.engine_p, seeds),
+                    self._generate(self.engine_q, seeds), equal=False)
 
-    def step(self, repeat: int, record: bool) -> None:
-        seeds_p = [repeat * 1000 + i for i in range(len(self.prompts))]
-        seeds_q = [s + 500 for s in seeds_p]
-        gen = self.engine_p.generate
-        # one engine, weights swapped (engine_p holds p on entry and on exit)
-        p_before = self._t("swap generate p", lambda: gen(self.prompts, self.spec, seeds_p), record)
-        self._t("swap push q", lambda: self.engine_p.load_weights(stream(self.q)), record)
-        q_swapped = self._t("swap generate q", lambda: gen(self.prompts, self.spec, seeds_q), record)
-        self._t("swap push p", lambda: self.engine_p.load_weights(stream(self.p)), record)
+    def step(self, repeat: int) -> None:
+        seeds_p, seeds_q = self._seeds(repeat), self._seeds(repeat + 10_000)
+        e_p, e_q = self.engine_p, self.engine_q
+        # one engine, weights swapped (e_p holds p on entry and on exit)
+        p_before = self._timed("swap generate p", lambda: self._generate(e_p, seeds_p))
+        self._timed("swap push q", lambda: e_p.load_weights(stream(self.q)))
+        q_swapped = self._timed("swap generate q", lambda: self._generate(e_p, seeds_q))
+        self._timed("swap push p", lambda: e_p.load_weights(stream(self.p)))
         # two engines: each generates from its own weights, and each gets its model's update pushed
-        p_after = self._t("two generate p", lambda: gen(self.prompts, self.spec, seeds_p), record)
-        q_own = self._t("two generate q", lambda: self.engine_q.generate(self.prompts, self.spec, seeds_q), record)
-        self._t("two push p", lambda: self.engine_p.load_weights(stream(self.p)), record)
-        self._t("two push q", lambda: self.engine_q.load_weights(stream(self.q)), record)
-        if record:
-            self._count("swap q == dedicated q", q_swapped, q_own, equal=True)
-            self._count("p after swap-back == p before", p_after, p_before, equal=True)
-            self._count("q differs from p", q_own, self.engine_p.generate(self.prompts, self.spec, seeds_q), False)
-
-    def _count(self, key: str, a, b, equal: bool) -> None:
-        pairs = [(x.token_ids, y.token_ids) for ga, gb in zip(a, b) for x, y in zip(ga, gb)]
-        self.matches[key] += sum((x == y) == equal for x, y in pairs)
+        p_after = self._timed("two generate p", lambda: self._generate(e_p, seeds_p))
+        q_own = self._timed("two generate q", lambda: self._generate(e_q, seeds_q))
+        self._timed("two push p", lambda: e_p.load_weights(stream(self.p)))
+        self._timed("two push q", lambda: e_q.load_weights(stream(self.q)))
+        self._count("swap q == dedicated q", q_swapped, q_own, equal=True)
+        self._count("p after swap-back == p before", p_after, p_before, equal=True)
 
     def stat(self, reduce: Callable[[list[float]], float], *keys: str) -> float:
         """The sum over `keys` of each stage's reduced (median or best) seconds."""
         return sum(reduce(self.times[k]) for k in keys)
+
+    def _seeds(self, repeat: int) -> list[int]:
+        return [(repeat + 1) * 1000 + i for i in range(len(self.prompts))]
+
+    def _generate(self, engine, seeds: list[int]):
+        return engine.generate(self.prompts, self.spec, seeds)
+
+    def _timed(self, key: str, fn: Callable[[], object]) -> object:
+        seconds, out = timed(fn, self.device)
+        self.times.setdefault(key, []).append(seconds)
+        return out
+
+    def _count(self, key: str, a, b, equal: bool) -> None:
+        pairs = [(x.token_ids, y.token_ids) for ga, gb in zip(a, b) for x, y in zip(ga, gb)]
+        self.matches[key] += sum((x == y) == equal for x, y in pairs)
 
 
 def load_inputs(args, model_dir: str):
@@ -175,19 +187,8 @@ def load_inputs(args, model_dir: str):
     return tokenizer, prompts, policy
 
 
-def report(args, run: Run, model_dir: str, num_params: int, push_bytes: int, mem: dict, kv_bytes: int,
-           device: torch.device) -> None:
-    tokens = args.prompts * args.samples * args.new_tokens
-    version = ""
-    if args.engine == "vllm":
-        import vllm
-
-        version = f" {vllm.__version__}"
-    print(f"\nengine {args.engine}{version}, device {device}, {os.cpu_count()} CPU cores, torch {torch.__version__}")
-    print(f"model {model_dir}: {num_params / 1e6:.2f}M parameters, {args.dtype}; {push_bytes / 2**20:.2f} MiB per "
-          f"push, {2 * push_bytes / 2**20:.2f} MiB pushed per RePULSe step (2 pushes)")
-    print(f"shape: {args.prompts} prompts x K={args.samples} x {args.new_tokens} new tokens = {tokens} tokens per "
-          f"generate, 2 generates per step; {args.repeats} repeats after 1 warm-up, schemes interleaved")
+def report_times(args, run: Run) -> tuple[float, float]:
+    """The scheme table (median and best of the repeats); returns the best swapped (push, generate) seconds."""
     print(f"\n{'scheme':<22}{'stat':>7}{'push s':>9}{'generate s':>12}{'step s':>9}{'push/(push+gen)':>17}")
     steps = {}
     for stat, reduce in (("median", statistics.median), ("best", min)):
@@ -201,32 +202,56 @@ def report(args, run: Run, model_dir: str, num_params: int, push_bytes: int, mem
         (sp, sg), (tp, tg) = steps[stat, "swap"], steps[stat, "two"]
         print(f"two engines / one engine ({stat}): step {(tp + tg) / (sp + sg):.2f}x, generate {tg / sg:.2f}x, "
               f"push {tp / sp:.2f}x")
-    swap_push, swap_gen = steps["median", "swap"]
-    bandwidth = push_bytes / (swap_push / 2)
+    return steps["best", "swap"]
+
+
+def report_scale(push_bytes: int, push_s: float, tokens: int, generate_s: float) -> None:
+    """Throughputs to extrapolate from: pushes scale with parameter bytes, generation with tokens x parameters."""
+    bandwidth = push_bytes / (push_s / 2)
     example = EXAMPLE_PARAMS * EXAMPLE_BYTES_PER_PARAM
-    print(f"push bandwidth (engine reload): {bandwidth / 2**30:.2f} GiB/s; at that rate a {EXAMPLE_PARAMS / 1e6:.0f}M "
-          f"model in bf16 ({example / 1e6:.0f} MB per push) would take ~{example / bandwidth:.2f} s per push, "
-          f"~{2 * example / bandwidth:.2f} s per step (small models under-state the bandwidth: per-call overhead)")
-    print(f"generation: {tokens * 2 / swap_gen:.0f} tokens/s; scales with tokens x parameters, so push/(push+gen) "
-          f"for another model is ~(its bytes / bandwidth) against (its generate time)")
-    weights_mib = sum(p.numel() * p.element_size() for p in run.p.parameters()) / 2**20
-    extra = f"weights {weights_mib:.1f} MiB"
-    if args.engine == "vllm":
-        extra += f" + KV cache {kv_bytes / 2**20:.0f} MiB (kv_cache_memory_bytes)"
-    print(f"\nmemory (RSS growth on construction): first engine +{mem['rss'][0]:.0f} MiB (includes one-time start-up), "
-          f"second engine +{mem['rss'][1]:.0f} MiB (expected {extra})")
+    print(f"push (best): {bandwidth / 2**30:.2f} GiB/s, i.e. a {EXAMPLE_PARAMS / 1e6:.0f}M model in bf16 "
+          f"({example / 1e6:.0f} MB per push) would take ~{example / bandwidth:.2f} s per push, "
+          f"~{2 * example / bandwidth:.2f} s per step at this rate (a small model's per-call overhead under-states it)")
+    print(f"generation (best): {2 * tokens / generate_s:.0f} new tokens/s for this model; another model's "
+          f"push/(push+gen) ~ (2 x its bytes / push bandwidth) vs (2 x tokens / its generation rate)")
+
+
+def report_memory(args, mem: dict, weight_bytes: int, kv_bytes: int, device: torch.device) -> None:
+    expected = f"weights {weight_bytes / 2**20:.1f} MiB"
+    if args.engine == "vllm" and device.type == "cpu":
+        expected += f" + KV cache {kv_bytes / 2**20:.0f} MiB (kv_cache_memory_bytes)"
+    print(f"\nmemory, RSS growth while building: first engine +{mem['rss'][0]:.0f} MiB (includes one-time start-up), "
+          f"second engine +{mem['rss'][1]:.0f} MiB (expected: {expected})")
     if mem["device"][0] is not None:
-        print(f"device memory (torch.cuda.memory_allocated growth): first +{mem['device'][0]:.0f} MiB, "
+        print(f"device memory, torch.cuda.memory_allocated growth: first +{mem['device'][0]:.0f} MiB, "
               f"second +{mem['device'][1]:.0f} MiB")
     if args.engine == "vllm" and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        print(f"vLLM on CUDA: each engine is budgeted gpu_memory_utilization={args.gpu_memory_utilization} "
-              f"= {args.gpu_memory_utilization * total / 2**30:.1f} GiB; two engines split one budget")
-    n = args.repeats * args.prompts * args.samples
-    print("\nsamples (same seeds): " + "; ".join(f"{k}: {v}/{n}" for k, v in run.matches.items()))
+        share = args.gpu_memory_utilization
+        print(f"vLLM on CUDA: each engine takes gpu_memory_utilization={share} of the GPU ({share * total / 2**30:.1f} "
+              f"GiB, weights + KV cache); two engines split one budget")
+
+
+def report(args, run: Run, model_dir: str, mem: dict, kv_bytes: int, device: torch.device) -> None:
+    params = list(run.p.parameters())
+    push_bytes = sum(t.numel() * t.element_size() for t in params)
+    tokens = args.prompts * args.samples * args.new_tokens
+    version = f" {__import__('vllm').__version__}" if args.engine == "vllm" else ""
+    print(f"\nengine {args.engine}{version}, device {device}, {os.cpu_count()} CPU cores, torch {torch.__version__}")
+    print(f"model {model_dir}: {sum(t.numel() for t in params) / 1e6:.2f}M parameters, {args.dtype}; "
+          f"{push_bytes / 2**20:.2f} MiB per push, {2 * push_bytes / 2**20:.2f} MiB pushed per RePULSe step (2 pushes)")
+    print(f"shape: {args.prompts} prompts x K={args.samples} x {args.new_tokens} new tokens = {tokens} tokens per "
+          f"generate, 2 generates per step; {args.repeats} repeats after a warm-up, schemes interleaved")
+    push_s, generate_s = report_times(args, run)
+    report_scale(push_bytes, push_s, tokens, generate_s)
+    report_memory(args, mem, push_bytes, kv_bytes, device)
+    per_step = args.prompts * args.samples
+    totals = {"q differs from p": per_step}
+    print("\nsamples, same seeds: " + "; ".join(f"{k}: {v}/{totals.get(k, args.repeats * per_step)}"
+                                               for k, v in run.matches.items()))
     print("vLLM LoRA slots: not applicable. q is a full, fully trained copy of the policy (CTL updates every "
-          "weight), not a low-rank adapter on p; slots would hold only adapters over one frozen base, and the "
-          "engine is always pushed full (LoRA-merged) weights.")
+          "weight), not a low-rank adapter on p; slots hold only adapters over one frozen base, and the engine "
+          "is always pushed full (LoRA-merged) weights.")
 
 
 def main() -> None:
@@ -282,11 +307,11 @@ def measure(args, model_dir: str) -> None:
     engine_q.load_weights(stream(q))
     spec = SamplingSpec(n=args.samples, temperature=1.0, top_p=1.0, max_tokens=args.new_tokens)
     run = Run(engine_p, engine_q, p, q, prompts, spec, device)
-    for repeat in range(args.repeats + 1):
-        run.step(repeat, record=repeat > 0)
-    push_bytes = sum(t.numel() * t.element_size() for t in p.parameters())
+    run.warm_up()
+    for repeat in range(args.repeats):
+        run.step(repeat)
     mem = {"rss": [b[1] for b in built], "device": [b[2] for b in built]}
-    report(args, run, model_dir, sum(t.numel() for t in p.parameters()), push_bytes, mem, kv_bytes, device)
+    report(args, run, model_dir, mem, kv_bytes, device)
 
 
 if __name__ == "__main__":

@@ -232,3 +232,37 @@ def test_heldout_sampling_evaluation_saves_every_sample(tmp_path):
         for s in saved:
             assert s["return"] == pytest.approx(s["reward"] - 0.1 * s["kl"], abs=1e-5)
     assert evals[-1]["heldout_kl_mean"] != 0  # the policy moved away from the reference
+
+
+def test_proposal_on_its_own_rank_equals_colocated(tmp_path):
+    """q on a rank of its own (--proposal_num_gpus_per_node 1, p on the other rank) trains both models as the
+    colocated layout does (both on 2 ranks): same metrics, same final weights (to float reduction order)."""
+    analytic = TOY.index("--analytic_bad_word_calc")
+    base = [a for i, a in enumerate(TOY) if i not in (analytic, analytic + 1, analytic + 2)]
+    run = ["--duplicate_rollout_batch_by", "4", "--rollout_batch_size", "2", "--train_batch_size", "8",
+           "--micro_train_batch_size", "4", "--fit_steps", "1", "--harmlessness_training_num_episodes", "3",
+           "--alpha", "1", "--actor_learning_rate", "3e-3", "--base_actor_learning_rate", "3e-3", "--seed", "5",
+           "--zero_stage", "2", "--save_negdata", "--save_negdata_threshold", "0"]
+
+    def train(name, *placement):
+        out = tmp_path / name
+        proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *base, *run, "--save_path", str(out), *placement)
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+        return (rows, load_file(out / "model" / "model.safetensors"),
+                load_file(out / "proposal" / "model.safetensors"), proc.stdout)
+
+    colocated = train("colocated")
+    disjoint = train("disjoint", "--actor_num_gpus_per_node", "1", "--proposal_num_gpus_per_node", "1")
+    assert "data-parallel replicas: actor 1, reward 2, proposal 1" in disjoint[3]
+    assert "data-parallel replicas: actor 2, reward 2, proposal 2" in colocated[3]
+    assert len(colocated[0]) == len(disjoint[0]) == 3
+    for a, b in zip(colocated[0], disjoint[0]):
+        for key in ("policy_loss", "neg_term", "ctl_loss", "grad_norm", "q_grad_norm", "reward_mean",
+                    "q_reward_mean", "q_weights_ess", "samples_drawn"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    for got, want in ((disjoint[1], colocated[1]), (disjoint[2], colocated[2])):
+        for name, weight in want.items():
+            torch.testing.assert_close(got[name], weight, rtol=1e-4, atol=1e-5, msg=name)
+    negdata = [(tmp_path / name / "negdata.jsonl").read_text() for name in ("colocated", "disjoint")]
+    assert negdata[0] and negdata[0] == negdata[1]

@@ -87,7 +87,7 @@ def save_models(cfg: TrainPPOConfig, roles: Roles, topology: Topology, tokenizer
     if roles.actor is not None:
         roles.actor.model.save_hf(os.path.join(out, "model"), tokenizer, topology.leads(Role.ACTOR))
     if roles.proposal is not None:  # RePULSe's q, beside the policy
-        roles.proposal.model.save_hf(os.path.join(out, "proposal"), tokenizer, topology.leads(Role.ACTOR))
+        roles.proposal.model.save_hf(os.path.join(out, "proposal"), tokenizer, topology.leads(Role.PROPOSAL))
     if roles.critic is not None and roles.critic.model.adapted:
         roles.critic.model.save_hf(os.path.join(out, "critic"), tokenizer, topology.leads(Role.CRITIC))
     elif roles.critic is not None:
@@ -104,7 +104,7 @@ def check_before_engines(cfg: TrainPPOConfig, world_size: int) -> dict[Role, tup
     cfg.check_world(world_size)
     plan = plan_ranks(placement_from_config(cfg), world_size)
     cfg.check_role_sizes({ROLE_NAMES[r]: len(ranks) for r, ranks in plan.items() if r is not Role.ROLLOUT},
-                         trainable=("actor", "critic"))
+                         trainable=("actor", "critic", "proposal"))
     if cfg.engine.use_liger_kernel:
         check_liger_kernel()
     check_models(cfg)

@@ -273,9 +273,11 @@ class PlacementConfig:
     reward_num_gpus_per_node: int = opt(0, "ranks per node of the reward models")
     ref_num_nodes: int = opt(1, "nodes of the reference model's rank range")
     ref_num_gpus_per_node: int = opt(0, "ranks per node of the reference model")
+    proposal_num_nodes: int = opt(1, "nodes of RePULSe's proposal q (not an OpenRLHF flag)")
+    proposal_num_gpus_per_node: int = opt(0, "ranks per node of RePULSe's proposal q (0: on the actor's ranks)")
 
     def __post_init__(self) -> None:
-        for role in ("actor", "critic", "reward", "ref"):
+        for role in ("actor", "critic", "reward", "ref", "proposal"):
             require(getattr(self, f"{role}_num_nodes") >= 1, f"--{role}_num_nodes must be >= 1")
             require(getattr(self, f"{role}_num_gpus_per_node") >= 0, f"--{role}_num_gpus_per_node must be >= 0")
 
@@ -421,6 +423,9 @@ class TrainPPOConfig(JobConfig):
                                    "group is never split across micro-batches)")
         require(self.placement.num_ranks("critic") == 0 and not self.model.critic_pretrain,
                 "--do_harmlessness_training trains no critic: drop the critic flags")
+        require(rp.uses_proposal or self.placement.num_ranks("proposal") == 0,
+                "--proposal_num_gpus_per_node places a proposal, and this run trains none (reinforce or "
+                "--use_base_as_proposal): drop it")
         self._check_repulse_unused()
         if rp.save_steps_harmless != -1:
             require(self.checkpoint.save_steps == -1, "--save_steps_harmless and --save_steps both set a checkpoint "
@@ -451,7 +456,8 @@ class TrainPPOConfig(JobConfig):
                               "ignored in this PPO run", stacklevel=3)
         if rp.analytic_bad_word_calc:
             p = self.placement
-            require(p.colocate_all_models or not any(p.num_ranks(r) for r in ("actor", "critic", "reward", "ref")),
+            require(p.colocate_all_models or not any(p.num_ranks(r) for r in ("actor", "critic", "reward", "ref",
+                                                                               "proposal")),
                     "--analytic_bad_word_calc evaluates on every rank: colocate the models (--colocate_all_models)")
             require(self.rollout.generate_max_len == 2, "--analytic_bad_word_calc is exact for 2-token responses: "
                     f"set --generate_max_len 2 (got {self.rollout.generate_max_len})")

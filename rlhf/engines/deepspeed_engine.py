@@ -466,5 +466,16 @@ class DeepSpeedModel:
         assert extra_config is None, "extra_config applies to adapters (a full model's config is saved as it is)"
         state = self.gathered_state_dict(is_writer)
         if is_writer:
-            self.module.save_pretrained(path, state_dict=state, safe_serialization=True)
+            save_pretrained_on_this_rank(self.module, path, state)
             tokenizer.save_pretrained(path)
+
+
+def save_pretrained_on_this_rank(module: torch.nn.Module, path: str, state: dict[str, torch.Tensor]) -> None:
+    """`module.save_pretrained` with `state`, written by this rank whatever its global rank: transformers >= 5
+    writes weights only on global rank 0 once torch.distributed is initialised (`should_save_on_this_rank`),
+    which would leave a role on ranks of its own (a critic, RePULSe's proposal) saved without its weights."""
+    module.should_save_on_this_rank = lambda is_main_process: is_main_process
+    try:
+        module.save_pretrained(path, state_dict=state, safe_serialization=True)
+    finally:
+        del module.should_save_on_this_rank

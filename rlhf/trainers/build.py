@@ -32,7 +32,8 @@ from rlhf.trainers.critic import Critic
 from rlhf.trainers.experience import ExperienceMaker
 from rlhf.trainers.ppo import Roles
 
-ROLE_NAMES = {Role.ACTOR: "actor", Role.CRITIC: "critic", Role.REWARD: "reward", Role.REF: "ref"}
+ROLE_NAMES = {Role.ACTOR: "actor", Role.CRITIC: "critic", Role.REWARD: "reward", Role.REF: "ref",
+              Role.PROPOSAL: "proposal"}
 
 
 def roles_needed(cfg: TrainPPOConfig) -> tuple[Role, ...]:
@@ -41,6 +42,8 @@ def roles_needed(cfg: TrainPPOConfig) -> tuple[Role, ...]:
         roles.append(Role.CRITIC)
     if cfg.algo.needs_ref:
         roles.append(Role.REF)
+    if cfg.repulse.uses_proposal:
+        roles.append(Role.PROPOSAL)
     return tuple(roles)
 
 
@@ -52,8 +55,13 @@ def placement_from_config(cfg: TrainPPOConfig) -> Placement:
     if p.colocate_all_models or not any(counts.values()):
         return Placement.colocated(roles + (Role.ROLLOUT,))
     colocate = []
+    with_actor = {Role.ACTOR}  # the proposal sits on the actor's ranks unless it has ranks of its own
     if p.colocate_actor_ref and Role.REF in roles:
-        colocate.append(frozenset({Role.ACTOR, Role.REF}))
+        with_actor.add(Role.REF)
+    if Role.PROPOSAL in roles and counts[Role.PROPOSAL] == 0:
+        with_actor.add(Role.PROPOSAL)
+    if len(with_actor) > 1:
+        colocate.append(frozenset(with_actor))
     if p.colocate_critic_reward and Role.CRITIC in roles:
         colocate.append(frozenset({Role.CRITIC, Role.REWARD}))
     return Placement({**counts, Role.ROLLOUT: 0}, tuple(colocate))
@@ -202,13 +210,14 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
                         device, trainable=True, learning_rate=lr)
         actor = Actor(model, topology.group(Role.ACTOR), device, temperature=cfg.rollout.temperature, algo=cfg.algo,
                       infer_batcher=infer, train_batcher=train)
-        if rp.uses_proposal:
-            q = _engine(_with_steps(cfg, total_steps), topology, Role.ACTOR, _model_builder(
-                cfg, train.layout, lambda attn: causal_lm(attn, four_bit)), device, trainable=True,
-                        learning_rate=cfg.optim.actor_learning_rate, name="proposal",
-                        updates_per_batch=cfg.batch.num_episodes)
-            proposal = Actor(q, topology.group(Role.ACTOR), device, temperature=cfg.rollout.temperature,
-                             algo=cfg.algo, infer_batcher=infer, train_batcher=train)
+    if Role.PROPOSAL in topology.plan and topology.hosts(Role.PROPOSAL):
+        infer, train = batchers_for(cfg, topology, Role.PROPOSAL)
+        q = _engine(_with_steps(cfg, total_steps), topology, Role.PROPOSAL, _model_builder(
+            cfg, train.layout, lambda attn: causal_lm(attn, four_bit)), device, trainable=True,
+                    learning_rate=cfg.optim.actor_learning_rate, name="proposal",
+                    updates_per_batch=cfg.batch.num_episodes)
+        proposal = Actor(q, topology.group(Role.PROPOSAL), device, temperature=cfg.rollout.temperature,
+                         algo=cfg.algo, infer_batcher=infer, train_batcher=train)
     if Role.CRITIC in topology.plan and topology.hosts(Role.CRITIC):
         path = cfg.critic_init
         infer, train = batchers_for(cfg, topology, Role.CRITIC)

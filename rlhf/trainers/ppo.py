@@ -62,7 +62,7 @@ class Roles:
     actor_specs: list[ParamSpec]
     ptx: PtxData | None = None
     frozen: list[DeepSpeedModel] = field(default_factory=list)
-    proposal: Actor | None = None  # RePULSe's q, on the actor's ranks
+    proposal: Actor | None = None  # RePULSe's q, on Role.PROPOSAL's ranks
 
     @property
     def trainable(self) -> list[DeepSpeedModel]:
@@ -204,12 +204,16 @@ class PPOTrainer:
 
     def sync_weights(self) -> None:
         """Push the actor's weights into every rank's engine (collective over the world)."""
-        actor = self.roles.actor
-        if len(self.topology.ranks(Role.ACTOR)) == self.topology.world_size:
-            self.engine.load_weights(actor.model.full_parameters())
+        self.push_weights(Role.ACTOR, self.roles.actor)
+
+    def push_weights(self, role: Role, model: Actor | None) -> None:
+        """Load `role`'s weights (`model` where this rank hosts it, else None) into every rank's engine: directly
+        when the role spans the world, else broadcast from its first rank. Collective over the world."""
+        if len(self.topology.ranks(role)) == self.topology.world_size:
+            self.engine.load_weights(model.model.full_parameters())
             return
-        local = actor.model.full_parameters() if actor is not None else None
+        local = model.model.full_parameters() if model is not None else None
         self.engine.load_weights(broadcast_parameters(
-            local, self.roles.actor_specs, src=self.topology.ranks(Role.ACTOR)[0],
+            local, self.roles.actor_specs, src=self.topology.ranks(role)[0],
             bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb << 20, device=self.device))
 

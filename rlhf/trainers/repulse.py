@@ -4,8 +4,9 @@ with the leave-one-out baseline, plus alpha x the SNIS-weighted log-likelihood o
 
 The rollout engine holds p's weights between steps; within a step q's weights are pushed in to sample q and
 p's are pushed back after the update (one engine, weights swapped: see README "RePULSe"). q lives on the
-actor's ranks. The baselines are switches of the same step: `--harmlessness_training_loss_type reinforce`
-(no q), `--use_base_as_proposal` (p's own samples are the negatives), `--reward_transform`.
+actor's ranks, or on ranks of its own (--proposal_num_gpus_per_node), where its update runs beside p's.
+The baselines are switches of the same step: `--harmlessness_training_loss_type reinforce` (no q),
+`--use_base_as_proposal` (p's own samples are the negatives), `--reward_transform`.
 Per-role math lives in `rlhf.algorithms.repulse`; this module only orders the stages and shards groups.
 """
 
@@ -58,7 +59,8 @@ class RepulseTrainer(PPOTrainer):
         super().__init__(*args, **kwargs)
         self.rp = self.cfg.repulse
         self.k = self.cfg.samples_per_prompt
-        self.proposal: Actor | None = self.roles.proposal
+        self.proposal: Actor | None = self.roles.proposal  # None where this rank does not host q
+        self.has_proposal = Role.PROPOSAL in self.topology.plan  # whether the run has a q at all
 
     # ---- checkpoint -----------------------------------------------------------------------------------
 
@@ -74,8 +76,8 @@ class RepulseTrainer(PPOTrainer):
         with self.timer.stage("generation"):
             p_local = self.generate(step)
             q_locals = []
-            if self.proposal is not None:  # q's weights into the engine, then back to p's after the update
-                self.engine.load_weights(self.proposal.model.full_parameters())
+            if self.has_proposal:  # q's weights into the engine, then back to p's after the update
+                self.push_weights(Role.PROPOSAL, self.proposal)
                 q_locals = [self.generate(step, stream=1 + i) for i in range(self.cfg.batch.num_episodes)]
             self.engine.sleep()
         pad = self.tokenizer.pad_token_id
@@ -92,14 +94,16 @@ class RepulseTrainer(PPOTrainer):
             negatives = None
             for q_batch in q_batches:  # --num_episodes q updates, each on its own batch (drawn before them)
                 negatives, q_metrics = self._proposal_samples(q_batch, step)
-                add_update(q_stats, self._train_proposal(negatives, step))
+                if self.proposal is not None:
+                    add_update(q_stats, self._train_proposal(negatives, step))
             if self.rp.use_base_as_proposal:
                 negatives = self._base_negatives(positives)
-            add_update(stats, self._train_policy(positives, negatives, step))
+            if self.roles.actor is not None:  # p's negatives are q's samples drawn before q's updates
+                add_update(stats, self._train_policy(positives, negatives, step))
             self._move(self.roles.trainable, to_host=True, enabled=e.deepspeed_enable_sleep)
         if q_batches:
             metrics.update(q_metrics)
-        metrics.update(reduce_metrics({Role.ACTOR: {**per_update_means(stats), **per_update_means(q_stats)}},
+        metrics.update(reduce_metrics({Role.ACTOR: per_update_means(stats), Role.PROPOSAL: per_update_means(q_stats)},
                                       REPULSE_METRICS, self.topology))
         metrics["samples_drawn"] = float(self.samples_drawn)
         with self.timer.stage("weight_sync"):
@@ -142,7 +146,7 @@ class RepulseTrainer(PPOTrainer):
         self.records.keep_negatives(batch, raw, "proposal", step)
         B, T = batch.sequences_BT.shape
         seq, mask = batch.sequences_BT, batch.attention_mask_BT
-        logq = exp.gather(Role.ACTOR, lambda w: self.proposal.logprobs(seq[w], mask[w]), (B, T - 1))
+        logq = exp.gather(Role.PROPOSAL, lambda w: self.proposal.logprobs(seq[w], mask[w]), (B, T - 1))
         action = batch.action_mask_BT1
         beta_r = self.rp.target_dist_beta * raw.float()
         weights = repulse.snis_weights_PK(repulse.masked_sum_PK(logp, action).reshape(-1, self.k),
@@ -160,11 +164,11 @@ class RepulseTrainer(PPOTrainer):
 
     # ---- updates --------------------------------------------------------------------------------------
 
-    def _group_steps(self, samples: GroupSamples, step: int) -> list[list[GroupSamples]]:
-        """This actor replica's share of whole prompt groups, cut into optimizer steps of --train_batch_size
+    def _group_steps(self, samples: GroupSamples, role: Role) -> list[list[GroupSamples]]:
+        """This replica's (of `role`) share of whole prompt groups, cut into optimizer steps of --train_batch_size
         samples (global) and micro-batches of --micro_train_batch_size (each a whole number of groups)."""
         b = self.cfg.batch
-        dp, rank = self.topology.dp_size(Role.ACTOR), self.topology.dp_rank(Role.ACTOR)
+        dp, rank = self.topology.dp_size(role), self.topology.dp_rank(role)
         mine = samples.select(shard(samples.num_samples, dp, rank))
         per_step, per_micro = b.train_batch_size // dp, b.micro_train_batch_size
         return [[mine.select(slice(m, m + per_micro)).trimmed() for m in range(s, s + per_step, per_micro)]
@@ -194,7 +198,7 @@ class RepulseTrainer(PPOTrainer):
             return MicroLoss(share, {f"{self.rp.actor_loss_type}_loss": share})
 
         stats: dict[str, float] = {}
-        for micros in self._group_steps(samples, step):
+        for micros in self._group_steps(samples, Role.PROPOSAL):
             add_update(stats, step_metrics(q.model, optimizer_step(q.model, micros, micro_loss), prefix="q_"))
         out = per_update_means(stats)
         if "lr" in out:
@@ -220,8 +224,8 @@ class RepulseTrainer(PPOTrainer):
             return MicroLoss(alpha * term, {"neg_term": term})
 
         stats: dict[str, float] = {}
-        neg_steps = self._group_steps(negatives, step) if with_negatives else None
-        for i, micros in enumerate(self._group_steps(positives, step)):
+        neg_steps = self._group_steps(negatives, Role.ACTOR) if with_negatives else None
+        for i, micros in enumerate(self._group_steps(positives, Role.ACTOR)):
             items = [("policy", m) for m in micros] + ([("negative", m) for m in neg_steps[i]] if neg_steps else [])
             add_update(stats, step_metrics(actor.model, optimizer_step(actor.model, items, micro_loss)))
         return per_update_means(stats)
