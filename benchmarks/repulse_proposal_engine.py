@@ -9,10 +9,12 @@ weights of p *and* q after the update (q is trained every step, by CTL). So:
   one engine, swapped:  generate p | push q | generate q | (updates) | push p       (2 pushes, 1 engine)
   two engines:          generate p on E_p | generate q on E_q | (updates) | push p to E_p, push q to E_q
                                                                                       (2 pushes, 2 engines)
-Prints the medians of the push and generate times, push / (push + generate), the bytes pushed per step
-(push time scales with parameter bytes, generation with tokens x parameters: extrapolate from those), the
-resident memory the second engine adds, and whether the swap gives the same samples as a dedicated engine.
-vLLM LoRA slots are not built: q is a full copy of the policy, not an adapter (printed as a note).
+Prints the median and best push and generate times of each scheme, push / (push + generate), the bytes
+pushed per step (push time scales with parameter bytes, generation with tokens x parameters: extrapolate from
+those), the resident memory and build time the second engine adds, and whether the swap gives the same
+samples as a dedicated engine (same seeds). vLLM LoRA slots are not built: q is a full copy of the policy,
+not an adapter (printed as a note). The vLLM KV cache is sized to hold one whole batch (vLLM on CPU allocates
+128-token blocks per sample; the project's 64 MiB default makes a 135M-class model preempt and crawl).
 
 p and q are plain HF models on the host (q = p plus noise); a push streams a private copy of each tensor, as
 `DeepSpeedModel.full_parameters` does under ZeRO 0-2 (ZeRO-3 adds a gather: see `weight_sync.py`). The
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import importlib.metadata
 import os
 import socket
 import statistics
@@ -38,7 +41,12 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_KV_CACHE_BYTES = 64 << 20  # --vllm_kv_cache_bytes's default
 CPU_BLOCK_TOKENS = 128  # vLLM's KV-cache block size on CPU (0.32)
+MIN_EXTRAPOLATION_BYTES = 64 << 20  # below this a push is mostly per-call overhead
 EXAMPLE_PARAMS, EXAMPLE_BYTES_PER_PARAM = 135e6, 2  # SmolLM-135M (the paper's policy) in bf16
+LORA_NOTE = ("vLLM LoRA slots (not built): they do not apply. q is a full copy of the policy and CTL trains every "
+             "weight of it, so q - p is not a low-rank adapter; the actor pushes full (LoRA-merged) weights. Slots "
+             "would fit only if p and q were both adapters on one frozen base (then only adapter bytes would move), "
+             "and vLLM loads adapters from a directory per LoRARequest, i.e. a write to disk per q update.")
 
 
 def rss_mib() -> float:
@@ -109,14 +117,15 @@ def build_engine(args, model_dir: str, device: torch.device, tokenizer, max_mode
                             pad_token_id=tokenizer.pad_token_id)
 
 
-def measured_build(build: Callable[[], object], device: torch.device) -> tuple[object, float, float | None]:
-    """(engine, RSS growth MiB, device-memory growth MiB or None) of one engine's construction."""
+def measured_build(build: Callable[[], object], device: torch.device) -> tuple[object, dict[str, float | None]]:
+    """The engine, and its construction's seconds, RSS growth (MiB) and device-memory growth (MiB, CUDA only)."""
     gc.collect()
-    rss, dev = rss_mib(), device_mib(device)
+    rss, dev, start = rss_mib(), device_mib(device), time.perf_counter()
     engine = build()
+    seconds = time.perf_counter() - start
     gc.collect()
     grown_dev = None if dev is None else device_mib(device) - dev
-    return engine, rss_mib() - rss, grown_dev
+    return engine, {"seconds": seconds, "rss": rss_mib() - rss, "device": grown_dev}
 
 
 class Run:
@@ -197,7 +206,9 @@ def report_times(args, run: Run) -> tuple[float, float]:
             gen = run.stat(reduce, f"{scheme} generate p", f"{scheme} generate q")
             steps[stat, scheme] = push, gen
             print(f"{name:<22}{stat:>7}{push:>9.3f}{gen:>12.3f}{push + gen:>9.3f}{push / (push + gen):>17.1%}")
-    print("per stage, median s: " + ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in run.times.items()))
+    print("per stage, seconds of each repeat:")
+    for key, seconds in run.times.items():
+        print(f"  {key:<16} " + " ".join(f"{s:.3f}" for s in seconds))
     for stat in ("median", "best"):
         (sp, sg), (tp, tg) = steps[stat, "swap"], steps[stat, "two"]
         print(f"two engines / one engine ({stat}): step {(tp + tg) / (sp + sg):.2f}x, generate {tg / sg:.2f}x, "
@@ -209,22 +220,29 @@ def report_scale(push_bytes: int, push_s: float, tokens: int, generate_s: float)
     """Throughputs to extrapolate from: pushes scale with parameter bytes, generation with tokens x parameters."""
     bandwidth = push_bytes / (push_s / 2)
     example = EXAMPLE_PARAMS * EXAMPLE_BYTES_PER_PARAM
-    print(f"push (best): {bandwidth / 2**30:.2f} GiB/s, i.e. a {EXAMPLE_PARAMS / 1e6:.0f}M model in bf16 "
-          f"({example / 1e6:.0f} MB per push) would take ~{example / bandwidth:.2f} s per push, "
-          f"~{2 * example / bandwidth:.2f} s per step at this rate (a small model's per-call overhead under-states it)")
+    if push_bytes < MIN_EXTRAPOLATION_BYTES:
+        print(f"push (best): {push_s / 2:.3f} s for {push_bytes / 2**20:.2f} MiB, per-call overhead rather than "
+              f"bandwidth; measure bandwidth on a larger model, e.g. --hidden 576 --layers 30 --vocab 49152")
+    else:
+        print(f"push (best): {bandwidth / 2**30:.2f} GiB/s, i.e. a {EXAMPLE_PARAMS / 1e6:.0f}M model in bf16 "
+              f"({example / 1e6:.0f} MB per push) would take ~{example / bandwidth:.2f} s per push, "
+              f"~{2 * example / bandwidth:.2f} s per step at this rate")
     print(f"generation (best): {2 * tokens / generate_s:.0f} new tokens/s for this model; another model's "
           f"push/(push+gen) ~ (2 x its bytes / push bandwidth) vs (2 x tokens / its generation rate)")
 
 
-def report_memory(args, mem: dict, weight_bytes: int, kv_bytes: int, device: torch.device) -> None:
+def report_memory(args, built: list[dict], weight_bytes: int, kv_bytes: int, device: torch.device) -> None:
+    """What each engine's construction added (the first also pays one-time start-up: imports, threads)."""
+    first, second = built
     expected = f"weights {weight_bytes / 2**20:.1f} MiB"
     if args.engine == "vllm" and device.type == "cpu":
         expected += f" + KV cache {kv_bytes / 2**20:.0f} MiB (kv_cache_memory_bytes)"
-    print(f"\nmemory, RSS growth while building: first engine +{mem['rss'][0]:.0f} MiB (includes one-time start-up), "
-          f"second engine +{mem['rss'][1]:.0f} MiB (expected: {expected})")
-    if mem["device"][0] is not None:
-        print(f"device memory, torch.cuda.memory_allocated growth: first +{mem['device'][0]:.0f} MiB, "
-              f"second +{mem['device'][1]:.0f} MiB")
+    print(f"\nmemory, RSS growth while building: first engine +{first['rss']:.0f} MiB in {first['seconds']:.1f} s "
+          f"(with one-time start-up), second engine +{second['rss']:.0f} MiB in {second['seconds']:.1f} s "
+          f"(expected: {expected})")
+    if first["device"] is not None:
+        print(f"device memory, torch.cuda.memory_allocated growth: first +{first['device']:.0f} MiB, "
+              f"second +{second['device']:.0f} MiB")
     if args.engine == "vllm" and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         share = args.gpu_memory_utilization
@@ -232,26 +250,32 @@ def report_memory(args, mem: dict, weight_bytes: int, kv_bytes: int, device: tor
               f"GiB, weights + KV cache); two engines split one budget")
 
 
-def report(args, run: Run, model_dir: str, mem: dict, kv_bytes: int, device: torch.device) -> None:
+def engine_version(engine: str) -> str:
+    if engine != "vllm":
+        return "transformers " + importlib.metadata.version("transformers")
+    import vllm
+
+    return f"vllm {vllm.__version__}"
+
+
+def report(args, run: Run, model: str, built: list[dict], kv_bytes: int, device: torch.device) -> None:
     params = list(run.p.parameters())
     push_bytes = sum(t.numel() * t.element_size() for t in params)
     tokens = args.prompts * args.samples * args.new_tokens
-    version = f" {__import__('vllm').__version__}" if args.engine == "vllm" else ""
-    print(f"\nengine {args.engine}{version}, device {device}, {os.cpu_count()} CPU cores, torch {torch.__version__}")
-    print(f"model {model_dir}: {sum(t.numel() for t in params) / 1e6:.2f}M parameters, {args.dtype}; "
+    print(f"\nengine {args.engine} ({engine_version(args.engine)}), device {device}, {os.cpu_count()} CPU cores, "
+          f"torch {torch.__version__}")
+    print(f"model {model}: {sum(t.numel() for t in params) / 1e6:.2f}M parameters, {args.dtype}; "
           f"{push_bytes / 2**20:.2f} MiB per push, {2 * push_bytes / 2**20:.2f} MiB pushed per RePULSe step (2 pushes)")
     print(f"shape: {args.prompts} prompts x K={args.samples} x {args.new_tokens} new tokens = {tokens} tokens per "
           f"generate, 2 generates per step; {args.repeats} repeats after a warm-up, schemes interleaved")
     push_s, generate_s = report_times(args, run)
     report_scale(push_bytes, push_s, tokens, generate_s)
-    report_memory(args, mem, push_bytes, kv_bytes, device)
+    report_memory(args, built, push_bytes, kv_bytes, device)
     per_step = args.prompts * args.samples
     totals = {"q differs from p": per_step}
     print("\nsamples, same seeds: " + "; ".join(f"{k}: {v}/{totals.get(k, args.repeats * per_step)}"
                                                for k, v in run.matches.items()))
-    print("vLLM LoRA slots: not applicable. q is a full, fully trained copy of the policy (CTL updates every "
-          "weight), not a low-rank adapter on p; slots hold only adapters over one frozen base, and the engine "
-          "is always pushed full (LoRA-merged) weights.")
+    print(LORA_NOTE)
 
 
 def main() -> None:
@@ -275,19 +299,20 @@ def main() -> None:
         args.engine = "vllm" if vllm_available() else "hf"
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
+        label = model_dir
         if args.hidden is not None:
             from weight_sync import build_model_dir  # benchmarks/ is on sys.path when run as a script
 
             build_model_dir(args, tmp)
-            model_dir = tmp
+            model_dir, label = tmp, f"random Llama (hidden {args.hidden}, {args.layers} layers, vocab {args.vocab})"
         if model_dir is None:
             from rlhf.assets import EMBEDDED_MODEL_DIR
 
-            model_dir = EMBEDDED_MODEL_DIR
-        measure(args, model_dir)
+            model_dir, label = EMBEDDED_MODEL_DIR, "embedded tiny policy"
+        measure(args, model_dir, label)
 
 
-def measure(args, model_dir: str) -> None:
+def measure(args, model_dir: str, label: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
     from rlhf.distributed.launch import init_distributed, read_launch_env
@@ -302,7 +327,7 @@ def measure(args, model_dir: str) -> None:
     kv_bytes = kv_cache_bytes(p.config, args.prompts * args.samples, max_model_len, DTYPES[args.dtype], requested)
     built = [measured_build(lambda: build_engine(args, model_dir, device, tokenizer, max_model_len, kv_bytes), device)
              for _ in range(2)]
-    (engine_p, *_), (engine_q, *_) = built
+    (engine_p, _), (engine_q, _) = built
     engine_p.load_weights(stream(p))
     engine_q.load_weights(stream(q))
     spec = SamplingSpec(n=args.samples, temperature=1.0, top_p=1.0, max_tokens=args.new_tokens)
@@ -310,8 +335,7 @@ def measure(args, model_dir: str) -> None:
     run.warm_up()
     for repeat in range(args.repeats):
         run.step(repeat)
-    mem = {"rss": [b[1] for b in built], "device": [b[2] for b in built]}
-    report(args, run, model_dir, mem, kv_bytes, device)
+    report(args, run, label, [costs for _, costs in built], kv_bytes, device)
 
 
 if __name__ == "__main__":

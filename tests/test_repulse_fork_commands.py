@@ -165,6 +165,7 @@ def _toy_id(index: int, heading: str, argv: list[str]) -> str:
     return f"{index}-kl{_value(argv, '--init_kl_coef')}-{method.replace(' ', '_')}"
 
 
+@pytest.mark.slow
 @pytest.mark.examples
 @pytest.mark.parametrize("heading,argv", TOY, ids=[_toy_id(i, h, a) for i, (h, a) in enumerate(TOY)])
 def test_toy_command_trains_on_the_embedded_toy(heading, argv, tmp_path):

@@ -327,7 +327,8 @@ class TrainPPOConfig(JobConfig):
         n, algo = self.samples_per_prompt, self.algo
         if algo.advantage_estimator in GROUP_ESTIMATORS and not self.repulse.do_harmlessness_training:
             require(n > 1, f"--advantage_estimator {algo.advantage_estimator} compares samples of one prompt: "
-                            f"--n_samples_per_prompt (times --duplicate_rollout_batch_by) must be > 1 (got {n})")
+                            f"--n_samples_per_prompt must be > 1 (got {n}) (samples per prompt: "
+                            "--n_samples_per_prompt x --duplicate_rollout_batch_by)")
         require(not algo.dynamic_filtering or n > 1, "--dynamic_filtering filters prompt groups: "
                  "--n_samples_per_prompt must be > 1")
         require(self.batch.train_batch_size <= self.batch.rollout_batch_size * n,
