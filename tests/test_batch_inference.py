@@ -271,6 +271,7 @@ def test_rm_scores_equal_direct_scoring_then_rejection_sampling(hf_generated, tm
 
 
 @pytest.mark.vllm
+@pytest.mark.long
 def test_vllm_greedy_rows_equal_hf_greedy_decoding(tmp_path):
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM

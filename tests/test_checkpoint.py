@@ -41,6 +41,7 @@ def train(out, *extra, stdout=None):
 
 
 @pytest.mark.vllm
+@pytest.mark.long
 def test_resume_equals_uninterrupted(tmp_path):
     pytest.importorskip("vllm")
     straight_metrics, straight = train(tmp_path / "straight")

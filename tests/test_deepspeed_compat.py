@@ -48,7 +48,7 @@ def _build_on_halves(trainable: bool):
     return float((sharded - plain).abs().max()), weight_diff
 
 
-@pytest.mark.parametrize("trainable", [False, True])
+@pytest.mark.parametrize("trainable", [pytest.param(False, marks=pytest.mark.long), True])
 def test_zero3_on_a_group_without_rank_zero_loads_the_checkpoint(trainable):
     for output_diff, weight_diff in run_on_ranks(4, _build_on_halves, trainable):
         assert weight_diff == 0.0

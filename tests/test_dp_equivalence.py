@@ -86,7 +86,7 @@ def one_step(zero_stage: int) -> dict:
             "weights": weights}
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
+@pytest.mark.parametrize("zero_stage", [2, pytest.param(3, marks=pytest.mark.long)])
 def test_two_ranks_match_one_rank(zero_stage):
     single = run_on_ranks(1, one_step, zero_stage)[0]
     double = run_on_ranks(2, one_step, zero_stage)

@@ -38,6 +38,7 @@ def check_outputs(out_dir, steps):
 
 
 @pytest.mark.vllm
+@pytest.mark.long
 def test_two_rank_vllm_zero3_reinforce_baseline(tmp_path):
     pytest.importorskip("vllm")
     out = tmp_path / "run"
@@ -66,6 +67,7 @@ def test_hf_fallback_engine_single_rank(tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.long
 def test_quickstart_learns(tmp_path):
     """The README's quickstart: GRPO on the copy task must clearly raise the reward."""
     pytest.importorskip("vllm")

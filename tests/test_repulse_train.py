@@ -34,6 +34,7 @@ def _train(out, nproc, *extra):
     return rows, load_file(out / "model" / "model.safetensors"), load_file(out / "proposal" / "model.safetensors")
 
 
+@pytest.mark.long
 def test_repulse_resume_equals_uninterrupted(tmp_path):
     run = ["--duplicate_rollout_batch_by", "4", "--rollout_batch_size", "2", "--train_batch_size", "8",
            "--micro_train_batch_size", "4", "--fit_steps", "2", "--harmlessness_training_num_episodes", "2",
@@ -193,6 +194,7 @@ def test_repulse_config_checks():
         TrainPPOConfig(repulse=RepulseConfig(alpha=1.0, target_dist_beta=-1.0))
 
 
+@pytest.mark.long
 def test_packed_repulse_steps_equal_padded(tmp_path):
     """--packing_samples gives the padded run's losses and gradient norms of both models (2 steps)."""
     run = ["--duplicate_rollout_batch_by", "4", "--rollout_batch_size", "2", "--train_batch_size", "8",
