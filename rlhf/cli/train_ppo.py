@@ -7,6 +7,7 @@ the topology, the roles, the rollout engine and the reward source, and runs the 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import urllib.parse
@@ -147,6 +148,7 @@ def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ())
         prompts = [the_single_prompt(cfg, tokenizer)] * cfg.batch.rollout_batch_size
     else:
         prompts = load_prompts(cfg.data, tokenizer)
+    eval_prompts = load_eval_prompts(cfg, tokenizer)
     sampler = PromptSampler(prompts, cfg.batch.rollout_batch_size, cfg.seed)
     device = init_distributed(launch, cfg.dist_timeout)
     Watchdog(launch.rank, cfg.watchdog_interval).start()  # prints where this rank is stuck, if it is
@@ -163,7 +165,8 @@ def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ())
     roles = build_roles(cfg, topology, device, steps, reward_source, tokenizer)
     log = cfg.logging
     logger = metrics_logger(cfg, steps, is_writer, "rl steps", {"reward": "reward_mean"})
-    trainer, eval_every = build_trainer(cfg, topology, roles, engine, sampler, tokenizer, device)
+    trainer, eval_every = build_trainer(cfg, topology, roles, engine, sampler, tokenizer, device, steps,
+                                        eval_prompts)
     checkpointer = Checkpointer(cfg.checkpoint, default_ckpt_path=TrainPPOConfig().checkpoint.ckpt_path,
                                 rank=launch.rank, world_size=launch.world_size, logger=logger)
     loop = Loop(steps, log.logging_steps, cfg.save_steps, eval_every, logger, checkpointer, launch.rank)
@@ -192,33 +195,56 @@ def the_single_prompt(cfg: TrainPPOConfig, tokenizer) -> Prompt:
     return prompts[0]
 
 
+def load_eval_prompts(cfg: TrainPPOConfig, tokenizer) -> dict[str, list[Prompt]]:
+    """The evaluations' prompts, read before any engine starts: "eval" (--eval_dataset) and "heldout"
+    (--heldout_prompt_data), where given."""
+    out = {}
+    if cfg.data.eval_dataset is not None:
+        out["eval"] = load_prompts(dataclasses.replace(cfg.data, prompt_data=cfg.data.eval_dataset,
+                                                       prompt_split=cfg.data.eval_split,
+                                                       max_samples=cfg.data.eval_max_samples), tokenizer,
+                                   "--eval_dataset")
+    rp = cfg.repulse
+    if rp.evaluate_heldout_sampling:
+        out["heldout"] = load_prompts(dataclasses.replace(cfg.data, prompt_data=rp.heldout_prompt_data,
+                                                          input_key=rp.heldout_input_key), tokenizer,
+                                      "--heldout_prompt_data")
+    return out
+
+
 def build_trainer(cfg: TrainPPOConfig, topology: Topology, roles: Roles, engine, sampler: PromptSampler, tokenizer,
-                  device: torch.device) -> tuple[PPOTrainer, int | None]:
-    """PPO's trainer, or RePULSe's, with the fork's evaluations after every fit step; and how often to
-    evaluate (None: never)."""
+                  device: torch.device, steps: int, eval_prompts: dict[str, list[Prompt]]
+                  ) -> tuple[PPOTrainer, int | None]:
+    """PPO's trainer, or RePULSe's, with its evaluators (--eval_dataset every --eval_steps; the RePULSe fork's
+    after every fit step); and how often the loop asks it to evaluate (None: never)."""
+    from rlhf.trainers.prompt_eval import PromptEvaluator
     from rlhf.trainers.repulse_eval import AnalyticEvaluator, HeldoutEvaluator
 
     rp = cfg.repulse
+    fit_step = sampler.steps_per_episode * episodes_per_fit_step(cfg)
     evaluators = []
+    if "eval" in eval_prompts:
+        every = cfg.logging.eval_steps if cfg.logging.eval_steps > 0 else steps
+        evaluators.append(PromptEvaluator(cfg, eval_prompts["eval"], topology.num_engines, every))
     if rp.analytic_bad_word_calc:
         prompt = the_single_prompt(cfg, tokenizer)
         exp = roles.experience
         ref_layout = exp.ref_batcher.layout if exp.ref_batcher is not None else None
         analytic = AnalyticEvaluator(cfg, tokenizer, prompt.text, list(prompt.token_ids), prompt.label, exp.reward,
-                                     exp.ref_model, ref_layout, roles.actor.model.module.config.vocab_size)
+                                     exp.ref_model, ref_layout, roles.actor.model.module.config.vocab_size,
+                                     period=fit_step)
         if topology.rank == 0:
             print(analytic.describe(), flush=True)
         evaluators.append(analytic)
-    if rp.evaluate_heldout_sampling:
-        data = dataclasses.replace(cfg.data, prompt_data=rp.heldout_prompt_data, input_key=rp.heldout_input_key)
-        evaluators.append(HeldoutEvaluator(cfg, load_prompts(data, tokenizer), cfg.logging.save_path,
-                                           topology.rank == 0, topology.num_engines))
+    if "heldout" in eval_prompts:
+        evaluators.append(HeldoutEvaluator(cfg, eval_prompts["heldout"], cfg.logging.save_path,
+                                           topology.rank == 0, topology.num_engines, period=fit_step))
     trainer_cls = PPOTrainer
     if rp.do_harmlessness_training:
         from rlhf.trainers.repulse import RepulseTrainer as trainer_cls
     trainer = trainer_cls(cfg, topology, roles, engine, sampler, tokenizer, device, evaluators=evaluators)
-    fit_step = sampler.steps_per_episode * episodes_per_fit_step(cfg)
-    return trainer, fit_step if evaluators else None
+    trainer.total_steps = steps
+    return trainer, math.gcd(*(e.period for e in evaluators)) if evaluators else None
 
 
 def main(argv: list[str] | None = None) -> None:

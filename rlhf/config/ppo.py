@@ -91,8 +91,12 @@ class RolloutConfig:
     top_p: float = opt(1.0, "nucleus sampling probability mass")
     generate_max_len: int = opt(1024, "maximum number of generated tokens per sample")
     n_samples_per_prompt: int = opt(1, "samples per prompt (a group, for group estimators)")
+    eval_temperature: float = opt(0.6, "sampling temperature of the --eval_dataset evaluation")
+    eval_n_samples_per_prompt: int = opt(4, "samples per --eval_dataset prompt (pass@k uses all of them)")
 
     def __post_init__(self) -> None:
+        require(self.eval_temperature > 0, "--eval_temperature must be > 0")
+        require(self.eval_n_samples_per_prompt >= 1, "--eval_n_samples_per_prompt must be >= 1")
         require(self.vllm_tensor_parallel_size >= 1, "--vllm_tensor_parallel_size must be >= 1")
         require(self.weight_sync_bucket_mb >= 1, "--weight_sync_bucket_mb must be >= 1")
         require(self.temperature > 0, "--temperature must be > 0")
@@ -117,10 +121,15 @@ class DataConfig:
     prompt_max_len: int = opt(1024, "prompts longer than this many tokens are dropped, with a count")
     max_samples: int = opt(int(1e8), "read at most this many prompts")
     pretrain_data: str | None = opt(None, "JSON/JSONL texts (column --input_key) for the ptx loss")
+    eval_dataset: str | None = opt(None, "held-out prompts evaluated during training (same columns and formatting "
+                                   "as --prompt_data; a `datasource` column splits the metrics)")
+    eval_split: str = opt("train", "split to read when --eval_dataset is a directory with splits")
+    eval_max_samples: int = opt(int(1e8), "read at most this many evaluation prompts (not an OpenRLHF flag)")
 
     def __post_init__(self) -> None:
         require(self.prompt_max_len >= 1, "--prompt_max_len must be >= 1")
         require(self.max_samples >= 1, "--max_samples must be >= 1")
+        require(self.eval_max_samples >= 1, "--eval_max_samples must be >= 1")
         if self.input_template is not None:
             require(
                 self.input_template.count("{}") == 1,
@@ -293,8 +302,7 @@ class TrainPPOConfig(JobConfig):
     """Everything `train_ppo` needs, one sub-config per component."""
 
     PENDING_FLAGS: ClassVar[tuple[str, ...]] = tuple((
-        "ds_tensor_parallel_size max_len prompt_data_probs eval_dataset eval_split eval_temperature "
-        "eval_n_samples_per_prompt async_train async_queue_size agent_func_path "
+        "ds_tensor_parallel_size max_len prompt_data_probs async_train async_queue_size agent_func_path "
         "save_value_network vllm_generate_batch_size"
     ).split())
     """OpenRLHF train_ppo flags whose features are not built yet: refused, never silently ignored."""
@@ -321,9 +329,9 @@ class TrainPPOConfig(JobConfig):
             require(self.optim.actor_learning_rate > 0, "--actor_learning_rate must be positive")
         self._check_repulse()
         self._check_evaluation()
-        if self.logging.eval_steps != -1:
-            warnings.warn(f"--eval_steps {self.logging.eval_steps} has no effect: there is no --eval_dataset "
-                          "(evaluation during RL is not built yet)", stacklevel=2)
+        if self.logging.eval_steps != -1 and self.data.eval_dataset is None:
+            warnings.warn(f"--eval_steps {self.logging.eval_steps} has no effect: there is no --eval_dataset",
+                          stacklevel=2)
         n, algo = self.samples_per_prompt, self.algo
         if algo.advantage_estimator in GROUP_ESTIMATORS and not self.repulse.do_harmlessness_training:
             require(n > 1, f"--advantage_estimator {algo.advantage_estimator} compares samples of one prompt: "

@@ -21,11 +21,13 @@ from rlhf.data.sources import read_json_file
 
 @dataclass(frozen=True)
 class Prompt:
-    """One formatted prompt: its text, token ids and label (None without --label_key)."""
+    """One formatted prompt: its text, token ids, label (None without --label_key) and data source (the row's
+    `datasource` column, OpenRLHF's key for per-source evaluation metrics; "default" without one)."""
 
     text: str
     token_ids: tuple[int, ...]
     label: Any
+    datasource: str = "default"
 
 
 def _resolve_files(source: str, split: str) -> list[str]:
@@ -81,10 +83,10 @@ def _empty_prompt_problem(text: str, ids: list[int], tokenizer) -> str | None:
     return None
 
 
-def load_prompts(cfg: DataConfig, tokenizer) -> list[Prompt]:
-    """Formatted, tokenized prompts; rows over `prompt_max_len` tokens are dropped with a warning; rows
-    that are empty after formatting, tokenize to nothing or only to special tokens are an error naming
-    each one (file and row)."""
+def load_prompts(cfg: DataConfig, tokenizer, flag: str = "--prompt_data") -> list[Prompt]:
+    """Formatted, tokenized prompts of `cfg.prompt_data` (named `flag` in messages); rows over `prompt_max_len`
+    tokens are dropped with a warning; rows that are empty after formatting, tokenize to nothing or only to
+    special tokens are an error naming each one (file and row)."""
     if cfg.tokenizer_chat_template:
         tokenizer.chat_template = cfg.tokenizer_chat_template
     prompts, too_long, empty = [], 0, []
@@ -106,16 +108,16 @@ def load_prompts(cfg: DataConfig, tokenizer) -> list[Prompt]:
         if len(ids) > cfg.prompt_max_len:
             too_long += 1
             continue
-        prompts.append(Prompt(text, tuple(ids), label))
+        prompts.append(Prompt(text, tuple(ids), label, str(row.get("datasource", "default"))))
     if empty:
         shown = "; ".join(empty[:5]) + (f"; ... ({len(empty)} rows in all)" if len(empty) > 5 else "")
-        raise ValueError(f"--prompt_data {cfg.prompt_data}: {len(empty)} prompt(s) would generate from nothing: "
+        raise ValueError(f"{flag} {cfg.prompt_data}: {len(empty)} prompt(s) would generate from nothing: "
                          f"{shown}; fix or remove these rows (or check --input_key / --input_template)")
     if too_long:
-        warnings.warn(f"dropped {too_long} of {len(rows)} prompts longer than --prompt_max_len "
+        warnings.warn(f"{flag}: dropped {too_long} of {len(rows)} prompts longer than --prompt_max_len "
                       f"{cfg.prompt_max_len} tokens", stacklevel=2)
     if not prompts:
-        raise ValueError(f"--prompt_data {cfg.prompt_data}: no usable prompts "
+        raise ValueError(f"{flag} {cfg.prompt_data}: no usable prompts "
                          f"({len(rows)} rows read, {too_long} longer than --prompt_max_len)")
     return prompts
 

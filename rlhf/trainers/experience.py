@@ -125,6 +125,10 @@ class ExperienceMaker:
         raw_rewards, _, _ = self._rewards(_truncated(batch, rm_max_len))
         return raw_rewards, old, ref
 
+    def rewards(self, batch: Rollout, rm_max_len: int | None = None) -> torch.Tensor:
+        """The reward sources' raw rewards [B] of a global batch, on every rank (no log-probs). Collective."""
+        return self._rewards(_truncated(batch, rm_max_len))[0]
+
     def make(self, batch: Rollout, rm_max_len: int | None = None) -> tuple[Experience, dict[str, float]]:
         """Experience for the whole global batch (identical on every rank) and step metrics. `rm_max_len`:
         reward models see only each sample's first that many tokens."""

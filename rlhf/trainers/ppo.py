@@ -82,6 +82,8 @@ class PPOTrainer:
         self.evaluators = list(evaluators)
         self.records = RunRecords(cfg, topology.rank == 0)
         self.rm_max_len = cfg.repulse.rm_max_len
+        self.steps_done = 0  # steps finished when `evaluate` runs
+        self.total_steps: int | None = None  # set by the CLI: the last step evaluates every evaluator
 
     @property
     def samples_drawn(self) -> int:
@@ -105,18 +107,21 @@ class PPOTrainer:
             hf_export=hf)
 
     def evaluate(self) -> dict[str, float]:
-        """The evaluators' metrics with the sample count, also appended to --save_info_path's file (--eval_dataset
-        is not built yet; the config warns about --eval_steps)."""
-        if not self.evaluators:
+        """The metrics of the evaluators due now (each has a `period` in steps; all run before the first step
+        and after the last) with the sample count, also appended to --save_info_path's file."""
+        done = self.steps_done
+        due = [e for e in self.evaluators if done == 0 or done % e.period == 0 or done == self.total_steps]
+        if not due:
             return {}
         metrics = {"samples_drawn": float(self.samples_drawn)}
-        for evaluator in self.evaluators:
+        for evaluator in due:
             metrics.update(evaluator(self))
         self.records.info.append([metrics])
         return metrics
 
     def step(self, step: int) -> dict[str, float]:
         """One RL step. Hybrid-engine transitions (sleep/offload) all happen here, around the stages."""
+        self.steps_done = step + 1
         e = self.cfg.engine
         with self.timer.stage("generation"):
             local = self.generate(step)
@@ -157,14 +162,16 @@ class PPOTrainer:
         seeds = [request_seed(self.cfg.seed, step, i, stream) for i in range(first, first + per_engine)]
         return batch[first:first + per_engine], seeds, self.topology.engine_rank
 
-    def generate(self, step: int, stream: int = 0, batch: list[Prompt] | None = None) -> Rollout:
+    def generate(self, step: int, stream: int = 0, batch: list[Prompt] | None = None,
+                 spec: SamplingSpec | None = None) -> Rollout:
         """Sample the step's responses per prompt (`cfg.samples_per_prompt`) with the weights the engine holds;
         keep this rank's share of prompts. `stream` > 0: other seeds for the same prompts. `batch`: sample
-        these prompts instead of the step's (every rank passes the same list)."""
+        these prompts instead of the step's (every rank passes the same list). `spec`: other sampling
+        settings (an evaluation's)."""
         prompts, seeds, share = self._engine_prompts(step, stream, batch)
         r = self.cfg.rollout
-        spec = SamplingSpec(n=self.cfg.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
-                            max_tokens=r.generate_max_len)
+        spec = spec or SamplingSpec(n=self.cfg.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
+                                    max_tokens=r.generate_max_len)
         generations = self.engine.generate([list(p.token_ids) for p in prompts], spec, seeds)
         per_rank = len(prompts) // self.topology.rollout_tp
         keep = slice(share * per_rank, (share + 1) * per_rank)

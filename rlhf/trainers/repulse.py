@@ -72,6 +72,7 @@ class RepulseTrainer(PPOTrainer):
     # ---- the step -----------------------------------------------------------------------------------
 
     def step(self, step: int) -> dict[str, float]:
+        self.steps_done = step + 1
         e = self.cfg.engine
         with self.timer.stage("generation"):
             p_local = self.generate(step)

@@ -54,7 +54,8 @@ class AnalyticEvaluator:
 
     def __init__(self, cfg: TrainPPOConfig, tokenizer, prompt_text: str, prompt_ids: list[int], label,
                  reward: RewardSource, ref_model: torch.nn.Module | None, ref_layout=None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, period: int = 1) -> None:
+        self.period = period  # steps between evaluations (a fit step)
         self.cfg, self.tokenizer, self.reward, self.ref_model = cfg, tokenizer, reward, ref_model
         self.ref_layout = ref_layout
         self.prompt_text, self.prompt_ids, self.label = prompt_text, prompt_ids, label
@@ -140,23 +141,31 @@ class AnalyticEvaluator:
         return self._rewards
 
 
+def evenly_split(prompts: list, num_engines: int, what: str) -> list:
+    """The first prompts that split evenly over the rollout engines (a warning names the ones left out)."""
+    usable = len(prompts) - len(prompts) % num_engines
+    if usable == 0:
+        raise UsageError(f"{what}: {len(prompts)} prompt(s) cannot be split over the {num_engines} rollout engines; "
+                         f"give at least {num_engines}")
+    if usable < len(prompts):
+        import warnings
+
+        warnings.warn(f"{what}: the last {len(prompts) - usable} prompt(s) are not evaluated (the prompts split "
+                      f"evenly over the {num_engines} rollout engines)", stacklevel=3)
+    return prompts[:usable]
+
+
 class HeldoutEvaluator:
     """--evaluate_heldout_sampling: K samples of the policy per held-out prompt (--sampling_iters rounds);
     each sample's reward, return (r - c_KL x k1 KL) and KL go to `out_dir/heldout_<samples drawn>.jsonl`;
     reported: mean reward, return and KL, P(r < --threshold) and the CVaR of the rewards. Collective (every
     rank generates its share, as in a training step)."""
 
-    def __init__(self, cfg: TrainPPOConfig, prompts: list, out_dir: str, is_writer: bool, num_engines: int) -> None:
-        usable = len(prompts) - len(prompts) % num_engines
-        if usable == 0:
-            raise UsageError(f"--heldout_prompt_data {cfg.repulse.heldout_prompt_data}: {len(prompts)} prompt(s) "
-                             f"cannot be split over the {num_engines} rollout engines; give at least {num_engines}")
-        if usable < len(prompts):
-            import warnings
-
-            warnings.warn(f"--heldout_prompt_data: the last {len(prompts) - usable} prompt(s) are not evaluated (the "
-                          f"prompts split evenly over the {num_engines} rollout engines)", stacklevel=2)
-        self.cfg, self.prompts, self.out_dir, self.is_writer = cfg, prompts[:usable], out_dir, is_writer
+    def __init__(self, cfg: TrainPPOConfig, prompts: list, out_dir: str, is_writer: bool, num_engines: int,
+                 period: int = 1) -> None:
+        self.period = period  # steps between evaluations (a fit step)
+        self.prompts = evenly_split(prompts, num_engines, f"--heldout_prompt_data {cfg.repulse.heldout_prompt_data}")
+        self.cfg, self.out_dir, self.is_writer = cfg, out_dir, is_writer
 
     def __call__(self, trainer) -> dict[str, float]:
         from rlhf.distributed.collectives import all_gather_rollout

@@ -1,0 +1,53 @@
+"""Evaluation during RL on --eval_dataset (OpenRLHF's): --eval_n_samples_per_prompt samples per held-out
+prompt at --eval_temperature, scored by the run's reward source; per data source (the rows' `datasource`
+column) pass1, the mean reward, and pass{k}, the mean over prompts of the best of the k samples. Its samples
+use their own seed stream, so a run with evaluation trains exactly as one without it."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from rlhf.config.ppo import TrainPPOConfig
+from rlhf.distributed.collectives import all_gather_rollout
+from rlhf.engines.rollout import SamplingSpec
+from rlhf.trainers.repulse_eval import evenly_split
+
+EVAL_STREAM = 20_000
+"""The request-seed stream of evaluation samples (training uses 0, RePULSe's proposal 1.., held-out 10_000..)."""
+
+
+class PromptEvaluator:
+    """`period`: steps between evaluations (--eval_steps; -1: only before the first step and after the last)."""
+
+    def __init__(self, cfg: TrainPPOConfig, prompts: list, num_engines: int, period: int) -> None:
+        self.cfg, self.period = cfg, period
+        self.prompts = evenly_split(prompts, num_engines, f"--eval_dataset {cfg.data.eval_dataset}")
+        r = cfg.rollout
+        self.spec = SamplingSpec(n=r.eval_n_samples_per_prompt, temperature=r.eval_temperature, top_p=r.top_p,
+                                 max_tokens=r.generate_max_len)
+
+    def __call__(self, trainer) -> dict[str, float]:
+        local = trainer.generate(trainer.steps_done, stream=EVAL_STREAM, batch=self.prompts, spec=self.spec)
+        batch = all_gather_rollout(local, trainer.tokenizer.pad_token_id)
+        rewards = trainer.roles.experience.rewards(batch, trainer.rm_max_len).float()
+        k = self.spec.n
+        assert rewards.numel() == len(self.prompts) * k, "evaluation samples out of step with the prompts"
+        return source_metrics(rewards.reshape(len(self.prompts), k), [p.datasource for p in self.prompts])
+
+
+def source_metrics(rewards_PK: torch.Tensor, sources: list[str]) -> dict[str, float]:
+    """Per data source: eval/{source}_pass1 (mean reward) and, with K > 1 samples per prompt,
+    eval/{source}_pass{K} (mean over its prompts of the best sample's reward), as OpenRLHF reports them."""
+    k = rewards_PK.shape[1]
+    by_source: dict[str, list[int]] = defaultdict(list)
+    for i, source in enumerate(sources):
+        by_source[source].append(i)
+    out = {}
+    for source, rows in sorted(by_source.items()):
+        group = rewards_PK[rows]
+        out[f"eval/{source}_pass1"] = float(group.mean())
+        if k > 1:
+            out[f"eval/{source}_pass{k}"] = float(group.max(dim=1).values.mean())
+    return out
