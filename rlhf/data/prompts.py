@@ -30,7 +30,7 @@ class Prompt:
     datasource: str = "default"
 
 
-def _resolve_files(source: str, split: str) -> list[str]:
+def _resolve_files(source: str, split: str, flag: str = "--prompt_data") -> list[str]:
     path = source.split("@", 1)[1] if source.startswith("json@") else source
     if os.path.isfile(path):
         return [path]
@@ -38,17 +38,17 @@ def _resolve_files(source: str, split: str) -> list[str]:
         files = sorted(glob.glob(os.path.join(path, f"{split}*.json*")))
         files = files or sorted(glob.glob(os.path.join(path, "*.json*")))
         if not files:
-            raise ValueError(f"--prompt_data {source}: directory has no .json/.jsonl files "
+            raise ValueError(f"{flag} {source}: directory has no .json/.jsonl files "
                              f"(looked for {split}*.json* then *.json*)")
         return files
-    raise ValueError(f"--prompt_data {source}: no such file or directory (hub names are not downloaded; "
+    raise ValueError(f"{flag} {source}: no such file or directory (hub names are not downloaded; "
                      "pass a local JSON/JSONL file or directory)")
 
 
-def read_rows(cfg: DataConfig) -> list[tuple[str, int, dict]]:
-    """(file, 1-based row number, row) for the first `max_samples` rows of the prompt data."""
+def read_rows(cfg: DataConfig, flag: str = "--prompt_data") -> list[tuple[str, int, dict]]:
+    """(file, 1-based row number, row) for the first `max_samples` rows of the prompt data (`flag` names it)."""
     rows = []
-    for path in _resolve_files(cfg.prompt_data, cfg.prompt_split):
+    for path in _resolve_files(cfg.prompt_data, cfg.prompt_split, flag):
         for i, row in enumerate(read_json_file(path), 1):
             rows.append((path, i, row))
             if len(rows) >= cfg.max_samples:
@@ -90,7 +90,7 @@ def load_prompts(cfg: DataConfig, tokenizer, flag: str = "--prompt_data") -> lis
     if cfg.tokenizer_chat_template:
         tokenizer.chat_template = cfg.tokenizer_chat_template
     prompts, too_long, empty = [], 0, []
-    rows = read_rows(cfg)
+    rows = read_rows(cfg, flag)
     for path, rowno, row in rows:
         where = f"{path}, row {rowno}"
         text = _format(row, where, cfg, tokenizer)
