@@ -164,9 +164,13 @@ class AlgoConfig:
     overlong_buffer_len: int | None = opt(None, "DAPO overlong penalty buffer (tokens before the limit)")
     overlong_penalty_factor: float = opt(1.0, "DAPO overlong penalty at the limit")
     stop_properly_penalty_coef: float | None = opt(None, "truncated samples: reward*coef (0..1), or coef if < 0")
-    dynamic_filtering: bool = opt(False, "drop prompt groups whose mean score is outside the range")
+    dynamic_filtering: bool = opt(False, "drop prompt groups whose mean score is outside the range and sample more "
+                                  "prompts until the step has --rollout_batch_size informative groups")
     dynamic_filtering_reward_range: tuple[float, float] = opt((0.0, 1.0), "kept groups: LOW < mean < HIGH",
                                                               nargs=2)
+    dynamic_filtering_max_rounds: int = opt(8, "generation rounds per step at most with --dynamic_filtering (the "
+                                            "first included); then rejected groups fill the batch, masked (not an "
+                                            "OpenRLHF flag)")
     enable_vllm_is_correction: bool = opt(False, "importance-weight tokens by exp(logp_old - logp_rollout)")
     vllm_is_truncated_threshold: tuple[float, float] = opt((0.5, 5.0), "TIS/ICEPOP interval LOW HIGH", nargs=2)
     vllm_is_correction_type: str = opt("tis", "tis (truncate weights to the interval) or icepop (zero tokens "
@@ -179,6 +183,7 @@ class AlgoConfig:
                  f"--advantage_estimator {self.advantage_estimator!r}: choose one of "
                  f"{', '.join(ADVANTAGE_ESTIMATORS)}")
         require(self.eps_clip > 0, "--eps_clip must be > 0")
+        require(self.dynamic_filtering_max_rounds >= 1, "--dynamic_filtering_max_rounds must be >= 1")
         require(self.dual_clip is None or self.dual_clip > 1, "--dual_clip must be > 1")
         require(self.policy_loss_type in ("ppo", "gspo"), "--policy_loss_type: choose ppo or gspo")
         require(self.kl_estimator in ("k1", "k2", "k3"), "--kl_estimator: choose k1, k2 or k3")

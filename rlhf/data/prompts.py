@@ -161,6 +161,14 @@ class PromptSampler:
     def steps_per_episode(self) -> int:
         return len(self.prompts) // self.batch_size
 
+    def refill(self, step: int, round_: int, count: int) -> list[Prompt]:
+        """`count` prompts drawn at random from the whole dataset for extra generation round `round_` (>= 1) of
+        step `step` (dynamic filtering), the same on every rank and on resume."""
+        rng = random.Random(f"refill:{self.seed}:{step}:{round_}")
+        if count <= len(self.prompts):
+            return [self.prompts[i] for i in rng.sample(range(len(self.prompts)), count)]
+        return [self.prompts[rng.randrange(len(self.prompts))] for _ in range(count)]
+
     def batch(self, step: int) -> list[Prompt]:
         """Global batch number `step` (0-based, counting across episodes)."""
         episode, index = divmod(step, self.steps_per_episode)

@@ -59,6 +59,34 @@ def all_gather_rollout(rollout: Rollout, pad_id: int, group: dist.ProcessGroup |
     )
 
 
+def select_rollout(rollout: Rollout, rows: list[int]) -> Rollout:
+    """The samples `rows` of a rollout, in that order."""
+    index = torch.tensor(rows, dtype=torch.long)
+    return Rollout(
+        sequences_BT=rollout.sequences_BT[index], attention_mask_BT=rollout.attention_mask_BT[index],
+        action_mask_BT1=rollout.action_mask_BT1[index], rollout_logprobs_BT1=rollout.rollout_logprobs_BT1[index],
+        prompt_lens_B=rollout.prompt_lens_B[index], response_lens_B=rollout.response_lens_B[index],
+        finish_reasons=[rollout.finish_reasons[i] for i in rows], prompts=[rollout.prompts[i] for i in rows],
+        responses=[rollout.responses[i] for i in rows],
+        labels=[rollout.labels[i] for i in rows] if rollout.labels else [],
+    )
+
+
+def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
+    """Rollouts one after the other, padded to the longest sequence (no communication)."""
+    T = max(p.sequences_BT.shape[1] for p in parts)
+    return Rollout(
+        sequences_BT=torch.cat([_pad_cols(p.sequences_BT, T, pad_id) for p in parts]),
+        attention_mask_BT=torch.cat([_pad_cols(p.attention_mask_BT, T, 0) for p in parts]),
+        action_mask_BT1=torch.cat([_pad_cols(p.action_mask_BT1, T - 1, 0.0) for p in parts]),
+        rollout_logprobs_BT1=torch.cat([_pad_cols(p.rollout_logprobs_BT1, T - 1, 0.0) for p in parts]),
+        prompt_lens_B=torch.cat([p.prompt_lens_B for p in parts]),
+        response_lens_B=torch.cat([p.response_lens_B for p in parts]),
+        finish_reasons=[x for p in parts for x in p.finish_reasons], prompts=[x for p in parts for x in p.prompts],
+        responses=[x for p in parts for x in p.responses], labels=[x for p in parts for x in p.labels],
+    )
+
+
 def assemble(part: torch.Tensor | None, where: slice, shape: tuple[int, ...],
              group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The full float32 tensor of `shape` whose row ranges are computed on different ranks.

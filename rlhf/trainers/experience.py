@@ -129,6 +129,11 @@ class ExperienceMaker:
         """The reward sources' raw rewards [B] of a global batch, on every rank (no log-probs). Collective."""
         return self._rewards(_truncated(batch, rm_max_len))[0]
 
+    def scores(self, batch: Rollout, rm_max_len: int | None = None) -> torch.Tensor:
+        """The scores [B] dynamic filtering judges groups by (a reward_func's `scores`, else the rewards), on
+        every rank. Collective."""
+        return self._rewards(_truncated(batch, rm_max_len))[1]
+
     def make(self, batch: Rollout, rm_max_len: int | None = None) -> tuple[Experience, dict[str, float]]:
         """Experience for the whole global batch (identical on every rank) and step metrics. `rm_max_len`:
         reward models see only each sample's first that many tokens."""

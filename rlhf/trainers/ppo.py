@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlhf.algorithms.shaping import group_filter
 from rlhf.config.ppo import TrainPPOConfig
 from rlhf.data.pretrain import PtxData
 from rlhf.data.prompts import Prompt, PromptSampler
 from rlhf.data.records import Experience, Rollout
-from rlhf.distributed.collectives import all_gather_rollout, shard
+from rlhf.distributed.collectives import all_gather_rollout, concat_rollouts, select_rollout, shard
 from rlhf.distributed.topology import Role, Topology
 from rlhf.engines.deepspeed_engine import DeepSpeedModel
 from rlhf.engines.rollout import RolloutEngine, SamplingSpec, request_seed, to_rollout
@@ -50,6 +51,10 @@ def episodes_per_fit_step(cfg: TrainPPOConfig) -> int:
     --do_harmlessness_training (where --num_episodes counts q's updates per step), else --num_episodes."""
     rp = cfg.repulse
     return rp.harmlessness_training_num_episodes if rp.do_harmlessness_training else cfg.batch.num_episodes
+
+
+REFILL_STREAM = 30_000
+"""Request-seed streams of dynamic filtering's extra rounds (REFILL_STREAM + round)."""
 
 
 @dataclass
@@ -123,15 +128,22 @@ class PPOTrainer:
         """One RL step. Hybrid-engine transitions (sleep/offload) all happen here, around the stages."""
         self.steps_done = step + 1
         e = self.cfg.engine
+        pad = self.tokenizer.pad_token_id
         with self.timer.stage("generation"):
             local = self.generate(step)
+            batch, filtering, generated = None, {}, 0
+            if self.cfg.algo.dynamic_filtering:  # more rounds until the step has enough informative groups
+                batch, filtering, generated = self._informative_groups(step, all_gather_rollout(local, pad))
             self.engine.sleep()  # vLLM frees its memory until the next weight push
         with self.timer.stage("experience"):
             self._move(self.roles.frozen, to_host=False, enabled=e.ref_reward_offload)
-            batch = all_gather_rollout(local, self.tokenizer.pad_token_id)
+            if batch is None:
+                batch = all_gather_rollout(local, pad)
+                generated = batch.num_samples
             experience, metrics = self.roles.experience.make(batch, rm_max_len=self.rm_max_len)
             self._move(self.roles.frozen, to_host=True, enabled=e.ref_reward_offload)
-        self.records.samples_drawn += batch.num_samples
+        metrics.update(filtering)
+        self.records.samples_drawn += generated
         self.records.keep_negatives(batch, experience.raw_rewards_B, "policy", step)
         train_actor = step >= self.cfg.algo.freezing_actor_steps
         with self.timer.stage("train"):
@@ -145,6 +157,38 @@ class PPOTrainer:
         if self.evaluators:
             metrics["samples_drawn"] = float(self.samples_drawn)
         return metrics
+
+    def _informative_groups(self, step: int, first: Rollout) -> tuple[Rollout, dict[str, float], int]:
+        """--dynamic_filtering: the step's --rollout_batch_size prompt groups, informative ones first (mean score
+        strictly inside --dynamic_filtering_reward_range). While groups are missing, another round samples that
+        many more prompts (rounded up to the engine count) drawn at random from the dataset, up to
+        --dynamic_filtering_max_rounds rounds; then rejected groups fill the batch (the experience masks them:
+        `kept_ratio` < 1). Returns the batch, the filter's metrics and the samples generated. Collective."""
+        a, n = self.cfg.algo, self.cfg.samples_per_prompt
+        want, pad = self.cfg.batch.rollout_batch_size, self.tokenizer.pad_token_id
+        engines = self.topology.num_engines
+        kept: list[Rollout] = []
+        rejected: list[Rollout] = []
+        batch, drawn, rounds = first, 0, 0
+        offload = self.cfg.engine.ref_reward_offload
+        while True:
+            rounds += 1
+            groups = batch.num_samples // n
+            drawn += groups
+            self._move(self.roles.frozen, to_host=False, enabled=offload)
+            scores = self.roles.experience.scores(batch, self.rm_max_len)
+            self._move(self.roles.frozen, to_host=True, enabled=offload)
+            keep = group_filter(scores.reshape(groups, n), *a.dynamic_filtering_reward_range)
+            for g in range(groups):
+                (kept if keep[g] else rejected).append(select_rollout(batch, list(range(g * n, (g + 1) * n))))
+            if len(kept) >= want or rounds >= a.dynamic_filtering_max_rounds:
+                break
+            count = -(-(want - len(kept)) // engines) * engines
+            prompts = self.sampler.refill(step, rounds, count)
+            batch = all_gather_rollout(self.generate(step, stream=REFILL_STREAM + rounds, batch=prompts), pad)
+        metrics = {"dynamic_filtering_pass_rate": 100.0 * len(kept) / drawn, "dynamic_filtering_rounds": rounds,
+                   "dynamic_filtering_prompts": float(drawn)}
+        return concat_rollouts((kept + rejected)[:want], pad), metrics, drawn * n
 
     def _move(self, models: list[DeepSpeedModel], to_host: bool, enabled: bool) -> None:
         for model in models if enabled else []:

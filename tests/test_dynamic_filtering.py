@@ -1,0 +1,47 @@
+"""--dynamic_filtering refills the batch: groups whose mean score is outside the range are dropped and more
+prompts are sampled until the step has --rollout_batch_size informative groups (OpenRLHF/DAPO), within
+--dynamic_filtering_max_rounds; past the cap rejected groups fill in, masked. On the embedded demo most groups
+start uniform (every sample scores 0), which is the case the refill exists for."""
+
+import pytest
+import torch
+
+from rlhf.assets import EMBEDDED_PROMPTS
+from rlhf.data.prompts import Prompt, PromptSampler
+from tests.distributed import run_torchrun
+from tests.test_e2e import SMALL, read_metrics
+
+
+def test_refill_prompts_are_seeded_by_step_and_round():
+    prompts = [Prompt(str(i), (i,), None) for i in range(10)]
+    sampler = PromptSampler(prompts, 4, seed=3)
+    a, b = sampler.refill(5, 1, 4), sampler.refill(5, 1, 4)
+    assert a == b and len({p.text for p in a}) == 4  # without replacement, reproducible
+    assert sampler.refill(5, 2, 4) != a and sampler.refill(6, 1, 4) != a
+    assert len(sampler.refill(0, 1, 25)) == 25  # more than the dataset: with replacement
+
+
+def _run(tmp_path, name, *extra):
+    out = tmp_path / name
+    proc = run_torchrun(1, "-m rlhf.cli.train_ppo", *SMALL, "--rollout_engine", "hf", "--zero_stage", "0",
+                        "--prompt_data", EMBEDDED_PROMPTS, "--dynamic_filtering", "--seed", "2",
+                        "--save_path", str(out), *extra)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return read_metrics(out)
+
+
+def test_every_step_trains_on_a_full_batch_of_informative_groups(tmp_path):
+    rows = _run(tmp_path, "refill", "--dynamic_filtering_max_rounds", "50")
+    for r in rows:
+        assert r["kept_ratio"] == 1.0  # all 4 groups of every step are informative
+        drawn = r["dynamic_filtering_prompts"]
+        assert drawn >= 4 and r["dynamic_filtering_pass_rate"] >= 100 * 4 / drawn - 1e-9
+        assert 0 < r["reward_mean"] < 1
+    assert any(r["dynamic_filtering_rounds"] > 1 for r in rows)  # the demo's uniform groups needed refills
+
+    capped = _run(tmp_path, "one_round", "--dynamic_filtering_max_rounds", "1")
+    for r in capped:  # one round: the old behaviour, rejected groups masked
+        assert r["dynamic_filtering_rounds"] == 1 and r["dynamic_filtering_prompts"] == 4
+        assert r["dynamic_filtering_pass_rate"] == pytest.approx(100 * r["kept_ratio"])
+    assert any(r["kept_ratio"] < 1 for r in capped)
+    assert torch.tensor([r["kept_ratio"] for r in capped]).mean() < 1
