@@ -305,7 +305,8 @@ def test_combiner_errors_name_the_flag(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--model_path", str(tmp_path / "nowhere"), "--lora_path", str(tmp_path / "adapter"), "--output_path",
               str(tmp_path / "o")])
-    assert f"--model_path {tmp_path / 'nowhere'}: the model must be a local HF model directory" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"--model_path {tmp_path / 'nowhere'}: the model must be a local HF model directory" in err
 
 
 # ---------------------------------------------------------------- train_sft end to end
