@@ -42,7 +42,8 @@ def run(out, zero_stage, placement):
         load_file(os.path.join(out, "critic", "model.safetensors"))
 
 
-@pytest.mark.parametrize("zero_stage", [pytest.param(2, marks=pytest.mark.slow), 3])  # ZeRO-2: slow set
+@pytest.mark.parametrize("zero_stage", [pytest.param(2, marks=pytest.mark.slow),  # ZeRO-2: slow set
+                                        pytest.param(3, marks=pytest.mark.long)])
 def test_split_placement_equals_colocated(tmp_path, zero_stage):
     colo_metrics, colo_actor, colo_critic = run(tmp_path / "colocated", zero_stage, ["--colocate_all_models"])
     split_metrics, split_actor, split_critic = run(tmp_path / "split", zero_stage, SPLIT)

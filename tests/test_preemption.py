@@ -102,7 +102,7 @@ def reward_func(queries, prompts, labels):
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.long)])
 def test_signal_to_the_launcher_checkpoints_and_exits_0(tmp_path, sig):
     """The signal goes to the launcher (as from `kill`, `timeout` or a scheduler), not to the workers, and
     each step outlasts torchrun's shutdown timeout: the workers still finish the step, checkpoint, and
