@@ -51,20 +51,11 @@ SAMPLES_PER_STEP = 8 * 4
 
 def build_model_dir(out: str) -> int:
     """The benchmark's random Llama with the embedded tokenizer; returns its parameter count."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from rlhf.assets import EMBEDDED_MODEL_DIR
+    from weight_sync import save_random_llama  # benchmarks/ is on sys.path when this script runs
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=4, head_dim=64, max_position_embeddings=256,
-                         tie_word_embeddings=False, bos_token_id=2, eos_token_id=3, pad_token_id=0)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(out)
-    for name in os.listdir(EMBEDDED_MODEL_DIR):
-        if name.startswith(("tokenizer", "chat_template")):
-            shutil.copy(os.path.join(EMBEDDED_MODEL_DIR, name), out)
-    return sum(p.numel() for p in model.parameters())
+    return save_random_llama(out, vocab_size=64, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                             num_attention_heads=4, max_position_embeddings=256)
 
 
 def free_port() -> int:

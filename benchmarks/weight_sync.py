@@ -21,14 +21,20 @@ import torch.distributed as dist
 
 
 def build_model_dir(args: argparse.Namespace, out: str) -> int:
+    return save_random_llama(out, vocab_size=args.vocab, hidden_size=args.hidden,
+                             intermediate_size=args.hidden * 8 // 3, num_hidden_layers=args.layers,
+                             num_attention_heads=args.hidden // 64, max_position_embeddings=512)
+
+
+def save_random_llama(out: str, **shape) -> int:
+    """A random-initialised Llama of `shape` (LlamaConfig fields; heads of 64) saved to `out` with the embedded
+    tokenizer; returns its parameter count. Shared by the benchmarks."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rlhf.assets import EMBEDDED_MODEL_DIR
 
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
-                         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                         num_key_value_heads=args.hidden // 64, head_dim=64, max_position_embeddings=512,
-                         tie_word_embeddings=False, bos_token_id=2, eos_token_id=3, pad_token_id=0)
+    config = LlamaConfig(num_key_value_heads=shape["num_attention_heads"], head_dim=64, tie_word_embeddings=False,
+                         bos_token_id=2, eos_token_id=3, pad_token_id=0, **shape)
     model = LlamaForCausalLM(config)
     model.save_pretrained(out)
     for name in os.listdir(EMBEDDED_MODEL_DIR):
