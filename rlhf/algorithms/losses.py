@@ -63,6 +63,21 @@ def importance_weights_BT1(old_logprobs_BT1: torch.Tensor, rollout_logprobs_BT1:
     return w.clamp(low, high)
 
 
+def rollout_mismatch_BT1(old_logprobs_BT1: torch.Tensor, rollout_logprobs_BT1: torch.Tensor,
+                         correction: tuple[float, float, bool] | None) -> dict[str, torch.Tensor]:
+    """Per-token values whose action-token means are the rollout-mismatch metrics: how far the engine's
+    log-probs are from the actor's and, with the off-policy `correction` (low, high, icepop), the weights it
+    applies and whether each token fell outside [low, high]. Detached."""
+    old, rollout = old_logprobs_BT1.detach(), rollout_logprobs_BT1
+    values = {"rollout/logprob_abs_diff": (old - rollout).abs()}
+    if correction is not None:
+        low, high, icepop = correction
+        raw = torch.exp(old - rollout)
+        values["rollout/is_weight_mean"] = importance_weights_BT1(old, rollout, low, high, icepop)
+        values["rollout/is_clipped_frac"] = ((raw < low) | (raw > high)).float()
+    return values
+
+
 def token_sum_over_global_count(values_BT1: torch.Tensor, mask_BT1: torch.Tensor,
                                 global_num_tokens: float) -> torch.Tensor:
     """Sum of masked per-token values divided by the global token count of the optimizer step."""

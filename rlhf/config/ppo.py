@@ -215,6 +215,13 @@ class AlgoConfig:
         return self.use_icepop or self.vllm_is_correction_type == "icepop"
 
     @property
+    def is_correction(self) -> tuple[float, float, bool] | None:
+        """(low, high, icepop) of the off-policy correction against the rollout engine, None when off."""
+        if not self.enable_vllm_is_correction:
+            return None
+        return (*self.vllm_is_truncated_threshold, self.icepop)
+
+    @property
     def needs_ref(self) -> bool:
         """A reference model exists only when some KL term uses it."""
         return self.init_kl_coef > 0 or self.use_kl_loss

@@ -83,7 +83,8 @@ class Experience(TokenBatch):
 
     action_mask_BT1: float32 [B, T-1] action tokens that count in the losses (filtered groups are 0).
     old_logprobs_BT1 / rollout_logprobs_BT1 / ref_logprobs_BT1: float32 [B, T-1] actor at experience
-        time / rollout engine / reference model (None without a reference model).
+        time (None when the experience step skipped it: the training forward's own, detached, stand in) /
+        rollout engine / reference model (None without a reference model).
     values_BT1, returns_BT1: float32 [B, T-1] critic values and returns (None without a critic).
     advantages_BT1: float32 [B, T-1]; rewards_B: float32 [B] shaped sequence rewards; raw_rewards_B: float32 [B]
         the reward sources' rewards before any shaping.
@@ -92,7 +93,7 @@ class Experience(TokenBatch):
     sequences_BT: torch.Tensor
     attention_mask_BT: torch.Tensor
     action_mask_BT1: torch.Tensor
-    old_logprobs_BT1: torch.Tensor
+    old_logprobs_BT1: torch.Tensor | None
     rollout_logprobs_BT1: torch.Tensor
     advantages_BT1: torch.Tensor
     rewards_B: torch.Tensor

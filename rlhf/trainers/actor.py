@@ -15,6 +15,7 @@ from rlhf.algorithms.losses import (
     gspo_loss_BT1,
     importance_weights_BT1,
     ppo_clip_loss_BT1,
+    rollout_mismatch_BT1,
     sequence_mean_over_global_count,
     token_sum_over_global_count,
 )
@@ -61,16 +62,18 @@ class Actor:
 
     def _policy_term(self, exp: Experience, logprobs: torch.Tensor, action: torch.Tensor, num_tokens: float,
                      num_seqs: float) -> tuple[torch.Tensor, torch.Tensor]:
-        old, adv = exp.old_logprobs_BT1.to(self.device), exp.advantages_BT1.to(self.device)
+        adv = exp.advantages_BT1.to(self.device)
+        # no experience-time forward (one update per batch): the old log-probs are these, detached
+        old = logprobs.detach() if exp.old_logprobs_BT1 is None else exp.old_logprobs_BT1.to(self.device)
         if self.algo.policy_loss_type == "gspo":
             token_loss, clipped = gspo_loss_BT1(logprobs, old, adv, action, self.clip_low, self.clip_high)
         else:
             token_loss, clipped = ppo_clip_loss_BT1(logprobs, old, adv, self.clip_low, self.clip_high,
                                                     self.algo.dual_clip)
-        if self.algo.enable_vllm_is_correction:
-            low, high = self.algo.vllm_is_truncated_threshold
+        if self.algo.is_correction is not None:
+            low, high, icepop = self.algo.is_correction
             token_loss = token_loss * importance_weights_BT1(old, exp.rollout_logprobs_BT1.to(self.device), low,
-                                                             high, self.algo.icepop)
+                                                             high, icepop)
         if self.algo.policy_loss_type == "gspo":
             return sequence_mean_over_global_count(token_loss, action, num_seqs), clipped
         return token_sum_over_global_count(token_loss, action, num_tokens), clipped
@@ -95,6 +98,10 @@ class Actor:
             policy_loss, clipped = self._policy_term(exp, out.logprobs_BT1, action, num_tokens, num_seqs)
             loss = policy_loss
             terms = {"policy_loss": policy_loss, "clip_frac": token_sum_over_global_count(clipped, action, num_tokens)}
+            if exp.old_logprobs_BT1 is None:  # the experience step had no actor forward to measure them with
+                rollout = exp.rollout_logprobs_BT1.to(self.device)
+                terms.update({name: token_sum_over_global_count(v, action, num_tokens) for name, v in
+                              rollout_mismatch_BT1(out.logprobs_BT1, rollout, self.algo.is_correction).items()})
             if exp.ref_logprobs_BT1 is not None:  # optional terms appear only when they apply
                 kl = kl_estimate(out.logprobs_BT1, exp.ref_logprobs_BT1.to(self.device), self.algo.kl_estimator)
                 terms["train_kl"] = token_sum_over_global_count(kl, action, num_tokens)

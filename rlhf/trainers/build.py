@@ -29,7 +29,7 @@ from rlhf.rewards.models import RewardModelEnsemble
 from rlhf.train.build import check_model_configs, micro_batcher, model_builder, role_model
 from rlhf.trainers.actor import Actor
 from rlhf.trainers.critic import Critic
-from rlhf.trainers.experience import ExperienceMaker
+from rlhf.trainers.experience import ExperienceMaker, actor_forward_skippable
 from rlhf.trainers.ppo import Roles
 
 ROLE_NAMES = {Role.ACTOR: "actor", Role.CRITIC: "critic", Role.REWARD: "reward", Role.REF: "ref",
@@ -132,6 +132,8 @@ def describe_algorithm(cfg: TrainPPOConfig, topology: Topology) -> str:
         low, high = a.vllm_is_truncated_threshold
         kind = "ICEPOP (tokens outside zeroed)" if a.icepop else "TIS (truncated)"
         parts.append(f"rollout correction {kind} in [{low}, {high}]")
+    if actor_forward_skippable(cfg):
+        parts.append("one actor update per batch (old log-probs from the training forward, no experience forward)")
     return "algorithm: " + ", ".join(parts)
 
 
@@ -242,7 +244,8 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
         reward = RewardModelEnsemble([m.engine for m in reward_models], device, reward_batcher, norms)
     experience = ExperienceMaker(cfg, topology, actor=actor, critic=critic, ref_model=ref_model, reward=reward,
                                  device=device, ref_batcher=ref_batcher,
-                                 running_reward_norm=cfg.algo.normalize_reward and norms is None)
+                                 running_reward_norm=cfg.algo.normalize_reward and norms is None,
+                                 skip_actor_forward=actor_forward_skippable(cfg))
     specs = meta_param_specs(m.pretrain, dtype, m.trust_remote_code)
     return Roles(actor, critic, experience, specs, _ptx_data(cfg, topology, tokenizer) if actor is not None else None,
                  frozen, proposal)

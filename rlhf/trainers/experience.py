@@ -21,7 +21,7 @@ from rlhf.algorithms.advantages import (
     whiten,
 )
 from rlhf.algorithms.kl import KLController, kl_estimate
-from rlhf.algorithms.losses import importance_weights_BT1
+from rlhf.algorithms.losses import rollout_mismatch_BT1
 from rlhf.algorithms.shaping import (
     RunningMoments,
     group_filter,
@@ -38,18 +38,33 @@ from rlhf.trainers.actor import Actor, batched_logprobs
 from rlhf.trainers.critic import Critic
 
 
+def actor_forward_skippable(cfg: TrainPPOConfig) -> bool:
+    """Whether the experience-time actor forward can be skipped: the step's batch feeds exactly one optimizer
+    step of the actor (--max_epochs 1, --rollout_batch_size x --n_samples_per_prompt == --train_batch_size, the
+    actor trained from the first step), and nothing before training reads the actor's log-probs (no reference
+    model: its KL shapes rewards and its metric is the actor's). Then the old log-probs are the training
+    forward's own, detached (the ratio is exactly 1), and the rollout-mismatch metrics come from that forward."""
+    b = cfg.batch
+    one_update = (b.max_epochs == 1 and b.rollout_batch_size * cfg.samples_per_prompt == b.train_batch_size
+                  and cfg.algo.freezing_actor_steps <= 0)
+    return one_update and not cfg.algo.needs_ref
+
+
 class ExperienceMaker:
-    """Built on every rank; roles the rank does not host are None."""
+    """Built on every rank; roles the rank does not host are None. `skip_actor_forward`: leave the old log-probs
+    to the training forward (`actor_forward_skippable`)."""
 
     def __init__(self, cfg: TrainPPOConfig, topology: Topology, *, actor: Actor | None, critic: Critic | None,
                  ref_model: torch.nn.Module | None, reward: RewardSource | None, device: torch.device,
-                 ref_batcher: MicroBatcher | None = None, running_reward_norm: bool | None = None) -> None:
+                 ref_batcher: MicroBatcher | None = None, running_reward_norm: bool | None = None,
+                 skip_actor_forward: bool = False) -> None:
         """`running_reward_norm`: normalise rewards with running statistics (default: --normalize_reward;
         False when the reward models normalise with their stored statistics instead)."""
         self.cfg, self.topology, self.device = cfg, topology, device
         self.running_reward_norm = cfg.algo.normalize_reward if running_reward_norm is None else running_reward_norm
         self.actor, self.critic, self.ref_model, self.reward = actor, critic, ref_model, reward
         self.ref_batcher = ref_batcher
+        self.skip_actor_forward = skip_actor_forward
         self.estimator = ESTIMATORS[cfg.algo.advantage_estimator]
         algo = cfg.algo
         self.kl_ctl = KLController(algo.init_kl_coef, algo.kl_target, algo.kl_horizon)
@@ -139,7 +154,8 @@ class ExperienceMaker:
         reward models see only each sample's first that many tokens."""
         B, T = batch.sequences_BT.shape
         seq, mask = batch.sequences_BT, batch.attention_mask_BT
-        old, ref = self._logprobs(batch, with_ref=self.ref_model is not None or Role.REF in self.topology.plan)
+        with_ref = self.ref_model is not None or Role.REF in self.topology.plan
+        old, ref = (None, None) if self.skip_actor_forward and not with_ref else self._logprobs(batch, with_ref)
         values = None
         if Role.CRITIC in self.topology.plan:
             values = self._by_role(Role.CRITIC, lambda w: self.critic.values(seq[w], mask[w]), (B, T - 1))
@@ -155,7 +171,8 @@ class ExperienceMaker:
         metrics = self._metrics(batch, raw_rewards, rewards, extra, kl, action)
         metrics["return_mean"] = _token_mean(returns, action)
         metrics["advantage_mean"] = _token_mean(advantages, action)
-        metrics.update(self._rollout_mismatch(old, batch.rollout_logprobs_BT1, action))
+        if old is not None:  # else the training forward reports them (Actor.train_batch)
+            metrics.update(self._rollout_mismatch(old, batch.rollout_logprobs_BT1, action))
         if kl is not None:
             kept = int((action.sum(-1) > 0).sum())  # filtered groups do not move the controller
             self.kl_ctl.update(metrics["kl"], kept)
@@ -165,15 +182,8 @@ class ExperienceMaker:
 
     def _rollout_mismatch(self, old: torch.Tensor, rollout: torch.Tensor, action: torch.Tensor) -> dict[str, float]:
         """How far the engine's log-probs are from the actor's, and what the off-policy correction does."""
-        metrics = {"rollout/logprob_abs_diff": _token_mean((old - rollout).abs(), action)}
-        algo = self.cfg.algo
-        if algo.enable_vllm_is_correction:
-            low, high = algo.vllm_is_truncated_threshold
-            raw = torch.exp(old - rollout)
-            weights = importance_weights_BT1(old, rollout, low, high, algo.icepop)
-            metrics["rollout/is_weight_mean"] = _token_mean(weights, action)
-            metrics["rollout/is_clipped_frac"] = _token_mean(((raw < low) | (raw > high)).float(), action)
-        return metrics
+        values = rollout_mismatch_BT1(old, rollout, self.cfg.algo.is_correction)
+        return {name: _token_mean(v, action) for name, v in values.items()}
 
     def _advantages(self, rewards_B: torch.Tensor, action: torch.Tensor, kl: torch.Tensor | None,
                     values: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor]:
