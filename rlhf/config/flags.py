@@ -27,7 +27,6 @@ from rlhf.config.errors import exit_usage
 IGNORED_FLAGS: dict[str, str] = {
     "vllm_sync_with_ray": "weights move in-process here; there is no Ray",
     "vllm_sync_backend": "weights are loaded into each rank's own engine in-process; no sync backend",
-    "vllm_num_engines": "every rank hosts an engine; the count is world size / --vllm_tensor_parallel_size",
     # the RePULSe fork's own bookkeeping (its test-info and reward-model plumbing), nothing to do here
     "rm_type": "the RePULSe fork's reward-model plumbing switch; rewards come from --reward_pretrain/--remote_rm_url",
     "n_seeds_f_q": "the RePULSe fork's F_q test-info bookkeeping, not part of training",

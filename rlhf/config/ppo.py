@@ -93,8 +93,30 @@ class RolloutConfig:
     n_samples_per_prompt: int = opt(1, "samples per prompt (a group, for group estimators)")
     eval_temperature: float = opt(0.6, "sampling temperature of the --eval_dataset evaluation")
     eval_n_samples_per_prompt: int = opt(4, "samples per --eval_dataset prompt (pass@k uses all of them)")
+    async_train: bool = opt(False, "generate on ranks of their own (--vllm_num_engines) while the other ranks "
+                                   "train: up to --async_queue_size steps off-policy")
+    async_queue_size: int = opt(1, "with --async_train: batches generated ahead of training at most (their "
+                                   "staleness in steps)")
+    vllm_num_engines: int | None = opt(None, "with --async_train: rollout engines on the world's last N x "
+                                             "--vllm_tensor_parallel_size ranks (without it every rank hosts an "
+                                             "engine and the count is world size / TP)")
+
+    @property
+    def rollout_ranks(self) -> int:
+        """Ranks that only generate (--async_train), 0 when every rank generates."""
+        return self.vllm_num_engines * self.vllm_tensor_parallel_size if self.async_train else 0
 
     def __post_init__(self) -> None:
+        require(self.async_queue_size >= 1, "--async_queue_size must be >= 1")
+        if self.async_train:
+            require(self.vllm_num_engines is not None and self.vllm_num_engines >= 1,
+                    "--async_train generates on ranks of their own: give --vllm_num_engines N (N x "
+                    "--vllm_tensor_parallel_size ranks generate, the others train)")
+            require(not self.vllm_enable_sleep, "--async_train keeps the engines generating while training runs: "
+                                                "drop --vllm_enable_sleep (as OpenRLHF)")
+        elif self.vllm_num_engines is not None:
+            warnings.warn("--vllm_num_engines is ignored: every rank hosts an engine; the count is world size / "
+                          "--vllm_tensor_parallel_size (engines on ranks of their own: --async_train)", stacklevel=2)
         require(self.eval_temperature > 0, "--eval_temperature must be > 0")
         require(self.eval_n_samples_per_prompt >= 1, "--eval_n_samples_per_prompt must be >= 1")
         require(self.vllm_tensor_parallel_size >= 1, "--vllm_tensor_parallel_size must be >= 1")
@@ -314,7 +336,7 @@ class TrainPPOConfig(JobConfig):
     """Everything `train_ppo` needs, one sub-config per component."""
 
     PENDING_FLAGS: ClassVar[tuple[str, ...]] = tuple((
-        "ds_tensor_parallel_size max_len prompt_data_probs async_train async_queue_size agent_func_path "
+        "ds_tensor_parallel_size max_len prompt_data_probs agent_func_path "
         "save_value_network vllm_generate_batch_size"
     ).split())
     """OpenRLHF train_ppo flags whose features are not built yet: refused, never silently ignored."""
@@ -341,6 +363,7 @@ class TrainPPOConfig(JobConfig):
             require(self.optim.actor_learning_rate > 0, "--actor_learning_rate must be positive")
         self._check_repulse()
         self._check_evaluation()
+        self._check_async()
         if self.logging.eval_steps != -1 and self.data.eval_dataset is None:
             warnings.warn(f"--eval_steps {self.logging.eval_steps} has no effect: there is no --eval_dataset",
                           stacklevel=2)
@@ -388,6 +411,17 @@ class TrainPPOConfig(JobConfig):
                 require(budget >= per_rank, f"{flag} {budget} cannot hold one sample of up to {longest} tokens "
                                              f"(--prompt_max_len + --generate_max_len), {per_rank} per rank with "
                                              f"--ring_attn_size {ring}: raise it to at least {per_rank}")
+
+    def _check_async(self) -> None:
+        """--async_train: what the generation ranks cannot do while the others train."""
+        if not self.rollout.async_train:
+            return
+        refused = {"--dynamic_filtering": self.algo.dynamic_filtering,
+                   "--eval_dataset": self.data.eval_dataset is not None,
+                   "--do_harmlessness_training": self.repulse.do_harmlessness_training}
+        named = [flag for flag, on in refused.items() if on]
+        require(not named, f"--async_train does not support {', '.join(named)} yet: their extra generation runs "
+                           "inside the step, where the generation ranks are already a step ahead; drop one of them")
 
     @property
     def uses_critic(self) -> bool:
@@ -514,9 +548,16 @@ class TrainPPOConfig(JobConfig):
         require(world_size % tp == 0,
                  f"world size {world_size} is not a multiple of --vllm_tensor_parallel_size {tp}")
         num_engines = world_size // tp
+        if self.rollout.async_train:
+            gen = self.rollout.rollout_ranks
+            require(gen < world_size, f"--async_train: --vllm_num_engines {self.rollout.vllm_num_engines} x "
+                                      f"--vllm_tensor_parallel_size {tp} = {gen} generation ranks leave none of the "
+                                      f"{world_size} to train; use fewer engines or more ranks")
+            num_engines = self.rollout.vllm_num_engines
         require(b.rollout_batch_size % num_engines == 0,
                  f"--rollout_batch_size {b.rollout_batch_size} must be divisible by the number of rollout "
-                 f"engines ({num_engines} = world size {world_size} / --vllm_tensor_parallel_size {tp})")
+                 f"engines ({num_engines}" + (" = --vllm_num_engines)" if self.rollout.async_train else
+                                             f" = world size {world_size} / --vllm_tensor_parallel_size {tp})"))
         samples = b.rollout_batch_size * self.samples_per_prompt
         require(samples % b.train_batch_size == 0,
                  f"--train_batch_size {b.train_batch_size} must divide the samples per step ({samples})")

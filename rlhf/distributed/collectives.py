@@ -59,6 +59,13 @@ def all_gather_rollout(rollout: Rollout, pad_id: int, group: dist.ProcessGroup |
     )
 
 
+def broadcast_rollout(rollout: Rollout | None, src: int, group: dist.ProcessGroup | None = None) -> Rollout:
+    """Global rank `src`'s rollout on every rank of `group` (others pass None)."""
+    holder = [rollout]
+    dist.broadcast_object_list(holder, src=src, group=group)
+    return holder[0]
+
+
 def select_rollout(rollout: Rollout, rows: list[int]) -> Rollout:
     """The samples `rows` of a rollout, in that order."""
     index = torch.tensor(rows, dtype=torch.long)

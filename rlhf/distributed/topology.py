@@ -72,6 +72,7 @@ class Placement:
 
     num_ranks: dict[Role, int]
     colocate: tuple[frozenset[Role], ...] = field(default=())
+    rollout_ranks: int = 0  # > 0: the world's last ranks only generate (--async_train); the roles share the rest
 
     @staticmethod
     def colocated(roles: tuple[Role, ...]) -> Placement:
@@ -98,10 +99,15 @@ def plan_ranks(placement: Placement, world_size: int) -> dict[Role, tuple[int, .
     """Assign each role a consecutive rank range; ROLLOUT gets all ranks.
 
     A slot whose roles all ask for 0 ranks spans the whole world. Otherwise slots are laid out
-    back to back and must add up to exactly `world_size`.
+    back to back and must add up to exactly `world_size`. With `placement.rollout_ranks` = G > 0, ROLLOUT
+    gets the last G ranks alone, and "the world" above means the ranks before them (the training ranks).
     """
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
+    generating = placement.rollout_ranks
+    if not 0 <= generating < world_size:
+        raise ValueError(f"{generating} generation ranks leave no training rank in a world of {world_size}")
+    training = world_size - generating
     plan: dict[Role, tuple[int, ...]] = {}
     start = 0
     sized = []
@@ -112,18 +118,20 @@ def plan_ranks(placement: Placement, world_size: int) -> dict[Role, tuple[int, .
             raise ValueError(f"colocated roles must use the same number of ranks, got {names}")
         if not counts:
             for role in slot:
-                plan[role] = tuple(range(world_size))
+                plan[role] = tuple(range(training))
             continue
         count = counts.pop()
         sized.append((slot, count))
         for role in slot:
             plan[role] = tuple(range(start, start + count))
         start += count
-    if sized and start != world_size:
+    if sized and start != training:
         detail = " + ".join(f"{'/'.join(r.value for r in s)}={n}" for s, n in sized)
-        raise ValueError(f"role rank counts add up to {start} ({detail}) but the world has {world_size} ranks; "
+        where = (f"the world has {world_size} ranks" if not generating else
+                 f"{training} ranks train ({world_size} minus {generating} generation ranks)")
+        raise ValueError(f"role rank counts add up to {start} ({detail}) but {where}; "
                          "adjust --{role}_num_nodes x --{role}_num_gpus_per_node or colocate roles")
-    plan[Role.ROLLOUT] = tuple(range(world_size))
+    plan[Role.ROLLOUT] = tuple(range(training, world_size)) if generating else tuple(range(world_size))
     return plan
 
 
@@ -153,6 +161,11 @@ class Topology:
                 self._groups[role] = dist.new_group(list(self.plan[role]))
         self._engine_groups = [dist.new_group(list(range(s, s + rollout_tp)))
                                for s in range(0, self.world_size, rollout_tp)]
+        # --async_train: the ranks that train (every role but ROLLOUT) collect experience among themselves
+        generating = self.plan.get(Role.ROLLOUT, tuple(range(self.world_size)))
+        self.training_ranks = tuple(r for r in range(self.world_size) if r not in generating) or generating
+        self.trainer_group = (dist.new_group(list(self.training_ranks))
+                              if len(self.training_ranks) < self.world_size else None)
         # DeepSpeed's mpu needs a model-parallel group of one rank when a role runs on a subgroup.
         self.has_subgroups = any(len(r) != self.world_size for r in self.plan.values())
         self._self_groups = [dist.new_group([r]) for r in range(self.world_size)] if self.has_subgroups else []
@@ -208,12 +221,23 @@ class Topology:
         return self.hosts(role) and self.plan[role][0] == self.rank
 
     @property
+    def generates(self) -> bool:
+        """Whether this rank's engine generates the step's samples (all ranks, except with --async_train)."""
+        return self.rank in self.plan.get(Role.ROLLOUT, range(self.world_size))
+
+    @property
     def num_engines(self) -> int:
-        return self.world_size // self.rollout_tp
+        """Rollout engines that generate the step's samples."""
+        return len(self.plan.get(Role.ROLLOUT, range(self.world_size))) // self.rollout_tp
+
+    @property
+    def rollout_index(self) -> int:
+        """Which of the `num_engines` generating engines this rank belongs to (only where it `generates`)."""
+        return self.plan.get(Role.ROLLOUT, range(self.world_size)).index(self.rank) // self.rollout_tp
 
     @property
     def engine_index(self) -> int:
-        """Which rollout engine this rank belongs to."""
+        """Which rollout engine (of every rank's, generating or not: its TP group) this rank belongs to."""
         return self.rank // self.rollout_tp
 
     @property

@@ -6,6 +6,7 @@ construction (DeepSpeed engines are built only over their role's group).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 
@@ -52,8 +53,9 @@ def placement_from_config(cfg: TrainPPOConfig) -> Placement:
     roles = roles_needed(cfg)
     p = cfg.placement
     counts = {role: p.num_ranks(ROLE_NAMES[role]) for role in roles}
+    generating = cfg.rollout.rollout_ranks  # --async_train: ranks of their own
     if p.colocate_all_models or not any(counts.values()):
-        return Placement.colocated(roles + (Role.ROLLOUT,))
+        return dataclasses.replace(Placement.colocated(roles + (Role.ROLLOUT,)), rollout_ranks=generating)
     colocate = []
     with_actor = {Role.ACTOR}  # the proposal sits on the actor's ranks unless it has ranks of its own
     if p.colocate_actor_ref and Role.REF in roles:
@@ -64,7 +66,7 @@ def placement_from_config(cfg: TrainPPOConfig) -> Placement:
         colocate.append(frozenset(with_actor))
     if p.colocate_critic_reward and Role.CRITIC in roles:
         colocate.append(frozenset({Role.CRITIC, Role.REWARD}))
-    return Placement({**counts, Role.ROLLOUT: 0}, tuple(colocate))
+    return Placement({**counts, Role.ROLLOUT: 0}, tuple(colocate), rollout_ranks=generating)
 
 
 def _dtype(cfg: TrainPPOConfig) -> torch.dtype:
@@ -177,6 +179,10 @@ def describe_layout(cfg: TrainPPOConfig, topology: Topology, device: torch.devic
     else:
         parts.append(f"micro-batches of {b.micro_train_batch_size} samples in training, "
                      f"{b.micro_rollout_batch_size} in experience forwards")
+    if cfg.rollout.async_train:
+        gen, train = topology.ranks(Role.ROLLOUT), topology.training_ranks
+        parts.append(f"asynchronous: ranks {gen[0]}-{gen[-1]} generate ({topology.num_engines} engine(s)) up to "
+                     f"{cfg.rollout.async_queue_size} step(s) ahead of ranks {train[0]}-{train[-1]}, which train")
     replicas = ", ".join(f"{ROLE_NAMES[r]} {topology.dp_size(r)}" for r in ROLE_NAMES if r in topology.plan)
     return f"layout: {'; '.join(parts)}; data-parallel replicas: {replicas}"
 

@@ -72,14 +72,15 @@ class ExperienceMaker:
 
     def _by_role(self, role: Role, compute: Callable[[slice], torch.Tensor], shape: tuple[int, ...],
                  collective: bool = True) -> torch.Tensor:
-        """Rows computed by `role`'s ranks on their shards, assembled on every rank (collective: world).
+        """Rows computed by `role`'s ranks on their shards, assembled on every training rank (collective over
+        them: the world, except with --async_train).
         The ranks of a ring hold the same rows: all of them run a `collective` computation (a model
         forward), only the first runs any other (an HTTP call, a reward function); the first contributes."""
         hosts = self.topology.hosts(role)
         first_of_ring = hosts and self.topology.ring_rank(role) == 0
         where = shard(shape[0], self.topology.dp_size(role), self.topology.dp_rank(role)) if hosts else slice(0, 0)
         part = compute(where) if first_of_ring or (hosts and collective) else None
-        return assemble(part if first_of_ring else None, where, shape)
+        return assemble(part if first_of_ring else None, where, shape, self.topology.trainer_group)
 
     def _rewards(self, batch: Rollout) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         B = batch.num_samples
@@ -94,7 +95,8 @@ class ExperienceMaker:
 
         collective = getattr(self.reward, "collective", False)
         both = self._by_role(Role.REWARD, score, (B, 2), collective)
-        keys = broadcast_keys(sorted(results.get("extra", {})), src=self.topology.ranks(Role.REWARD)[0])
+        keys = broadcast_keys(sorted(results.get("extra", {})), src=self.topology.ranks(Role.REWARD)[0],
+                              group=self.topology.trainer_group)
         extra = {k: self._by_role(Role.REWARD, lambda w, k=k: results["extra"][k], (B,), collective) for k in keys}
         return both[:, 0], both[:, 1], extra
 

@@ -8,6 +8,7 @@ actor's weights into every engine -> log. Per-role work lives in the role object
 
 from __future__ import annotations
 
+import collections
 import random
 from dataclasses import dataclass, field
 
@@ -18,7 +19,13 @@ from rlhf.config.ppo import TrainPPOConfig
 from rlhf.data.pretrain import PtxData
 from rlhf.data.prompts import Prompt, PromptSampler
 from rlhf.data.records import Experience, Rollout
-from rlhf.distributed.collectives import all_gather_rollout, concat_rollouts, select_rollout, shard
+from rlhf.distributed.collectives import (
+    all_gather_rollout,
+    broadcast_rollout,
+    concat_rollouts,
+    select_rollout,
+    shard,
+)
 from rlhf.distributed.topology import Role, Topology
 from rlhf.engines.deepspeed_engine import DeepSpeedModel
 from rlhf.engines.rollout import RolloutEngine, SamplingSpec, request_seed, to_rollout
@@ -91,6 +98,8 @@ class PPOTrainer:
         self.rm_max_len = cfg.repulse.rm_max_len
         self.steps_done = 0  # steps finished when `evaluate` runs
         self.total_steps: int | None = None  # set by the CLI: the last step evaluates every evaluator
+        self._queue: collections.deque[Rollout] = collections.deque()  # --async_train: batches ahead of training
+        self._next_generated: int | None = None  # --async_train: the step whose batch is generated next
 
     @property
     def samples_drawn(self) -> int:
@@ -128,6 +137,8 @@ class PPOTrainer:
 
     def step(self, step: int) -> dict[str, float]:
         """One RL step. Hybrid-engine transitions (sleep/offload) all happen here, around the stages."""
+        if self.cfg.rollout.async_train:
+            return self._async_step(step)
         self.steps_done = step + 1
         e = self.cfg.engine
         pad = self.tokenizer.pad_token_id
@@ -159,6 +170,58 @@ class PPOTrainer:
         if self.evaluators:
             metrics["samples_drawn"] = float(self.samples_drawn)
         return metrics
+
+    def _async_step(self, step: int) -> dict[str, float]:
+        """--async_train: the generation ranks sample the batch of step + --async_queue_size with the weights their
+        engines hold while the training ranks make experience from the oldest queued batch (this step's) and
+        train on it. At the end of the step the new batch joins the queue and the new weights reach the
+        generation ranks, so a batch is trained on up to --async_queue_size updates after its weights (the
+        correction: --enable_vllm_is_correction). A started or resumed run first fills the queue with batches of
+        the current weights. Collective over the world."""
+        self.steps_done = step + 1
+        ahead, last = self.cfg.rollout.async_queue_size, self.total_steps or 1 << 62
+        if self._next_generated is None:
+            self._next_generated = step
+        while self._next_generated < min(step + ahead, last):  # filling the queue: nothing to overlap with yet
+            with self.timer.stage("generation"):
+                self._enqueue(self.generate(self._next_generated) if self.topology.generates else None)
+        overlapped = step + ahead < last
+        metrics: dict[str, float] = {}
+        if self.topology.generates:  # the engine samples ahead while the other ranks train
+            with self.timer.stage("generation"):
+                local = self.generate(step + ahead) if overlapped else None
+            metrics.update(self.train(None, step, False))  # the training ranks' metric reduction (world)
+        else:
+            batch = self._queue.popleft()
+            with self.timer.stage("experience"):
+                self._move(self.roles.frozen, to_host=False, enabled=self.cfg.engine.ref_reward_offload)
+                experience, metrics = self.roles.experience.make(batch, rm_max_len=self.rm_max_len)
+                self._move(self.roles.frozen, to_host=True, enabled=self.cfg.engine.ref_reward_offload)
+            self.records.samples_drawn += batch.num_samples
+            with self.timer.stage("train"):
+                e = self.cfg.engine
+                self._move(self.roles.trainable, to_host=False, enabled=e.deepspeed_enable_sleep and step > 0)
+                metrics.update(self.train(experience, step, step >= self.cfg.algo.freezing_actor_steps))
+                self._move(self.roles.trainable, to_host=True, enabled=e.deepspeed_enable_sleep)
+            local = None
+        with self.timer.stage("wait_rollout"):  # training ranks: how long the generation ranks kept them waiting
+            if overlapped:
+                self._enqueue(local)
+        with self.timer.stage("weight_sync"):
+            if step >= self.cfg.algo.freezing_actor_steps:
+                self.sync_weights()
+        metrics["async_queue"] = float(len(self._queue)) if not self.topology.generates else 0.0
+        return metrics
+
+    def _enqueue(self, local: Rollout | None) -> None:
+        """The generation ranks' new batch (their `local` shares; None elsewhere) joins the queue of every training
+        rank. Collective over the world."""
+        rollout_group = self.topology.group(Role.ROLLOUT) if self.topology.generates else None
+        gathered = all_gather_rollout(local, self.tokenizer.pad_token_id, rollout_group) if local is not None else None
+        batch = broadcast_rollout(gathered, src=self.topology.ranks(Role.ROLLOUT)[0])
+        self._next_generated += 1
+        if not self.topology.generates:
+            self._queue.append(batch)
 
     def _informative_groups(self, step: int, first: Rollout) -> tuple[Rollout, dict[str, float], int]:
         """--dynamic_filtering: the step's --rollout_batch_size prompt groups, informative ones first (mean score
@@ -204,7 +267,7 @@ class PPOTrainer:
         `batch`: a global batch other than the step's (e.g. held-out prompts)."""
         batch = self.sampler.batch(step) if batch is None else batch
         per_engine = len(batch) // self.topology.num_engines
-        first = self.topology.engine_index * per_engine
+        first = self.topology.rollout_index * per_engine
         seeds = [request_seed(self.cfg.seed, step, i, stream) for i in range(first, first + per_engine)]
         return batch[first:first + per_engine], seeds, self.topology.engine_rank
 
@@ -266,7 +329,10 @@ class PPOTrainer:
             self.engine.load_weights(model.model.full_parameters())
             return
         local = model.model.full_parameters() if model is not None else None
-        self.engine.load_weights(broadcast_parameters(
-            local, self.roles.actor_specs, src=self.topology.ranks(role)[0],
-            bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb << 20, device=self.device))
+        stream = broadcast_parameters(local, self.roles.actor_specs, src=self.topology.ranks(role)[0],
+                                      bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb << 20, device=self.device)
+        if self.topology.generates:
+            self.engine.load_weights(stream)
+        else:  # --async_train: this rank's engine never generates; the buckets only pass through
+            collections.deque(stream, maxlen=0)
 
