@@ -73,7 +73,9 @@ class Plain:
         for exp in micro_batches:
             logprobs = self.logprobs_BT1(exp.sequences_BT, exp.attention_mask_BT)
             width = logprobs.shape[1]
-            old, adv = exp.old_logprobs_BT1[:, :width], exp.advantages_BT1[:, :width]
+            adv = exp.advantages_BT1[:, :width]
+            # the run skipped the experience forward (one update per batch): its ratio is exactly 1
+            old = logprobs.detach() if exp.old_logprobs_BT1 is None else exp.old_logprobs_BT1[:, :width]
             ratio = (logprobs - old).exp()
             loss_BT1 = -torch.min(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
             ((loss_BT1 * exp.action_mask_BT1[:, :width]).sum() / num_tokens).backward()

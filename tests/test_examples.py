@@ -15,7 +15,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.examples, pytest.mark.vllm]
 
 
 @pytest.mark.parametrize("script,min_gain", [("ppo_tiny_cpu.sh", 0.3), ("grpo_tiny_cpu.sh", 0.3),
-                                             ("reinforce_pp_tiny_cpu.sh", 0.3), ("ppo_packed_ring_cpu.sh", 0.3)])
+                                             ("reinforce_pp_tiny_cpu.sh", 0.3), ("ppo_packed_ring_cpu.sh", 0.3),
+                                             ("agent_tiny_cpu.sh", 0.3)])
 def test_example_reward_rises(tmp_path, script, min_gain):
     out = tmp_path / "run"
     proc = subprocess.run(["bash", f"launch/examples/{script}", str(out)], cwd=ROOT, capture_output=True, text=True,

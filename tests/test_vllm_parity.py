@@ -1,5 +1,6 @@
 """Right after a weight sync, the actor's log-probs and the vLLM engine's log-probs of the same
-sampled sequences agree (fp32, max abs difference <= 1e-4)."""
+sampled sequences agree (fp32, max abs difference <= 1e-4), also on multi-turn agent episodes (the
+model's tokens of every turn, with the environment's tokens between them)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,6 @@ def test_engine_logprobs_match_actor_after_sync(tmp_path, zero_stage, tp):
     assert report["num_tokens"] > 20
     assert report["diff_vs_initial_weights"] > 1e-2, "the sync must have changed the engine's weights"
     assert report["max_abs_diff"] <= 1e-4
+    # agent episodes: the model's tokens of every turn, with the environment's tokens between them as context
+    assert report["agent_multi_span_rows"] >= 6 and report["agent_env_tokens"] > 0
+    assert report["agent_num_tokens"] > 40 and report["agent_max_abs_diff"] <= 1e-4

@@ -80,12 +80,15 @@ def token_rewards(scores_B: torch.Tensor, action_mask_BT1: torch.Tensor, kl_BT1:
 
 
 def discounted_returns(rewards_BT1: torch.Tensor, action_mask_BT1: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = sum_{k>=t} gamma^(k-t) r_k over action tokens (0 elsewhere)."""
+    """G_t = sum_{k>=t} gamma^(k-t) r_k over action tokens (0 elsewhere). Non-action tokens between action
+    spans (an agent's environment text) are skipped, not steps: a later turn's reward reaches earlier turns,
+    as in `gae`."""
     returns = torch.zeros_like(rewards_BT1)
     running = torch.zeros_like(rewards_BT1[:, 0])
     for t in reversed(range(rewards_BT1.shape[1])):
-        running = (rewards_BT1[:, t] + gamma * running) * action_mask_BT1[:, t]
-        returns[:, t] = running
+        m = action_mask_BT1[:, t]
+        running = torch.where(m > 0, rewards_BT1[:, t] + gamma * running, running)
+        returns[:, t] = running * m
     return returns
 
 

@@ -16,6 +16,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from rlhf.agents import load_agent
 from rlhf.cli.common import begin, check_outputs, for_this_machine, main_for, metrics_logger
 from rlhf.config.errors import UsageError
 from rlhf.config.ppo import TrainPPOConfig
@@ -67,6 +68,10 @@ def build_rollout_engine(cfg: TrainPPOConfig, device: torch.device, tokenizer):
 
 def build_reward_source(cfg: TrainPPOConfig) -> RewardSource | None:
     """The reward_func file or HTTP client (reward models are built per rank with the roles)."""
+    if cfg.agent.agent_func_path:
+        from rlhf.agents import AgentRewards
+
+        return AgentRewards()
     source = cfg.reward.source
     if not source:
         return None
@@ -143,6 +148,7 @@ def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ())
     cfg = for_this_machine(cfg.with_demo_defaults())
     plan = check_before_engines(cfg, launch.world_size)
     reward_source = build_reward_source(cfg)
+    agent = load_agent(cfg.agent.agent_func_path) if cfg.agent.agent_func_path else None
     tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code)
     if cfg.repulse.new_custom_single_prompt:  # the toy: one prompt, every step
         prompts = [the_single_prompt(cfg, tokenizer)] * cfg.batch.rollout_batch_size
@@ -167,6 +173,7 @@ def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ())
     logger = metrics_logger(cfg, steps, is_writer, "rl steps", {"reward": "reward_mean"})
     trainer, eval_every = build_trainer(cfg, topology, roles, engine, sampler, tokenizer, device, steps,
                                         eval_prompts)
+    trainer.agent = agent
     checkpointer = Checkpointer(cfg.checkpoint, default_ckpt_path=TrainPPOConfig().checkpoint.ckpt_path,
                                 rank=launch.rank, world_size=launch.world_size, logger=logger)
     loop = Loop(steps, log.logging_steps, cfg.save_steps, eval_every, logger, checkpointer, launch.rank)

@@ -302,6 +302,25 @@ class RewardConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """Multi-turn agent rollouts (`rlhf.agents`): the episode's environment and its limits."""
+
+    agent_func_path: str | None = opt(None, "a .py file defining an agent step(observation, action, label, **kwargs) "
+                                      "or an OpenRLHF AgentInstance class; its episode rewards replace the reward "
+                                      "models and reward function")
+    agent_max_turns: int = opt(0, "model turns per episode at most (0: until done or the length limit; not an "
+                                  "OpenRLHF flag)")
+    agent_turn_max_tokens: int = opt(0, "tokens one turn may generate (0: all the budget left of --prompt_max_len + "
+                                        "--generate_max_len, as OpenRLHF; not an OpenRLHF flag)")
+
+    def __post_init__(self) -> None:
+        require(self.agent_max_turns >= 0, "--agent_max_turns must be >= 0 (0: no limit)")
+        require(self.agent_turn_max_tokens >= 0, "--agent_turn_max_tokens must be >= 0 (0: no limit)")
+        if self.agent_func_path is not None:
+            require(self.agent_func_path.endswith(".py"), f"--agent_func_path {self.agent_func_path}: give a .py file")
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlacementConfig:
     """How roles map to ranks: colocated (hybrid engine) or disjoint ranges sized per role."""
 
@@ -336,7 +355,7 @@ class TrainPPOConfig(JobConfig):
     """Everything `train_ppo` needs, one sub-config per component."""
 
     PENDING_FLAGS: ClassVar[tuple[str, ...]] = tuple((
-        "ds_tensor_parallel_size max_len prompt_data_probs agent_func_path "
+        "ds_tensor_parallel_size max_len prompt_data_probs "
         "save_value_network vllm_generate_batch_size"
     ).split())
     """OpenRLHF train_ppo flags whose features are not built yet: refused, never silently ignored."""
@@ -349,6 +368,7 @@ class TrainPPOConfig(JobConfig):
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -388,9 +408,14 @@ class TrainPPOConfig(JobConfig):
             require(self.data.prompt_data is not None or self.repulse.new_custom_single_prompt,
                      f"--pretrain {self.model.pretrain} is given but --prompt_data is not: name the prompt dataset "
                      "(the embedded demo prompts are used only when --pretrain is not given)")
-            require(bool(self.reward.reward_model_paths or self.reward.remote_rm_url),
+            require(bool(self.reward.reward_model_paths or self.reward.remote_rm_url or self.agent.agent_func_path),
                      f"--pretrain {self.model.pretrain} is given but no reward source: add --reward_pretrain DIR "
                      "(reward models) or --remote_rm_url (an HTTP URL or a .py file defining reward_func)")
+        require(not (self.agent.agent_func_path and self.repulse.do_harmlessness_training),
+                "--agent_func_path: multi-turn episodes are not supported with --do_harmlessness_training")
+        require(not (self.agent.agent_func_path and (self.reward.reward_pretrain or self.reward.remote_rm_url)),
+                f"--agent_func_path {self.agent.agent_func_path}: the agent's episode rewards are the rewards "
+                "(OpenRLHF then ignores reward models and functions); drop --reward_pretrain and --remote_rm_url")
         if self.reward.reward_pretrain and self.reward.remote_rm_url:
             warnings.warn("--reward_pretrain is not used: rewards come from --remote_rm_url "
                           f"{self.reward.remote_rm_url} "
@@ -538,7 +563,7 @@ class TrainPPOConfig(JobConfig):
         data, reward = self.data, self.reward
         if data.prompt_data is None:
             data = replace(data, prompt_data=EMBEDDED_PROMPTS)
-        if not (reward.reward_model_paths or reward.remote_rm_url):
+        if not (reward.reward_model_paths or reward.remote_rm_url or self.agent.agent_func_path):
             reward = replace(reward, remote_rm_url=EMBEDDED_REWARD)
         return replace_quietly(self, model=replace(self.model, pretrain=EMBEDDED_MODEL_DIR), data=data, reward=reward)
 

@@ -57,7 +57,8 @@ class Rollout:
 
     sequences_BT: int64 [B, T] prompt then response tokens, right-padded with the pad id.
     attention_mask_BT: int64 [B, T] 1 on real tokens.
-    action_mask_BT1: float32 [B, T-1] 1 on generated target positions.
+    action_mask_BT1: float32 [B, T-1] 1 on generated target positions (several spans for an agent
+        episode: the environment's tokens between turns are 0).
     rollout_logprobs_BT1: float32 [B, T-1] engine log-probs of generated tokens (0 elsewhere).
     """
 
@@ -70,11 +71,27 @@ class Rollout:
     finish_reasons: list[str]
     prompts: list[str]
     responses: list[str]
-    labels: list = field(default_factory=list)
+    labels: list = field(default_factory=list)  # per sample; an `EpisodeOutcome` each with --agent_func_path
 
     @property
     def num_samples(self) -> int:
         return self.sequences_BT.shape[0]
+
+
+@dataclass(frozen=True)
+class EpisodeOutcome:
+    """What a multi-turn agent episode (`--agent_func_path`) returned; it takes the sample's place in
+    `Rollout.labels`, so it travels with the sample through gathers and filtering.
+
+    label: the dataset's label. reward: the sum of the per-turn rewards (OpenRLHF's episode reward).
+    score: the last turn's score (dynamic filtering), else the reward. extra_logs: the last turn's logs.
+    turns: model turns taken."""
+
+    label: Any
+    reward: float
+    score: float
+    extra_logs: dict[str, float] = field(default_factory=dict)
+    turns: int = 1
 
 
 @dataclass

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlhf.agents import Agent, TurnLimits, run_episodes
 from rlhf.algorithms.shaping import group_filter
 from rlhf.config.ppo import TrainPPOConfig
 from rlhf.data.pretrain import PtxData
@@ -97,6 +98,7 @@ class PPOTrainer:
         self.records = RunRecords(cfg, topology.rank == 0)
         self.rm_max_len = cfg.repulse.rm_max_len
         self.steps_done = 0  # steps finished when `evaluate` runs
+        self.agent: Agent | None = None  # --agent_func_path: samples are multi-turn episodes (set by the CLI)
         self.total_steps: int | None = None  # set by the CLI: the last step evaluates every evaluator
         self._queue: collections.deque[Rollout] = collections.deque()  # --async_train: batches ahead of training
         self._next_generated: int | None = None  # --async_train: the step whose batch is generated next
@@ -281,12 +283,25 @@ class PPOTrainer:
         r = self.cfg.rollout
         spec = spec or SamplingSpec(n=self.cfg.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
                                     max_tokens=r.generate_max_len)
-        generations = self.engine.generate([list(p.token_ids) for p in prompts], spec, seeds)
+        if self.agent is None:
+            generations = self.engine.generate([list(p.token_ids) for p in prompts], spec, seeds)
+        else:
+            generations, outcomes = self._episodes(prompts, spec, seeds)
         per_rank = len(prompts) // self.topology.rollout_tp
         keep = slice(share * per_rank, (share + 1) * per_rank)
-        prompts, generations = prompts[keep], generations[keep]
-        return to_rollout([list(p.token_ids) for p in prompts], generations, self.tokenizer.pad_token_id,
-                          self.tokenizer, [p.text for p in prompts], [p.label for p in prompts])
+        rollout = to_rollout([list(p.token_ids) for p in prompts[keep]], generations[keep], self.tokenizer.pad_token_id,
+                             self.tokenizer, [p.text for p in prompts[keep]], [p.label for p in prompts[keep]])
+        if self.agent is not None:  # the episode outcomes replace the labels: `AgentRewards` reads them
+            rollout.labels = outcomes[keep.start * spec.n:keep.stop * spec.n]
+        return rollout
+
+    def _episodes(self, prompts: list[Prompt], spec: SamplingSpec, seeds: list[int]):
+        """--agent_func_path: `spec.n` multi-turn episodes per prompt (`rlhf.agents.run_episodes`)."""
+        a = self.cfg.agent
+        limits = TurnLimits(max_total=self.cfg.data.prompt_max_len + self.cfg.rollout.generate_max_len,
+                            max_turns=a.agent_max_turns, turn_max_tokens=a.agent_turn_max_tokens)
+        return run_episodes(self.engine, self.agent, self.tokenizer, [list(p.token_ids) for p in prompts],
+                            [p.text for p in prompts], [p.label for p in prompts], spec, seeds, limits)
 
     def _optimizer_batches(self, exp: Experience, role: Role, batcher: MicroBatcher, step: int,
                            epoch: int) -> list[list[Experience]]:

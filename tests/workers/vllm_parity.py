@@ -1,16 +1,19 @@
 """Run under torchrun: train one step, push weights into every rank's vLLM engine, sample, and compare
-engine log-probs with actor log-probs of the same sequences. Rank 0 writes a JSON report.
+engine log-probs with actor log-probs of the same sequences, single-turn samples and multi-turn agent
+episodes (several action spans per row). Rank 0 writes a JSON report.
 
     torchrun --nproc_per_node 2 tests/workers/vllm_parity.py OUT.json ZERO_STAGE TP
 """
 
 import json
+import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-from rlhf.assets import EMBEDDED_MODEL_DIR
+from rlhf.agents import TurnLimits, load_agent, run_episodes
+from rlhf.assets import EMBEDDED_MODEL_DIR, TINY_DIR
 from rlhf.distributed.launch import init_distributed, read_launch_env
 from rlhf.engines.rollout import SamplingSpec, to_rollout
 from rlhf.engines.vllm_engine import VLLMEngine
@@ -46,11 +49,31 @@ def main(out_path: str, zero_stage: int, tp: int) -> None:
     with torch.no_grad():
         before_lp = sequence_logprobs(original, rollout.sequences_BT, rollout.attention_mask_BT)
     moved = float(((before_lp - rollout.rollout_logprobs_BT1).abs() * mask).max())
+    report = {"max_abs_diff": diff, "diff_vs_initial_weights": moved, "num_tokens": int(mask.sum()),
+              **agent_parity(engine, actor, tok)}
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"max_abs_diff": diff, "diff_vs_initial_weights": moved,
-                       "num_tokens": int(mask.sum())}, f)
+            json.dump(report, f)
     dist.barrier()
+
+
+def agent_parity(engine, actor, tok) -> dict:
+    """Multi-turn episodes of the embedded guessing game: the actor's log-probs of the model's tokens (the
+    environment's hint tokens sit between the turns) equal the engine's."""
+    agent = load_agent(os.path.join(TINY_DIR, "guess_agent.py"))
+    texts, labels = ["e m :", "r :", "s b :"], ["0", "1", "8"]
+    prompt_ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    spec = SamplingSpec(n=4, temperature=1.0, top_p=1.0, max_tokens=0)
+    gens, _ = run_episodes(engine, agent, tok, prompt_ids, texts, labels, spec, [11, 12, 13],
+                           TurnLimits(max_total=24, max_turns=2, turn_max_tokens=4))
+    rollout = to_rollout(prompt_ids, gens, tok.pad_token_id, tok, texts, labels)
+    mask = rollout.action_mask_BT1
+    actor_lp = actor.logprobs(rollout.sequences_BT, rollout.attention_mask_BT)
+    spans = (torch.diff(mask, dim=1, prepend=torch.zeros(mask.shape[0], 1)) > 0).sum(1)
+    return {"agent_max_abs_diff": float(((actor_lp - rollout.rollout_logprobs_BT1).abs() * mask).max()),
+            "agent_num_tokens": int(mask.sum()), "agent_multi_span_rows": int((spans >= 2).sum()),
+            "agent_env_tokens": int((rollout.attention_mask_BT[:, 1:].float() * (1 - mask)).sum()
+                                    - (rollout.prompt_lens_B - 1).sum())}
 
 
 if __name__ == "__main__":
