@@ -355,7 +355,7 @@ class DeepSpeedModel:
             return nullcontext()
         return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
-    def full_parameters(self, keep: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_parameters(self, keep: bool = True, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) for every parameter, gathering ZeRO-3 shards one module at a time. With LoRA:
         the base model's parameters with the adapters merged in (W + scale x B @ A), under the base model's
         names and in its order, so the stream is what the unadapted model would yield.
@@ -363,7 +363,10 @@ class DeepSpeedModel:
         Collective under ZeRO-3: every rank of the DP group iterates it to the end, in the same order.
         Yielded tensors are private copies (valid after the gather is released). With `keep=False` the
         gathers still run (so a rank can take part without holding the model) but nothing is copied or
-        yielded.
+        yielded. With `copy=False`, for a consumer that copies each tensor before the model's next optimizer
+        step (the weight push): below ZeRO-3 the live parameters themselves (read-only views), under ZeRO-3
+        views of the gathered buffers (DeepSpeed allocates one per gather and releases it by dropping the
+        parameter's reference, so the view keeps it valid). LoRA's merged tensors are always new.
         """
         if self.adapted:
             yield from lora.merged_parameters(self.module, self._gather, keep)
@@ -375,7 +378,7 @@ class DeepSpeedModel:
             if not params:
                 continue
             with self._gather([p for _, p in params]):
-                copies = [(f"{module_name}.{n}" if module_name else n, p.detach().clone())
+                copies = [(f"{module_name}.{n}" if module_name else n, p.detach().clone() if copy else p.detach())
                           for n, p in params] if keep else []
             yield from copies
 

@@ -5,10 +5,13 @@ Requires torch.distributed to be initialised first; every rank of the world must
 ENVIRONMENT.md: V1 multiprocessing off, explicit KV-cache size on CPU, RNG and threading state
 restored after construction, and whole-model weight reloads in one call.
 
-Weight push: vLLM whose model runner's `reload_weights` takes `weights_iterator` (checked at start-up; 0.32
-here) reloads in place through `collective_rpc("reload_weights", ...)`; older releases (its `reload_weights`
-takes no arguments and re-reads the checkpoint) get the tensors through the model's own `load_weights`, as
-OpenRLHF does with vLLM 0.17 (CUDA backend only: on CPU that path fails on repacked linear weights).
+Weight push, path chosen at start-up: an unquantized model without LoRA (`_copy_in_place_supported`) takes
+the direct copy (`_copy_weights_on_worker`: the model's `load_weights` copies into the live parameters, then
+the layers vLLM post-processes, on CPU the oneDNN-packed linears, are processed again as at start-up);
+otherwise vLLM whose model runner's `reload_weights` takes `weights_iterator` (0.32 here) reloads in place
+through `collective_rpc("reload_weights", ...)`; older releases (its `reload_weights` takes no arguments and
+re-reads the checkpoint) get the tensors through the model's own `load_weights` alone, as OpenRLHF does with
+vLLM 0.17 (CUDA backend only: on CPU that fails on the packed linear weights, which the direct copy restores).
 Sleep mode (CUDA, `--vllm_enable_sleep`, level 2): the engine sleeps right after it is built; a push wakes
 the weights first, loads, frees PyTorch's cache, then wakes the KV cache.
 """
@@ -26,6 +29,7 @@ import torch
 
 from rlhf.engines.rollout import MAX_REQUEST_SEED, Generation, SamplingSpec
 
+COPY_IN_PLACE = "copy_in_place"
 RELOAD_IN_PLACE = "reload_weights"
 LOAD_WEIGHTS = "load_weights"
 
@@ -41,8 +45,92 @@ def _load_weights_on_worker(worker, weights: Iterable[tuple[str, torch.Tensor]])
     worker.model_runner.model.load_weights(weights=weights)
 
 
-def weight_push_path(reload_parameters: list[str]) -> str:
-    """RELOAD_IN_PLACE when `reload_weights` accepts `weights_iterator`, else LOAD_WEIGHTS (pure)."""
+def _reprocessed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers whose quant method post-processes loaded weights (on CPU: packs them for oneDNN)."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    return [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), QuantizeMethodBase)]
+
+
+def _copy_in_place_supported(worker) -> bool:
+    """(runs on each vLLM worker) whether `_copy_weights_on_worker` reproduces a fresh load for this model: no
+    quantization, LoRA or model-level post-load hook; every post-processing layer unquantized (its processing
+    only derives kernel state from checkpoint-format weights) with recorded checkpoint-format metadata; no
+    attention layer other than plain `Attention` (MLA derives weights from kv_b_proj after loading)."""
+    runner = worker.model_runner
+    model = runner.get_model() if hasattr(runner, "get_model") else None  # a stand-in runner has none
+    if not isinstance(model, torch.nn.Module):
+        return False
+    try:  # vLLM internals (0.32's layer-wise reload records); another release takes `reload_weights`
+        from vllm.model_executor.layers.attention import Attention, is_deferred_attention_layer
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor  # noqa: F401
+        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs  # noqa: F401
+    except ImportError:
+        return False
+
+    config = runner.vllm_config
+    if config.model_config.quantization is not None or config.lora_config is not None:
+        return False
+    if hasattr(model, "process_weights_after_loading"):
+        return False
+    if any(is_deferred_attention_layer(m) and type(m) is not Attention for m in model.modules()):
+        return False
+    return all(type(m.quant_method) in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+               and m in LAYERWISE_INFO for m in _reprocessed_layers(model))
+
+
+def _rematerialize_checkpoint_params(layer: torch.nn.Module) -> None:
+    """Give back `layer` the checkpoint-format parameters its post-processing removed or reshaped (on CPU a
+    linear's weight becomes an empty tensor once oneDNN holds the packed copy), fresh and uninitialised, with
+    their weight loaders; parameters still in checkpoint format stay, and are then loaded in place."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+    info = LAYERWISE_INFO[layer]
+    for name, meta in info.restore_metadata[0].items():
+        live = layer._parameters.get(name)
+        if live is not None and live.shape == meta.shape and live.dtype == meta.dtype:
+            continue
+        with info.restore_device:
+            setattr(layer, name, restore_layer_refs(materialize_meta_tensor(meta), layer))
+
+
+def _copy_weights_on_worker(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """(runs on each vLLM worker) the push when `_copy_in_place_supported`: the model's own `load_weights` copies
+    each tensor into its parameter on arrival (fused q/k/v and gate/up by vLLM's shard loaders), then each
+    post-processing layer is processed again, as at start-up. vLLM's `reload_weights` does the same through a
+    layer-wise buffer that first moves every tensor to the meta device, binds and replays each loader call
+    and copies the result back; that bookkeeping made the engine's side of a push 1.3x (a 134M model) to 2x (a
+    3M one) slower on CPU (benchmarks/README.md).
+    Checks that every parameter was loaded: a partial push would leave the engine on stale weights silently.
+    Memory: on CPU the unpacked linear weights of the whole model exist at once during the push (one extra copy
+    of them at peak, besides the packed ones); on CUDA nothing is allocated (processing is a no-op there)."""
+    runner = worker.model_runner
+    model = runner.get_model()
+    layers = _reprocessed_layers(model)
+    for layer in layers:
+        _rematerialize_checkpoint_params(layer)
+    loaded = model.load_weights(weights)
+    for layer in layers:
+        layer.quant_method.process_weights_after_loading(layer)
+        if hasattr(layer, "update_param_tp_status"):  # as vLLM's loader: processing may re-create parameters
+            layer.update_param_tp_status()
+    missing = {name for name, _ in model.named_parameters()} - set(loaded)
+    if missing:
+        raise RuntimeError(f"weight push left {len(missing)} engine parameters unloaded: {sorted(missing)[:5]}")
+    runner.reset_encoder_cache()
+    runner.reset_mm_cache()
+
+
+def weight_push_path(reload_parameters: list[str], copy_in_place: bool = False) -> str:
+    """COPY_IN_PLACE when the worker supports it (`_copy_in_place_supported`), else RELOAD_IN_PLACE when
+    `reload_weights` accepts `weights_iterator`, else LOAD_WEIGHTS (pure)."""
+    if copy_in_place:
+        return COPY_IN_PLACE
     return RELOAD_IN_PLACE if "weights_iterator" in reload_parameters else LOAD_WEIGHTS
 
 
@@ -121,7 +209,8 @@ class VLLMEngine:
         self.llm = llm
         self.sleep_enabled = sleep_enabled
         self.asleep: set[str] = set()  # sleep tags still released: "weights", "kv_cache"
-        self.push_path = weight_push_path(llm.collective_rpc(_reload_weights_parameters)[0])
+        self.push_path = weight_push_path(llm.collective_rpc(_reload_weights_parameters)[0],
+                                          all(llm.collective_rpc(_copy_in_place_supported)))
         self.sleep()
 
     def generate(self, prompts: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> list[list[Generation]]:
@@ -153,7 +242,9 @@ class VLLMEngine:
         tensors across calls silently corrupts it). From sleep: weights woken first, the KV cache after the
         push and after PyTorch's cached blocks (the actor's gathers) are returned to the device."""
         self._wake({"weights"})
-        if self.push_path == RELOAD_IN_PLACE:
+        if self.push_path == COPY_IN_PLACE:
+            self.llm.collective_rpc(_copy_weights_on_worker, args=(iter(named_tensors),))
+        elif self.push_path == RELOAD_IN_PLACE:
             self.llm.collective_rpc(RELOAD_IN_PLACE, kwargs={"weights_iterator": iter(named_tensors)})
         else:
             self.llm.collective_rpc(_load_weights_on_worker, args=(iter(named_tensors),))

@@ -128,7 +128,10 @@ def describe_algorithm(cfg: TrainPPOConfig, topology: Topology) -> str:
         models.append(f"critic from {cfg.critic_init}")
     if Role.REF in topology.plan:
         models.append("reference (frozen actor copy)")
-    models.append("reward " + (", ".join(cfg.reward.reward_paths) or cfg.reward.source))
+    if cfg.agent.agent_func_path:
+        models.append(f"rewards from the agent's episodes ({cfg.agent.agent_func_path})")
+    else:
+        models.append("reward " + (", ".join(cfg.reward.reward_paths) or cfg.reward.source))
     parts.append("models: " + "; ".join(models))
     if a.enable_vllm_is_correction:
         low, high = a.vllm_is_truncated_threshold

@@ -340,10 +340,10 @@ class PPOTrainer:
     def push_weights(self, role: Role, model: Actor | None) -> None:
         """Load `role`'s weights (`model` where this rank hosts it, else None) into every rank's engine: directly
         when the role spans the world, else broadcast from its first rank. Collective over the world."""
-        if len(self.topology.ranks(role)) == self.topology.world_size:
-            self.engine.load_weights(model.model.full_parameters())
+        if len(self.topology.ranks(role)) == self.topology.world_size:  # the engine copies each tensor on arrival
+            self.engine.load_weights(model.model.full_parameters(copy=False))
             return
-        local = model.model.full_parameters() if model is not None else None
+        local = model.model.full_parameters(copy=False) if model is not None else None  # packed into buckets
         stream = broadcast_parameters(local, self.roles.actor_specs, src=self.topology.ranks(role)[0],
                                       bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb << 20, device=self.device)
         if self.topology.generates:
