@@ -153,6 +153,12 @@ def summarize(run_dir: str, floor_records: list[dict], mode: str, steps: list[in
     }
 
 
+def ratio(value: float, floor: float, width: int) -> str:
+    """`value / floor` as "N.Nx", or "-" where the floor is nothing (a stage the run skipped, e.g. the experience
+    forward when each batch feeds one update)."""
+    return f"{value / floor:{width}.1f}x" if floor > 1e-4 else f"{'-':>{width + 1}s}"
+
+
 def print_table(s: dict) -> None:
     run, rank0, floor = s["run"], s["rank0"], s["floor"]
     wall, floor_step = run["wall"], sum(floor[k] for k in STAGES)
@@ -160,8 +166,8 @@ def print_table(s: dict) -> None:
           f" | {'CPU s: run':>10s} {'floor':>7s} {'ratio':>6s}")
     for k in STAGES:
         c = f"cpu/{k}"
-        print(f"{k:12s} {rank0[k]:13.3f} {run[k]:9.3f} {floor[k]:8.3f} {run[k] / floor[k]:6.1f}x {run[k] / wall:13.1%}"
-              f" | {run[c]:10.3f} {floor[c]:7.3f} {run[c] / floor[c]:5.1f}x")
+        print(f"{k:12s} {rank0[k]:13.3f} {run[k]:9.3f} {floor[k]:8.3f} {ratio(run[k], floor[k], 6)} "
+              f"{run[k] / wall:13.1%} | {run[c]:10.3f} {floor[c]:7.3f} {ratio(run[c], floor[c], 5)}")
     print(f"{'overhead':12s} {rank0['step'] - sum(rank0[k] for k in STAGES):13.3f} {run['overhead']:9.3f} "
           f"{'':8s} {'':7s} {run['overhead'] / wall:13.1%}")
     print(f"{'step':12s} {rank0['step']:13.3f} {wall:9.3f} {floor_step:8.3f} {wall / floor_step:6.1f}x {1:13.1%}")
@@ -176,7 +182,9 @@ def print_inside(s: dict) -> None:
           f"stage (ranks finishing apart, prompt slicing, to_rollout, decode) {run['generation'] - gen:.3f}")
     fwd, reward, gather = p["actor_logprobs"], p["reward"], p["all_gather_rollout"]
     padded = "experience_padded" in floor
-    print(f"  experience: actor forward {fwd:.3f} vs plain packed {floor['experience_packed']:.3f}"
+    print(("  experience: no actor forward (the batch feeds one update: the training forward's log-probs)"
+           if not s["probe"].get("actor_logprobs") else f"  experience: actor forward {fwd:.3f}")
+          + f" vs plain packed {floor['experience_packed']:.3f}"
           + (f", plain padded {floor['experience_padded']:.3f}" if padded else "") + f"; reward {reward:.3f}; "
           f"all_gather_rollout {gather:.3f} (the fastest rank's); engine vs actor log-prob |diff| "
           f"{s['logprob_diff']:.1e}")
@@ -186,7 +194,7 @@ def print_inside(s: dict) -> None:
           + (f", padded {floor['train_padded']:.3f}" if padded else "") + "; gloo all-reduce "
           f"of one fp32 gradient (reference) {floor['grad_allreduce']:.3f}")
     load, clone = p["engine_load_weights"], p["actor_full_parameters"]
-    print(f"  weight sync: engine.load_weights {load:.3f}, of which the actor's full_parameters (clones) "
+    print(f"  weight sync: engine.load_weights {load:.3f}, of which the actor's full_parameters stream "
           f"{clone:.3f}; plain copy {floor['weight_sync']:.4f}")
     print(f"  overhead: rank 0 between its stages {s['rank0']['step'] - sum(s['rank0'][k] for k in STAGES):.3f}, "
           f"the rest is metric logging and the wait for the last rank after weight sync")
