@@ -147,8 +147,7 @@ def summarize(run_dir: str, floor_records: list[dict], mode: str, steps: list[in
         "logprob_diff": mean(metrics[s].get("rollout/logprob_abs_diff", float("nan")) for s in steps),
         "floor_tokens": mean(sum(f["floors"][mode][s]["generated_tokens"] for f in floor_records) for s in steps),
         "run_rss": [r["peak_rss_bytes"] for r in ranks],
-        "padding": {k: 1 - sum(f["floors"][mode][s][k][0] for f in floor_records for s in steps)
-                    / sum(f["floors"][mode][s][k][1] for f in floor_records for s in steps)
+        "padding": {k: padding([f["floors"][mode][s][k] for f in floor_records for s in steps])
                     for k in ("experience_tokens", "train_tokens")},
     }
 
@@ -157,6 +156,12 @@ def ratio(value: float, floor: float, width: int) -> str:
     """`value / floor` as "N.Nx", or "-" where the floor is nothing (a stage the run skipped, e.g. the experience
     forward when each batch feeds one update)."""
     return f"{value / floor:{width}.1f}x" if floor > 1e-4 else f"{'-':>{width + 1}s}"
+
+
+def padding(real_and_computed: list) -> float | None:
+    """The share of computed positions that are padding; None when nothing was computed (a skipped forward)."""
+    computed = sum(c for _, c in real_and_computed)
+    return 1 - sum(r for r, _ in real_and_computed) / computed if computed else None
 
 
 def print_table(s: dict) -> None:
@@ -182,10 +187,11 @@ def print_inside(s: dict) -> None:
           f"stage (ranks finishing apart, prompt slicing, to_rollout, decode) {run['generation'] - gen:.3f}")
     fwd, reward, gather = p["actor_logprobs"], p["reward"], p["all_gather_rollout"]
     padded = "experience_padded" in floor
-    print(("  experience: no actor forward (the batch feeds one update: the training forward's log-probs)"
-           if not s["probe"].get("actor_logprobs") else f"  experience: actor forward {fwd:.3f}")
-          + f" vs plain packed {floor['experience_packed']:.3f}"
-          + (f", plain padded {floor['experience_padded']:.3f}" if padded else "") + f"; reward {reward:.3f}; "
+    forward = (f"actor forward {fwd:.3f} vs plain packed {floor['experience_packed']:.3f}"
+               + (f", plain padded {floor['experience_padded']:.3f}" if padded else ""))
+    if not s["probe"].get("actor_logprobs"):
+        forward = "no actor forward (the batch feeds one update: the training forward's log-probs stand in)"
+    print(f"  experience: {forward}; reward {reward:.3f}; "
           f"all_gather_rollout {gather:.3f} (the fastest rank's); engine vs actor log-prob |diff| "
           f"{s['logprob_diff']:.1e}")
     train, bwd, ds_step = p["actor_train_batch"], p["ds_backward"], p["ds_step"]
@@ -214,8 +220,10 @@ def print_report(mode: str, s: dict, num_steps: int) -> None:
           f"mean response {s['response_length']:.1f} tokens (standalone replay {floor_tokens / SAMPLES_PER_STEP:.1f})")
     pad = s["padding"]
     layout = "are" if "experience_padded" in s["floor"] else "would be, were the rows not packed,"
-    print(f"padding: {pad['experience_tokens']:.0%} of the positions of the experience forwards and "
-          f"{pad['train_tokens']:.0%} of the train forwards {layout} padding (right-padded micro-batches)")
+    experience = "no experience forwards ran" if pad["experience_tokens"] is None else \
+        f"{pad['experience_tokens']:.0%} of the positions of the experience forwards"
+    print(f"padding: {experience} and {pad['train_tokens']:.0%} of the train forwards {layout} padding "
+          "(right-padded micro-batches)")
     print("peak RSS per rank: " + ", ".join(f"rank {i} {b / 2**20:.0f} MiB" for i, b in enumerate(s["run_rss"])))
     print_inside(s)
 
