@@ -142,7 +142,6 @@ class PPOTrainer:
         if self.cfg.rollout.async_train:
             return self._async_step(step)
         self.steps_done = step + 1
-        e = self.cfg.engine
         pad = self.tokenizer.pad_token_id
         with self.timer.stage("generation"):
             local = self.generate(step)
@@ -151,20 +150,16 @@ class PPOTrainer:
                 batch, filtering, generated = self._informative_groups(step, all_gather_rollout(local, pad))
             self.engine.sleep()  # vLLM frees its memory until the next weight push
         with self.timer.stage("experience"):
-            self._move(self.roles.frozen, to_host=False, enabled=e.ref_reward_offload)
             if batch is None:
                 batch = all_gather_rollout(local, pad)
                 generated = batch.num_samples
-            experience, metrics = self.roles.experience.make(batch, rm_max_len=self.rm_max_len)
-            self._move(self.roles.frozen, to_host=True, enabled=e.ref_reward_offload)
+            experience, metrics = self._experience(batch)
         metrics.update(filtering)
         self.records.samples_drawn += generated
         self.records.keep_negatives(batch, experience.raw_rewards_B, "policy", step)
         train_actor = step >= self.cfg.algo.freezing_actor_steps
         with self.timer.stage("train"):
-            self._move(self.roles.trainable, to_host=False, enabled=e.deepspeed_enable_sleep and step > 0)
-            metrics.update(self.train(experience, step, train_actor))
-            self._move(self.roles.trainable, to_host=True, enabled=e.deepspeed_enable_sleep)
+            metrics.update(self._train_stage(experience, step, train_actor))
         with self.timer.stage("weight_sync"):
             self.engine.wake_up()
             if train_actor or self.cfg.rollout.vllm_enable_sleep:  # sleep level 2 dropped the weights
@@ -196,15 +191,10 @@ class PPOTrainer:
         else:
             batch = self._queue.popleft()
             with self.timer.stage("experience"):
-                self._move(self.roles.frozen, to_host=False, enabled=self.cfg.engine.ref_reward_offload)
-                experience, metrics = self.roles.experience.make(batch, rm_max_len=self.rm_max_len)
-                self._move(self.roles.frozen, to_host=True, enabled=self.cfg.engine.ref_reward_offload)
+                experience, metrics = self._experience(batch)
             self.records.samples_drawn += batch.num_samples
             with self.timer.stage("train"):
-                e = self.cfg.engine
-                self._move(self.roles.trainable, to_host=False, enabled=e.deepspeed_enable_sleep and step > 0)
-                metrics.update(self.train(experience, step, step >= self.cfg.algo.freezing_actor_steps))
-                self._move(self.roles.trainable, to_host=True, enabled=e.deepspeed_enable_sleep)
+                metrics.update(self._train_stage(experience, step, step >= self.cfg.algo.freezing_actor_steps))
             local = None
         with self.timer.stage("wait_rollout"):  # training ranks: how long the generation ranks kept them waiting
             if overlapped:
@@ -213,6 +203,24 @@ class PPOTrainer:
             if step >= self.cfg.algo.freezing_actor_steps:
                 self.sync_weights()
         metrics["async_queue"] = float(len(self._queue)) if not self.topology.generates else 0.0
+        return metrics
+
+    def _experience(self, batch: Rollout) -> tuple[Experience, dict[str, float]]:
+        """The global batch's experience and metrics; with --ref_reward_offload the frozen models are on the
+        device only meanwhile."""
+        offload = self.cfg.engine.ref_reward_offload
+        self._move(self.roles.frozen, to_host=False, enabled=offload)
+        experience, metrics = self.roles.experience.make(batch, rm_max_len=self.rm_max_len)
+        self._move(self.roles.frozen, to_host=True, enabled=offload)
+        return experience, metrics
+
+    def _train_stage(self, experience: Experience, step: int, train_actor: bool) -> dict[str, float]:
+        """`train`, with --deepspeed_enable_sleep's trainable models on the device only meanwhile (from step 1 on:
+        they start there)."""
+        sleep = self.cfg.engine.deepspeed_enable_sleep
+        self._move(self.roles.trainable, to_host=False, enabled=sleep and step > 0)
+        metrics = self.train(experience, step, train_actor)
+        self._move(self.roles.trainable, to_host=True, enabled=sleep)
         return metrics
 
     def _enqueue(self, local: Rollout | None) -> None:
