@@ -1,6 +1,6 @@
 """One RL step of `train_ppo`, stage by stage, against each stage's floor, measured in the same run.
 
-    python benchmarks/rl_step.py [--steps 30] [--world 2] [--model DIR] [--lengths fixed,natural]
+    python benchmarks/rl_step.py [--steps 30] [--world 2] [--model DIR | --size 4m|30m] [--lengths fixed,natural]
                                  [--keep DIR [--report_only]] [-- more train_ppo flags, e.g. --packing_samples]
 
 Runs `torchrun --nproc_per_node WORLD -m rlhf.cli.train_ppo` (through `rl_step_trainer.py`, which adds probes)
@@ -49,13 +49,17 @@ RUN_FLAGS = ["--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4
 SAMPLES_PER_STEP = 8 * 4
 
 
-def build_model_dir(out: str) -> int:
-    """The benchmark's random Llama with the embedded tokenizer; returns its parameter count."""
+# --size: the random Llamas (heads of 64, intermediate 4x hidden, the embedded 64-word tokenizer)
+SIZES = {"4m": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4),
+         "30m": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=7, num_attention_heads=8)}
+
+
+def build_model_dir(out: str, size: str = "4m", max_positions: int = 256) -> int:
+    """The benchmark's random Llama of `size` with the embedded tokenizer; returns its parameter count."""
     from weight_sync import save_random_llama  # benchmarks/ is on sys.path when this script runs
 
     torch.manual_seed(0)
-    return save_random_llama(out, vocab_size=64, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                             num_attention_heads=4, max_position_embeddings=256)
+    return save_random_llama(out, vocab_size=64, max_position_embeddings=max_positions, **SIZES[size])
 
 
 def free_port() -> int:
@@ -243,7 +247,7 @@ def measure(args: argparse.Namespace, work: str, modes: list[str], extra: list[s
 
     model = args.model or os.path.join(work, "model")
     if args.model is None:
-        print(f"random Llama: {build_model_dir(model) / 1e6:.2f}M parameters", flush=True)
+        print(f"random Llama ({args.size}): {build_model_dir(model, args.size) / 1e6:.2f}M parameters", flush=True)
     flags = ["--pretrain", model, "--prompt_data", EMBEDDED_PROMPTS, "--label_key", "label", "--remote_rm_url",
              EMBEDDED_REWARD, *RUN_FLAGS, "--max_steps", str(args.steps), *extra]
     for mode in modes:
@@ -279,7 +283,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30, help="RL steps per run; 2..STEPS are timed")
     parser.add_argument("--world", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
-    parser.add_argument("--model", default=None, help="HF model dir (default: the random Llama 256x4)")
+    parser.add_argument("--model", default=None, help="HF model dir (default: the random Llama of --size)")
+    parser.add_argument("--size", choices=sorted(SIZES), default="4m",
+                        help="the random Llama: 4m (hidden 256, 4 layers), 30m (hidden 512, 7 layers)")
     parser.add_argument("--lengths", default="fixed,natural", help="comma-separated: fixed, natural")
     parser.add_argument("--keep", default=None, help="write runs and logs here (default: a removed temp dir)")
     parser.add_argument("--report_only", action="store_true", help="print the report of the runs kept in --keep")
