@@ -1,7 +1,10 @@
 """Weight streaming from the actor's first rank: buckets keep `full_parameters` order and one dtype each,
 and a broadcast of a mixed-dtype parameter list gives every rank the source's tensors exactly. The vLLM
 push (both in-place paths): an engine pushed weights W generates exactly what it generated when freshly
-loaded from W, and a push of other weights changes its generations."""
+loaded from W, and a push of other weights changes its generations. A CPU engine whose KV cache cannot hold
+one call's sequences at full length says so at start-up, with the size that would."""
+
+import warnings
 
 import pytest
 import torch
@@ -100,9 +103,11 @@ def _push_round_trip() -> dict:
     from rlhf.engines.vllm_engine import RELOAD_IN_PLACE, VLLMEngine
     from rlhf.models.loading import load_causal_lm
 
-    engine = VLLMEngine(EMBEDDED_MODEL_DIR, dtype=torch.float32, tp_size=1, seed=0, max_model_len=64,
-                        kv_cache_bytes=16 << 20, gpu_memory_utilization=0.5, enforce_eager=True,
-                        enable_prefix_caching=False, enable_sleep=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = VLLMEngine(EMBEDDED_MODEL_DIR, dtype=torch.float32, tp_size=1, seed=0, max_model_len=64,
+                            kv_cache_bytes=16 << 20, gpu_memory_utilization=0.5, enforce_eager=True,
+                            enable_prefix_caching=False, enable_sleep=False, sequences_per_call=200)
     model = load_causal_lm(EMBEDDED_MODEL_DIR, torch.float32, "sdpa")
     weights = [(n, p.detach().clone()) for n, p in model.named_parameters()]
     g = torch.Generator().manual_seed(0)
@@ -110,7 +115,9 @@ def _push_round_trip() -> dict:
     with torch.no_grad():
         for (_, p), (_, t) in zip(model.named_parameters(), noisy):
             p.copy_(t)
-    out = {"path": engine.push_path, "fresh": _generate(engine)}
+    out = {"path": engine.push_path, "fresh": _generate(engine),
+           "kv_warnings": [str(w.message) for w in caught if "--vllm_kv_cache_bytes" in str(w.message)],
+           "kv_blocks": engine.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks}
     for path in (engine.push_path, RELOAD_IN_PLACE):
         engine.push_path = path
         engine.load_weights(iter(noisy))
@@ -124,10 +131,15 @@ def _push_round_trip() -> dict:
 @pytest.mark.vllm
 def test_vllm_push_reproduces_a_fresh_engine_and_changes_it():
     pytest.importorskip("vllm")
-    from rlhf.engines.vllm_engine import COPY_IN_PLACE, RELOAD_IN_PLACE
+    from rlhf.engines.vllm_engine import COPY_IN_PLACE, RELOAD_IN_PLACE, kv_cache_shortfall
 
     out = run_on_ranks(1, _push_round_trip)[0]
     assert out["path"] == COPY_IN_PLACE  # an unquantized Llama takes the direct copy
+    # 16 MiB of 128-token blocks at 1 KiB per token (2 layers x k,v x 2 heads x 32 x fp32): 128 blocks, one per
+    # 64-token sequence, fewer than the 200 sequences the engine was told one call samples
+    assert out["kv_blocks"] == 128
+    assert out["kv_warnings"] == [kv_cache_shortfall(16 << 20, 128, 128, 64, 200)]
+    assert "holds 128 sequences" in out["kv_warnings"][0] and "--vllm_kv_cache_bytes 26214400 " in out["kv_warnings"][0]
     fresh_ids, fresh_lp = out["fresh"]
     for path in (COPY_IN_PLACE, RELOAD_IN_PLACE):
         ids, lp = out[f"{path} back"]
@@ -137,3 +149,14 @@ def test_vllm_push_reproduces_a_fresh_engine_and_changes_it():
         assert noisy_ids != fresh_ids, path
         # every layer took W' (a stale linear or norm would move these by far more)
         assert torch.allclose(torch.tensor(sum(noisy_lp, [])), torch.tensor(sum(hf_lp, [])), atol=1e-4, rtol=0), path
+
+
+def test_kv_cache_shortfall_names_the_flag_and_the_size_that_fits():
+    from rlhf.engines.vllm_engine import kv_cache_shortfall
+
+    # 8208-token sequences take 65 blocks of 128: 512 blocks (64 MiB) hold 7 of them, 8 need 520 blocks
+    note = kv_cache_shortfall(64 << 20, 512, 128, 8208, 8)
+    assert "holds 7 sequences of 8208 tokens" in note and "samples 8 per call" in note
+    assert f"--vllm_kv_cache_bytes {520 * (64 << 20) // 512} " in note
+    assert kv_cache_shortfall(64 << 20, 512, 128, 8208, 7) is None
+    assert kv_cache_shortfall(64 << 20, 512, 128, 128, 512) is None

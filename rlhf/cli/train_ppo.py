@@ -41,8 +41,9 @@ from rlhf.utils.seeding import seed_everything
 from rlhf.utils.watchdog import Watchdog
 
 
-def build_rollout_engine(cfg: TrainPPOConfig, device: torch.device, tokenizer):
-    """vLLM in-process when installed (or asked for), else the HF-generate fallback with a warning."""
+def build_rollout_engine(cfg: TrainPPOConfig, device: torch.device, tokenizer, num_engines: int = 0):
+    """vLLM in-process when installed (or asked for), else the HF-generate fallback with a warning. num_engines:
+    the engines sharing a step's samples (0: unknown; sizes the KV-cache check on CPU)."""
     from rlhf.engines.vllm_engine import VLLMEngine, vllm_available
 
     r, m = cfg.rollout, cfg.model
@@ -53,7 +54,9 @@ def build_rollout_engine(cfg: TrainPPOConfig, device: torch.device, tokenizer):
                           max_model_len=cfg.data.prompt_max_len + r.generate_max_len,
                           kv_cache_bytes=r.vllm_kv_cache_bytes, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                           enforce_eager=r.enforce_eager, enable_prefix_caching=r.enable_prefix_caching,
-                          enable_sleep=r.vllm_enable_sleep, trust_remote_code=m.trust_remote_code)
+                          enable_sleep=r.vllm_enable_sleep, trust_remote_code=m.trust_remote_code,
+                          sequences_per_call=(cfg.batch.rollout_batch_size * cfg.samples_per_prompt // num_engines
+                                              if num_engines else 0))
     if r.rollout_engine == "auto":
         warnings.warn("vLLM is not installed: generating with transformers (slower); install the cpu or gpu "
                       "extra for vLLM", stacklevel=2)
@@ -165,7 +168,7 @@ def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ())
     if is_writer:
         print(describe_algorithm(cfg, topology), flush=True)
         print(describe_layout(cfg, topology, device), flush=True)
-    engine = build_rollout_engine(cfg, device, tokenizer)
+    engine = build_rollout_engine(cfg, device, tokenizer, topology.num_engines)
     seed_everything(cfg.seed + launch.rank, cfg.full_determinism)  # vLLM re-seeds globally
     steps = total_steps(cfg, sampler)
     roles = build_roles(cfg, topology, device, steps, reward_source, tokenizer)

@@ -159,13 +159,33 @@ def _quiet_vllm_logs() -> None:
             handler.addFilter(_DropRotaryReloadWarning())
 
 
+def kv_cache_shortfall(kv_cache_bytes: int, num_blocks: int, block_size: int, max_model_len: int,
+                       sequences: int) -> str | None:
+    """Why a CPU engine's KV cache of `num_blocks` blocks of `block_size` tokens (from `kv_cache_bytes`) is too
+    small for `sequences` sequences of `max_model_len` tokens at once, with the size that would hold them; None
+    when it is large enough. vLLM then schedules fewer sequences at a time, and preempts and recomputes those
+    that outgrow the cache: generation can be many times slower."""
+    blocks_per_sequence = -(-max_model_len // block_size)
+    fit = num_blocks // blocks_per_sequence
+    if fit >= sequences:
+        return None
+    need = -(-sequences * blocks_per_sequence * kv_cache_bytes // num_blocks)
+    return (f"--vllm_kv_cache_bytes {kv_cache_bytes} ({kv_cache_bytes / 2**20:.0f} MiB) holds {fit} sequences of "
+            f"{max_model_len} tokens (--prompt_max_len + --generate_max_len) at once, but each engine samples "
+            f"{sequences} per call: vLLM runs the rest later or preempts and recomputes them, which can make "
+            f"generation many times slower. Set --vllm_kv_cache_bytes {need} ({need / 2**20:.0f} MiB) or more if "
+            "memory allows.")
+
+
 class VLLMEngine:
     """`RolloutEngine` backed by `vllm.LLM` in this process."""
 
     def __init__(self, model_path: str, *, dtype: torch.dtype, tp_size: int, seed: int, max_model_len: int,
                  kv_cache_bytes: int, gpu_memory_utilization: float, enforce_eager: bool,
                  enable_prefix_caching: bool, enable_sleep: bool, trust_remote_code: bool = False,
-                 max_num_seqs: int | None = None) -> None:
+                 max_num_seqs: int | None = None, sequences_per_call: int = 0) -> None:
+        """sequences_per_call: how many sequences one generate call of this engine samples (0: unknown); on CPU,
+        a KV cache (kv_cache_bytes) too small to hold them all at max_model_len tokens is warned about."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         _quiet_vllm_logs()
         from vllm import LLM
@@ -190,6 +210,12 @@ class VLLMEngine:
         llm = LLM(**kwargs)
         if enable_sleep and not on_cuda:
             warnings.warn("--vllm_enable_sleep has no effect on CPU (vLLM has no sleep mode there)", stacklevel=2)
+        if not on_cuda and sequences_per_call:
+            cache, scheduler = llm.llm_engine.vllm_config.cache_config, llm.llm_engine.vllm_config.scheduler_config
+            note = kv_cache_shortfall(kv_cache_bytes, cache.num_gpu_blocks, cache.block_size, max_model_len,
+                                      min(sequences_per_call, scheduler.max_num_seqs))
+            if note:
+                warnings.warn(note, stacklevel=2)
         # vLLM re-seeds global RNGs, replaces set_num_threads with a no-op and freezes the GC.
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(num_threads)
