@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -287,22 +288,35 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="4m",
                         help="the random Llama: 4m (hidden 256, 4 layers), 30m (hidden 512, 7 layers)")
     parser.add_argument("--lengths", default="fixed,natural", help="comma-separated: fixed, natural")
-    parser.add_argument("--keep", default=None, help="write runs and logs here (default: a removed temp dir)")
-    parser.add_argument("--report_only", action="store_true", help="print the report of the runs kept in --keep")
-    parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more train_ppo flags (both runs and floors)")
+    add_run_arguments(parser, "more train_ppo flags (both runs and floors)")
     args = parser.parse_args()
-    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
     modes = args.lengths.split(",")
     if args.steps < 2 or not set(modes) <= {"fixed", "natural"}:
         parser.error("--steps must be >= 2 and --lengths a list of fixed, natural")
+    run_and_report(parser, args, "rl_step_", lambda work, extra: measure(args, work, modes, extra),
+                   lambda work: report(work, modes, args.steps, args.world))
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, extra_help: str) -> None:
+    """--keep DIR, --report_only and the train_ppo flags after `--` (shared with long_context.py)."""
+    parser.add_argument("--keep", default=None, help="write runs and logs here (default: a removed temp dir)")
+    parser.add_argument("--report_only", action="store_true", help="print the report of the runs kept in --keep")
+    parser.add_argument("extra", nargs=argparse.REMAINDER, help=f"after --: {extra_help}")
+
+
+def run_and_report(parser: argparse.ArgumentParser, args: argparse.Namespace, prefix: str,
+                   measure_fn: Callable[[str, list[str]], None], report_fn: Callable[[str], None]) -> None:
+    """measure_fn(work dir, extra flags) unless --report_only, then report_fn(work dir); the work dir is --keep or
+    a temporary one, removed afterwards."""
     if args.report_only and not args.keep:
         parser.error("--report_only reads the runs of --keep DIR")
-    work = args.keep or tempfile.mkdtemp(prefix="rl_step_")
+    extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    work = args.keep or tempfile.mkdtemp(prefix=prefix)
     os.makedirs(work, exist_ok=True)
     try:
         if not args.report_only:
-            measure(args, work, modes, extra)
-        report(work, modes, args.steps, args.world)
+            measure_fn(work, extra)
+        report_fn(work)
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)

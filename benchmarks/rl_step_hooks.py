@@ -25,8 +25,8 @@ IGNORE_EOS = {"on": False}
 
 class Probe:
     """Seconds per (step, call name) on this rank, (stage name, enter, leave, CPU seconds) of every
-    StageTimer stage in order, the time each step ended (after its logging) and the recorded arguments of
-    the calls the floors replay."""
+    StageTimer stage in order, the process's peak RSS so far at each stage's end, the time each step ended
+    (after its logging) and the recorded arguments of the calls the floors replay."""
 
     def __init__(self) -> None:
         self.step = 0
@@ -34,6 +34,7 @@ class Probe:
         self.stages: list[tuple[str, float, float, float]] = []
         self.step_end: dict[int, float] = {}
         self.calls: dict[str, list] = defaultdict(list)
+        self.stage_peak_rss: list[tuple[str, int]] = []
 
     def add(self, name: str, seconds: float) -> None:
         self.seconds[self.step][name] += seconds
@@ -42,7 +43,8 @@ class Probe:
         """Everything as plain containers (for torch.save), with this process's peak RSS so far."""
         return {"seconds": {s: dict(v) for s, v in self.seconds.items()}, "stages": list(self.stages),
                 "step_end": dict(self.step_end),
-                "calls": dict(self.calls), "peak_rss_bytes": peak_rss_bytes(), "threads": torch_threads()}
+                "calls": dict(self.calls), "peak_rss_bytes": peak_rss_bytes(), "threads": torch_threads(),
+                "stage_peak_rss": list(self.stage_peak_rss)}
 
 
 PROBE = Probe()
@@ -151,6 +153,7 @@ def install_trainer_probes() -> None:
                 yield
         finally:
             PROBE.stages.append((name, start, time.perf_counter(), time.process_time() - cpu))
+            PROBE.stage_peak_rss.append((name, peak_rss_bytes()))  # the process's peak so far, at the stage's end
 
     StageTimer.stage = stage_wrapper
     step = ppo_module.PPOTrainer.step
