@@ -156,7 +156,7 @@ def test_kv_cache_shortfall_names_the_flag_and_the_size_that_fits():
 
     # 8208-token sequences take 65 blocks of 128: 512 blocks (64 MiB) hold 7 of them, 8 need 520 blocks
     note = kv_cache_shortfall(64 << 20, 512, 128, 8208, 8)
-    assert "holds 7 sequences of 8208 tokens" in note and "samples 8 per call" in note
+    assert "holds 7 sequences of 8208 tokens" in note and "fewer than the 8 each engine" in note
     assert f"--vllm_kv_cache_bytes {520 * (64 << 20) // 512} " in note
     assert kv_cache_shortfall(64 << 20, 512, 128, 8208, 7) is None
     assert kv_cache_shortfall(64 << 20, 512, 128, 128, 512) is None

@@ -138,7 +138,8 @@ def _chunk_fn(cfg: BatchInferenceConfig, items: list, topology: Topology, device
     if cfg.eval_task == "rm":
         return ChunkScorer(build_scorer(cfg, device), items, tokenizer.pad_token_id, topology.dp_size(Role.REWARD),
                            topology.dp_rank(Role.REWARD), topology.group(Role.REWARD))
-    engine = build_engine(cfg, topology.rollout_tp, device, tokenizer)
+    prompts_per_call = -(-min(cfg.chunk_size, len(items)) // topology.num_engines)
+    engine = build_engine(cfg, topology.rollout_tp, device, tokenizer, prompts_per_call * cfg.generation.best_of_n)
     return ChunkGenerator(engine, items, sampling_spec(cfg), cfg.seed, tokenizer,
                           skip_special_tokens=cfg.eval_task == "generate", num_engines=topology.num_engines,
                           engine_index=topology.engine_index, engine_lead=topology.engine_rank == 0,

@@ -170,11 +170,11 @@ def kv_cache_shortfall(kv_cache_bytes: int, num_blocks: int, block_size: int, ma
     if fit >= sequences:
         return None
     need = -(-sequences * blocks_per_sequence * kv_cache_bytes // num_blocks)
-    return (f"--vllm_kv_cache_bytes {kv_cache_bytes} ({kv_cache_bytes / 2**20:.0f} MiB) holds {fit} sequences of "
-            f"{max_model_len} tokens (--prompt_max_len + --generate_max_len) at once, but each engine samples "
-            f"{sequences} per call: vLLM runs the rest later or preempts and recomputes them, which can make "
-            f"generation many times slower. Set --vllm_kv_cache_bytes {need} ({need / 2**20:.0f} MiB) or more if "
-            "memory allows.")
+    return (f"--vllm_kv_cache_bytes {kv_cache_bytes} ({kv_cache_bytes / 2**20:.3g} MiB) holds {fit} sequences of "
+            f"{max_model_len} tokens (the longest prompt plus the longest generation) at once, fewer than the "
+            f"{sequences} each engine would run at once in a generate call: vLLM runs the rest later or preempts and "
+            f"recomputes them, which can make generation many times slower. Set --vllm_kv_cache_bytes {need} "
+            f"({need / 2**20:.3g} MiB) or more if memory allows.")
 
 
 class VLLMEngine:

@@ -111,9 +111,10 @@ def check_engine_available(cfg: BatchInferenceConfig) -> None:
                          "generate (HF transformers)")
 
 
-def build_engine(cfg: BatchInferenceConfig, tp_size: int, device: torch.device, tokenizer) -> RolloutEngine:
+def build_engine(cfg: BatchInferenceConfig, tp_size: int, device: torch.device, tokenizer,
+                 sequences_per_call: int = 0) -> RolloutEngine:
     """This rank's engine: its share of an in-process vLLM engine (every rank must build one), or its own HF
-    model."""
+    model. sequences_per_call: what one generate call samples (0: unknown; sizes the KV-cache check on CPU)."""
     m, v, g = cfg.model, cfg.vllm, cfg.generation
     if cfg.eval_task == "generate_vllm":
         from rlhf.engines.vllm_engine import VLLMEngine
@@ -122,7 +123,8 @@ def build_engine(cfg: BatchInferenceConfig, tp_size: int, device: torch.device, 
                           max_model_len=g.prompt_max_len + g.max_new_tokens, kv_cache_bytes=v.vllm_kv_cache_bytes,
                           gpu_memory_utilization=v.vllm_gpu_memory_utilization, enforce_eager=v.enforce_eager,
                           enable_prefix_caching=v.enable_prefix_caching, enable_sleep=False,
-                          trust_remote_code=m.trust_remote_code, max_num_seqs=v.max_num_seqs)
+                          trust_remote_code=m.trust_remote_code, max_num_seqs=v.max_num_seqs,
+                          sequences_per_call=sequences_per_call)
     from rlhf.engines.hf_engine import HFGenerateEngine
 
     return HFGenerateEngine(m.pretrain, dtype=m.dtype, device=device, eos_token_id=tokenizer.eos_token_id,
