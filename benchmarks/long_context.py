@@ -30,7 +30,16 @@ import os
 import statistics
 
 import torch
-from rl_step import STAGES, add_run_arguments, build_model_dir, critical_path, read_metrics, run_and_report, torchrun
+from rl_step import (
+    STAGES,
+    add_run_arguments,
+    build_model_dir,
+    critical_path,
+    rank_records,
+    read_metrics,
+    run_and_report,
+    torchrun,
+)
 
 PROMPTS, SAMPLES = 4, 2
 KV_BYTES_PER_TOKEN = 2 * 4 * 256 * 4  # k and v, 4 layers, 256 dims, fp32
@@ -67,9 +76,7 @@ def measure(args: argparse.Namespace, work: str, extra: list[str]) -> None:
 
 
 def summarize(run_dir: str, step: int) -> dict:
-    ranks = []
-    while os.path.exists(os.path.join(run_dir, f"rank{len(ranks)}.pt")):
-        ranks.append(torch.load(os.path.join(run_dir, f"rank{len(ranks)}.pt"), weights_only=False))
+    ranks = rank_records(run_dir)
     for r in ranks:  # step 1 starts with the first generation (not at start-up)
         r["step_end"].setdefault(0, min(t0 for name, t0, _, _ in r["stages"] if name == STAGES[0]))
     path = critical_path(ranks, step)

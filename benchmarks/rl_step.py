@@ -93,6 +93,14 @@ def mean(values) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
+def rank_records(run_dir: str) -> list[dict]:
+    """The probe records `rl_step_trainer.py` wrote to `run_dir`, rank 0 first."""
+    ranks = []
+    while os.path.exists(os.path.join(run_dir, f"rank{len(ranks)}.pt")):
+        ranks.append(torch.load(os.path.join(run_dir, f"rank{len(ranks)}.pt"), weights_only=False))
+    return ranks
+
+
 def critical_path(ranks: list[dict], step: int) -> dict[str, float]:
     """Step `step`'s wall time and stages on the shared clock, and each stage's CPU seconds on its busiest
     rank. A step ends when the last rank has finished it (and rank 0 has logged it); a stage ends when the
@@ -130,9 +138,7 @@ def summarize(run_dir: str, floor_records: list[dict], mode: str, steps: list[in
     the floors (the slowest rank's, each floor stage starts at a barrier), the probes (the largest rank's
     value per step; all_gather_rollout: the smallest, the others include waiting for the slowest rank)."""
     metrics = read_metrics(os.path.join(run_dir, "save", "metrics.jsonl"))
-    ranks = []
-    while os.path.exists(os.path.join(run_dir, f"rank{len(ranks)}.pt")):
-        ranks.append(torch.load(os.path.join(run_dir, f"rank{len(ranks)}.pt"), weights_only=False))
+    ranks = rank_records(run_dir)
     paths = [critical_path(ranks, s) for s in steps]
     timed = [k for k, v in floor_records[0]["floors"][mode][steps[0]].items() if k != "generated_tokens"
              and isinstance(v, float)]
