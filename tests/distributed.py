@@ -61,6 +61,17 @@ def run_on_ranks(world_size: int, fn, *args) -> list:
         return results
 
 
+def _each_variant(variants: list[tuple]) -> list:
+    return [fn(*args) for fn, *args in variants]
+
+
+def run_variants_on_ranks(world_size: int, variants: list[tuple]) -> list[list]:
+    """fn(*args) for every `(fn, *args)` in `variants`, one after another in the same fresh gloo world (one
+    process start for all of them); returns, per variant, the per-rank results in rank order."""
+    per_rank = run_on_ranks(world_size, _each_variant, variants)
+    return [[results[i] for results in per_rank] for i in range(len(variants))]
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -19,7 +19,7 @@ from rlhf.engines.rollout import SamplingSpec, to_rollout
 from rlhf.engines.vllm_engine import VLLMEngine
 from rlhf.models.loading import load_causal_lm, load_tokenizer
 from rlhf.models.logprobs import sequence_logprobs
-from tests.test_dp_equivalence import build_actor, synthetic_experiences
+from tests.tiny_actor import build_actor, synthetic_experiences
 
 
 def main(out_path: str, zero_stage: int, tp: int) -> None:

@@ -1,0 +1,45 @@
+"""Asynchronous training (--async_train): the last --vllm_num_engines x TP ranks only generate, a step ahead
+(or --async_queue_size steps) of the ranks that train. The rank plan, the refusals, and the schedule itself: the
+batch trained at step t was sampled with the weights of step t - queue size (seen in its samples, which equal a
+run that never moves its weights, and in the gap between the engine's and the actor's log-probs that the
+off-policy correction then weights)."""
+
+import pytest
+
+from tests.distributed import run_torchrun
+from tests.tiny_runs import SMALL, read_metrics
+
+RUN = [*SMALL, "--rollout_engine", "hf", "--zero_stage", "2", "--max_steps", "4", "--seed", "5",
+       "--train_batch_size", "16", "--micro_train_batch_size", "4", "--enable_vllm_is_correction"]
+
+
+def test_async_batches_are_stale_by_the_queue_size(tmp_path):
+    def train(name, nproc, *extra):
+        out = tmp_path / name
+        proc = run_torchrun(nproc, "-m rlhf.cli.train_ppo", *RUN, "--save_path", str(out), *extra)
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        return proc.stdout + proc.stderr, read_metrics(out)
+
+    # lr 1e-12 leaves the fp32 weights as they are: every batch is the initial weights' samples
+    _, frozen = train("frozen", 1, "--actor_learning_rate", "1e-12")
+    log, one = train("async1", 2, "--actor_learning_rate", "1e-2", "--async_train", "--vllm_num_engines", "1")
+    assert "asynchronous: ranks 1-1 generate (1 engine(s)) up to 1 step(s) ahead of ranks 0-0" in log
+    _, two = train("async2", 2, "--actor_learning_rate", "1e-2", "--async_train", "--vllm_num_engines", "1",
+                   "--async_queue_size", "2")
+    reward = [r["reward_mean"] for r in frozen]
+    # queue 1: the batches of steps 0 and 1 are the initial weights'; queue 2: steps 0, 1 and 2
+    assert [r["reward_mean"] for r in one][:2] == reward[:2]
+    assert [r["reward_mean"] for r in two][:3] == reward[:3]
+    gap = "rollout/logprob_abs_diff"
+    for queue, rows in ((1, one), (2, two)):
+        assert rows[0][gap] < 1e-4  # trained with the weights that sampled it
+        stale_steps = 0
+        for t in range(1, len(rows)):
+            # stale when an update since its weights moved them (a step whose groups all tie has no gradient)
+            moved = any(rows[s]["grad_norm"] > 0 for s in range(max(0, t - queue), t))
+            stale_steps += moved
+            if moved:
+                assert rows[t][gap] > 1e-3 and rows[t]["rollout/is_weight_mean"] != pytest.approx(1.0, abs=1e-4)
+            else:
+                assert rows[t][gap] < 1e-4, (queue, t)
+        assert stale_steps >= 2, f"queue {queue}: too few updates to see staleness"

@@ -1,0 +1,156 @@
+"""batch_inference: the post-processors against hand-computed rows, the chunked writer across interruptions
+(torn lines included), the config's refusals, and end-to-end runs on the embedded tiny models: HF generate on
+2 ranks == a 1-rank run stopped after its first chunk and rerun, reward-model scores == scoring the rows by hand
+(with the stored mean/std), and vLLM greedy rows == HF greedy decoding."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_PROMPTS, EMBEDDED_REWARD_MODEL_DIR
+from rlhf.inference.generate import generated_text
+from rlhf.inference.output import progress_path
+from rlhf.inference.post_process import rejection_sampling
+from tests.distributed import ROOT, free_port, run_torchrun
+
+CPU = ["--param_dtype", "fp32", "--attn_implementation", "sdpa"]
+GEN = [*CPU, "--max_samples", "24", "--best_of_n", "2", "--chunk_size", "6"]
+"""24 demo prompts x 2 samples in 4 chunks of 6 prompts."""
+
+
+def _rows(path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def hf_generated(tmp_path_factory):
+    """The demo's first 24 prompts x 2 samples, HF generate on 2 ranks (uninterrupted)."""
+    out = tmp_path_factory.mktemp("hf") / "gen.jsonl"
+    proc = run_torchrun(2, "-m rlhf.cli.batch_inference", "--eval_task", "generate", *GEN, "--output_path", str(out))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "24 prompts x 2 samples on 2 HF generate engine(s) of 1 rank(s)" in proc.stdout
+    return out
+
+
+def _single_rank(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "MASTER_PORT": str(free_port())}
+    return subprocess.Popen([sys.executable, "-m", "rlhf.cli.batch_inference", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _chunks_done(path) -> int:
+    try:
+        with open(progress_path(str(path))) as f:
+            return json.load(f)["chunks_done"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def test_generate_rows_and_a_stopped_single_rank_run_resumed_equal_two_ranks(hf_generated, tmp_path):
+    rows = _rows(hf_generated)
+    assert len(rows) == 48 and all(set(r) == {"input", "output"} for r in rows)
+    assert [r["input"] for r in rows[:4]] == ["b i q copy 6 : "] * 2 + ["z j p copy 7 : "] * 2  # samples together
+    assert rows[0]["output"] != rows[1]["output"]
+    out = tmp_path / "gen.jsonl"
+    args = ["--eval_task", "generate", *GEN, "--output_path", str(out)]
+    proc = _single_rank(*args)
+    deadline = time.monotonic() + 300
+    while _chunks_done(out) < 1 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)  # preemption: stop at the next chunk boundary
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 75, stderr[-6000:]
+    assert "rerun the same command to continue" in stdout
+    done = _chunks_done(out)
+    assert 1 <= done < 4
+    with open(out, "ab") as f:  # and a crash while writing the next chunk left a torn row behind
+        f.write(b'{"input": "b i q co')
+    proc = _single_rank(*args)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-6000:]
+    assert f"resuming {out}: {done} of 4 chunks ({done * 12} rows)" in stdout
+    assert out.read_bytes() == hf_generated.read_bytes()
+
+
+def test_rm_scores_equal_direct_scoring_then_rejection_sampling(hf_generated, tmp_path):
+    from rlhf.models.loading import load_tokenizer
+    from rlhf.models.value import load_scalar_head_model
+
+    rm = tmp_path / "rm"
+    shutil.copytree(EMBEDDED_REWARD_MODEL_DIR, rm)
+    config = json.loads((rm / "config.json").read_text())
+    (rm / "config.json").write_text(json.dumps({**config, "mean": 0.25, "std": 0.5}))  # as train_rm stores them
+    out = tmp_path / "rs.jsonl"
+    # the head is named in the model's config ("score"): it wins over --value_head_prefix's default "value_head"
+    proc = run_torchrun(2, "-m rlhf.cli.batch_inference", "--eval_task", "rm", *CPU, "--pretrain", str(rm),
+                        "--dataset", str(hf_generated), "--max_len", "64", "--micro_batch_size", "5",
+                        "--chunk_size", "16", "--post_processor", "rs", "--output_path", str(out))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    generated = [r for r in _rows(hf_generated) if r["output"]]  # OpenRLHF's SFTDataset drops empty responses
+    scored = _rows(str(out) + ".scored.jsonl")
+    assert [(r["input"], r["output"]) for r in scored] == [(r["input"], r["output"]) for r in generated]
+    tok = load_tokenizer(str(rm))
+    model = load_scalar_head_model(str(rm), "score", torch.float32, "sdpa").eval()
+    for row in scored:
+        ids = tok((row["input"] + row["output"]).rstrip("\n") + " </s>", add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            raw = float(model(torch.tensor([ids]))[0, -1])
+        assert row["reward"] == pytest.approx((raw - 0.25) / 0.5, rel=1e-5, abs=1e-6)
+    assert _rows(out) == rejection_sampling(scored)
+    assert len(_rows(out)) == len({r["input"] for r in generated})
+
+
+@pytest.mark.vllm
+def test_vllm_greedy_rows_equal_hf_greedy_decoding(tmp_path):
+    pytest.importorskip("vllm")
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.models.loading import load_tokenizer
+
+    out = tmp_path / "greedy.jsonl"
+    proc = run_torchrun(2, "-m rlhf.cli.batch_inference", "--eval_task", "generate_vllm", *CPU, "--tp_size", "1",
+                        "--max_samples", "12", "--chunk_size", "5", "--greedy_sampling", "--output_path", str(out),
+                        "--max_num_seqs", "4")
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    hf_out = tmp_path / "hf_greedy.jsonl"
+    hf = run_torchrun(1, "-m rlhf.cli.batch_inference", "--eval_task", "generate", *CPU, "--max_samples", "12",
+                      "--greedy_sampling", "--output_path", str(hf_out))
+    assert hf.returncode == 0, hf.stderr[-6000:]
+    assert "12 prompts x 1 sample on 2 vLLM engine(s) of 1 rank(s)" in proc.stdout
+    rows = _rows(out)
+    tok = load_tokenizer(EMBEDDED_MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR, dtype=torch.float32).eval()
+    prompts = [row["input"] + " " for row in _rows(EMBEDDED_PROMPTS)[:12]]  # the demo template "{} "
+    assert [r["input"] for r in rows] == prompts
+    for row in rows:
+        ids = tok(row["input"], add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            seq = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+        assert row["output"] == generated_text(tok, ids, seq, skip_special_tokens=False), row
+    for row, hf_row in zip(rows, _rows(hf_out), strict=True):  # the HF engine decodes greedily too
+        ids = tok(row["input"], add_special_tokens=False)["input_ids"]
+        seq = tok(row["input"] + row["output"], add_special_tokens=False)["input_ids"][len(ids):]
+        assert hf_row["output"] == generated_text(tok, ids, seq, skip_special_tokens=True), (row, hf_row)
+
+
+@pytest.mark.vllm
+def test_vllm_sampled_rows_do_not_depend_on_the_rank_count(tmp_path):
+    pytest.importorskip("vllm")
+    args = ["--eval_task", "generate_vllm", *GEN, "--tp_size", "1"]
+    two = run_torchrun(2, "-m rlhf.cli.batch_inference", *args, "--output_path", str(tmp_path / "two.jsonl"))
+    assert two.returncode == 0, two.stderr[-6000:]
+    one = _single_rank(*args, "--output_path", str(tmp_path / "one.jsonl"))
+    stdout, stderr = one.communicate(timeout=600)
+    assert one.returncode == 0, stderr[-6000:]
+    assert (tmp_path / "one.jsonl").read_bytes() == (tmp_path / "two.jsonl").read_bytes()

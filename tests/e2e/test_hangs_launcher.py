@@ -1,0 +1,109 @@
+"""A stuck rank is named, not silent: the watchdog prints each rank's stage after `--watchdog_interval`
+seconds without progress, collectives give up after `--dist_timeout`, and a reward_func that never
+returns fails after `--reward_func_timeout` with an error naming the file."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.distributed import ROOT, free_port
+
+HANGING_REWARD = """
+import os, threading
+import torch
+
+def reward_func(queries, prompts, labels):
+    if os.environ.get("RANK", "1") == "1":
+        threading.Event().wait()  # never returns
+    return torch.zeros(len(queries))
+"""
+
+
+@pytest.mark.vllm
+def test_hanging_reward_func_ends_the_run_on_every_rank(tmp_path):
+    """Rank 1's reward_func never returns: rank 0's watchdog names the stage it waits in, rank 1 fails
+    with the timeout error after 4 s, and torchrun stops rank 0; the job exits non-zero within seconds."""
+    pytest.importorskip("vllm")
+    from tests.e2e.test_preemption import GRPO
+
+    path = tmp_path / "hang.py"
+    path.write_text(HANGING_REWARD)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "-m", "rlhf.cli.train_ppo", *GRPO, "--remote_rm_url", str(path),
+           "--save_path", str(tmp_path / "run"), "--max_steps", "2", "--reward_func_timeout", "4",
+           "--watchdog_interval", "1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
+    _, err = proc.communicate(timeout=600)
+    (tmp_path / "stderr.txt").write_text(err)
+    assert proc.returncode != 0
+    # Rank 1's traceback goes to its log file (the console shows library output, torch's excepthook
+    # included, from rank 0 only); torchrun's summary on the console names rank 1 as the root cause.
+    rank1_log = (tmp_path / "run" / "logs" / "rank1.log").read_text()
+    assert f"RewardFuncTimeout: reward_func in {path} did not return within 4 s" in err + rank1_log, err[-4000:]
+    assert "[rank 0] no progress for 1 s: in stage 'step/experience' since " in err, err[-4000:]
+    assert "[rank 1] no progress for 1 s: in stage 'step/experience/reward_func' since " in err, err[-4000:]
+    waited = [int(line.split("no progress for ")[1].split()[0]) for line in err.splitlines()
+              if line.startswith("[rank 0] no progress for") and "'step/experience'" in line]
+    assert max(waited) < 30, waited  # rank 0 stopped soon after rank 1's 4 s timeout, not after --dist_timeout
+
+
+WORKER = """
+import os, signal, sys, time
+got = []
+for sig in (signal.SIGTERM, signal.SIGUSR1):
+    signal.signal(sig, lambda signum, frame: got.append(signal.Signals(signum).name))
+open(os.path.join(sys.argv[1], "ready" + os.environ["RANK"]), "w").close()
+while not got:
+    time.sleep(0.05)
+time.sleep(float(sys.argv[2]))  # "checkpointing": longer than torchrun's shutdown timeout (1 s)
+open(os.path.join(sys.argv[1], got[0] + os.environ["RANK"]), "w").close()
+"""
+
+
+def _launch_worker(tmp_path, grace: str, checkpoint_s: str) -> subprocess.Popen:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    cmd = [sys.executable, "-m", "rlhf.cli.launch", "--grace_period", grace, "--nproc_per_node=2",
+           "--shutdown_timeout=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script),
+           str(tmp_path), checkpoint_s]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT}, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    return proc
+
+
+@pytest.mark.parametrize("sig,target", [(signal.SIGTERM, "launcher"), (signal.SIGUSR1, "launcher"),
+                                        (signal.SIGTERM, "group")])
+def test_launcher_relays_preemption_and_waits_for_the_workers(tmp_path, sig, target):
+    """The workers take 3 s after the signal (torchrun alone would kill them after its 1 s shutdown timeout,
+    or die at once on SIGUSR1); the launcher waits for them and exits 0. `group`: the signal goes to the
+    launcher's whole process group, as `timeout` and a terminal send it."""
+    proc = _launch_worker(tmp_path, "60", "3")
+    sent = time.monotonic()
+    os.killpg(proc.pid, sig) if target == "group" else os.kill(proc.pid, sig)
+    _, err = proc.communicate(timeout=60)
+    seconds = time.monotonic() - sent
+    assert proc.returncode == 0, err[-3000:]
+    assert all((tmp_path / f"{sig.name}{r}").exists() for r in range(2))
+    assert f"got {sig.name}: asked 2 worker(s) to checkpoint and exit (grace period 60 s)" in err
+    assert 3 <= seconds < 15, seconds
+
+
+def test_launcher_stops_workers_that_outlast_the_grace_period(tmp_path):
+    proc = _launch_worker(tmp_path, "2", "60")
+    sent = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    seconds = time.monotonic() - sent
+    assert proc.returncode != 0
+    assert "did not exit within the grace period (2 s, --grace_period)" in err, err[-3000:]
+    assert not any((tmp_path / f"SIGTERM{r}").exists() for r in range(2))
+    assert 2 <= seconds < 15, seconds

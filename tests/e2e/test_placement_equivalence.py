@@ -1,0 +1,58 @@
+"""A split placement (actor+ref on ranks 0-1, critic+reward on ranks 2-3) gives the same losses and
+weights after two PPO steps as every role colocated on all 4 ranks, for ZeRO-2 and ZeRO-3.
+
+Tolerance: the two runs differ only in how the same global batch is split over DP ranks and
+micro-batches (4 ranks x 1 micro-batch vs 2 ranks x 2), i.e. in fp32 summation order (~1e-7
+relative). One Adam step moves each weight by about lr * sign(m/sqrt(v)), so a weight whose gradient
+is within rounding of zero could move differently; with lr 1e-3 we allow 1e-5 absolute, two orders
+above rounding and two below such a flip. Step 2 samples from engines loaded with these weights.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf.assets import TINY_DIR
+from tests.distributed import run_torchrun
+from tests.tiny_runs import CPU
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+COMMON = [*CPU, "--pretrain", f"{TINY_DIR}/policy", "--reward_pretrain", f"{TINY_DIR}/reward_model",
+          "--prompt_data", f"{TINY_DIR}/prompts.jsonl", "--advantage_estimator", "gae", "--init_kl_coef", "0.01",
+          "--n_samples_per_prompt", "1", "--rollout_batch_size", "8", "--micro_rollout_batch_size", "4",
+          "--train_batch_size", "8", "--micro_train_batch_size", "2", "--generate_max_len", "6",
+          "--prompt_max_len", "16", "--actor_learning_rate", "1e-3", "--critic_learning_rate", "1e-3",
+          "--lr_scheduler", "constant", "--lr_warmup_ratio", "0", "--max_steps", "2", "--seed", "3"]
+SPLIT = ["--actor_num_gpus_per_node", "2", "--ref_num_gpus_per_node", "2", "--critic_num_gpus_per_node", "2",
+         "--reward_num_gpus_per_node", "2", "--colocate_actor_ref", "--colocate_critic_reward"]
+
+
+def run(out, zero_stage, placement):
+    proc = run_torchrun(4, "-m rlhf.cli.train_ppo", *COMMON, *placement, "--zero_stage", str(zero_stage),
+                        "--save_path", str(out))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f]
+    return metrics, load_file(os.path.join(out, "model", "model.safetensors")), \
+        load_file(os.path.join(out, "critic", "model.safetensors"))
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_split_placement_equals_colocated(tmp_path, zero_stage):
+    colo_metrics, colo_actor, colo_critic = run(tmp_path / "colocated", zero_stage, ["--colocate_all_models"])
+    split_metrics, split_actor, split_critic = run(tmp_path / "split", zero_stage, SPLIT)
+    assert len(colo_metrics) == len(split_metrics) == 2
+    for a, b in zip(colo_metrics, split_metrics):
+        for key in ("reward_mean", "response_length", "kl", "policy_loss", "value_loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (key, a[key], b[key])
+    initial = load_file(os.path.join(TINY_DIR, "policy", "model.safetensors"))
+    assert max(float((colo_actor[k] - initial[k]).abs().max()) for k in initial) > 5e-4
+    for name in colo_actor:
+        torch.testing.assert_close(split_actor[name], colo_actor[name], atol=1e-5, rtol=0, msg=name)
+    for name in colo_critic:
+        torch.testing.assert_close(split_critic[name], colo_critic[name], atol=1e-5, rtol=0, msg=name)

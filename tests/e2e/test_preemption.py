@@ -1,0 +1,129 @@
+"""SIGUSR1/SIGTERM make the job checkpoint and exit 0; a job restarted by torchrun (--max-restarts)
+after a worker died resumes from the newest complete checkpoint on its own."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rlhf.assets import TINY_DIR
+from rlhf.utils.checkpoint import complete_checkpoints
+from tests.distributed import ROOT, free_port
+from tests.tiny_runs import CPU
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+GRPO = [*CPU, "--init_kl_coef", "0", "--advantage_estimator", "group_norm",
+        "--pretrain", f"{TINY_DIR}/policy", "--remote_rm_url", f"{TINY_DIR}/reward.py",
+        "--prompt_data", f"{TINY_DIR}/prompts.jsonl", "--label_key", "label", "--n_samples_per_prompt", "4",
+        "--rollout_batch_size", "4", "--train_batch_size", "16", "--micro_train_batch_size", "4",
+        "--generate_max_len", "6", "--prompt_max_len", "16", "--actor_learning_rate", "1e-3", "--seed", "2"]
+
+
+def launch(out, ckpt, *extra, restarts=0, launcher=("torch.distributed.run",)):
+    """train_ppo under torchrun (or `launcher=("rlhf.cli.launch", ...flags)`); flags in `extra` come last."""
+    cmd = [sys.executable, "-m", *launcher, "--nproc_per_node=2", f"--max-restarts={restarts}",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "rlhf.cli.train_ppo", *GRPO,
+           "--save_path", str(out), "--ckpt_path", str(ckpt), *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
+
+
+def workers(proc):
+    out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out]
+
+
+def wait_for(condition, proc, timeout=300):
+    deadline = time.time() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"job ended early: {proc.stderr.read()[-4000:]}")
+        if time.time() > deadline:
+            proc.kill()
+            raise AssertionError("timed out")
+        time.sleep(0.5)
+
+
+def logged_steps(out):
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_signal_checkpoints_and_exits_cleanly(tmp_path):
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    proc = launch(out, ckpt, "--max_steps", "200")
+    wait_for(lambda: len(logged_steps(out)) >= 2, proc)
+    for pid in workers(proc):
+        os.kill(pid, signal.SIGUSR1)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-4000:]
+    steps = logged_steps(out)
+    assert [s for s, _ in complete_checkpoints(str(ckpt))] == [steps[-1]]
+    assert steps[-1] < 200
+    resumed = launch(out, ckpt, "--max_steps", str(steps[-1] + 2), "--load_checkpoint")
+    stdout, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-4000:]
+    assert f"resumed from {ckpt}/global_step{steps[-1]}" in stdout
+    assert logged_steps(out)[-2:] == [steps[-1] + 1, steps[-1] + 2]
+
+
+def test_torchrun_restart_resumes_from_newest_checkpoint(tmp_path):
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    proc = launch(out, ckpt, "--max_steps", "8", "--save_steps", "2", restarts=1)
+    wait_for(lambda: any(s >= 2 for s, _ in complete_checkpoints(str(ckpt))), proc)
+    newest = complete_checkpoints(str(ckpt))[-1][0]
+    os.kill(workers(proc)[0], signal.SIGKILL)
+    stdout, err = proc.communicate(timeout=600)
+    (tmp_path / "stderr.txt").write_text(err)
+    assert proc.returncode == 0, err[-4000:]
+    assert "resumed from" in stdout
+    resumed_at = int(stdout.split("resumed from")[1].split("global_step")[1].split()[0])
+    assert resumed_at >= newest
+    assert logged_steps(out)[-1] == 8
+
+
+SLOW_REWARD = """
+import importlib.util, time
+spec = importlib.util.spec_from_file_location("tiny_reward", {path!r})
+tiny = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tiny)
+
+def reward_func(queries, prompts, labels):
+    time.sleep(5)  # a step longer than torchrun's shutdown timeout (1 s below)
+    return tiny.reward_func(queries, prompts, labels)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_to_the_launcher_checkpoints_and_exits_0(tmp_path, sig):
+    """The signal goes to the launcher (as from `kill`, `timeout` or a scheduler), not to the workers, and
+    each step outlasts torchrun's shutdown timeout: the workers still finish the step, checkpoint, and
+    the launcher exits 0; the run resumes from that checkpoint."""
+    out, ckpt, reward = tmp_path / "run", tmp_path / "ckpt", tmp_path / "slow_reward.py"
+    reward.write_text(SLOW_REWARD.format(path=f"{TINY_DIR}/reward.py"))
+    launcher = ("rlhf.cli.launch", "--grace_period", "120", "--shutdown_timeout", "1")
+    proc = launch(out, ckpt, "--max_steps", "200", "--remote_rm_url", str(reward), launcher=launcher)
+    wait_for(lambda: len(logged_steps(out)) >= 2, proc)
+    sent = time.monotonic()
+    os.kill(proc.pid, sig)
+    _, err = proc.communicate(timeout=300)
+    seconds = time.monotonic() - sent
+    (tmp_path / "stderr.txt").write_text(err)
+    assert proc.returncode == 0, err[-4000:]
+    assert f"preempted by {sig.name}: the workers checkpointed and exited" in err
+    assert seconds < 60, seconds
+    steps = logged_steps(out)
+    assert [s for s, _ in complete_checkpoints(str(ckpt))] == [steps[-1]]
+    resumed = launch(out, ckpt, "--max_steps", str(steps[-1] + 1), "--load_checkpoint")
+    stdout, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-4000:]
+    assert f"resumed from {ckpt}/global_step{steps[-1]}" in stdout
+    assert logged_steps(out)[-1] == steps[-1] + 1

@@ -1,0 +1,48 @@
+"""When a step's batch feeds exactly one actor update and no reference model reads the actor's log-probs, the
+experience step skips the actor forward and the training forward's detached log-probs stand in for the old
+ones (ratio exactly 1). That must give the update of the full path: same losses, same weights, and the same
+rollout-mismatch metrics, now measured by the training forward."""
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.distributed import run_torchrun
+from tests.tiny_runs import SMALL, read_metrics
+
+ONE_UPDATE = [*SMALL, "--train_batch_size", "16", "--micro_train_batch_size", "4", "--rollout_engine", "hf",
+              "--zero_stage", "2", "--max_steps", "2", "--seed", "3", "--enable_vllm_is_correction"]
+SKIPPED = "no experience forward"
+LR = 1e-3
+
+
+def test_skipped_forward_gives_the_full_paths_update(tmp_path):
+    def train(name, target):
+        out = tmp_path / name
+        proc = run_torchrun(2, target, *ONE_UPDATE, "--save_path", str(out))
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        return proc.stdout + proc.stderr, read_metrics(out), load_file(out / "model" / "model.safetensors")
+
+    skip_log, skip_rows, skip = train("skip", "-m rlhf.cli.train_ppo")
+    full_log, full_rows, full = train("full", "tests/workers/full_experience_forward.py")
+    assert SKIPPED in skip_log and SKIPPED not in full_log
+    assert len(skip_rows) == len(full_rows) == 2
+    for s, f in zip(skip_rows, full_rows):
+        assert s["reward_mean"] == f["reward_mean"]  # the same samples
+        assert s["policy_loss"] == pytest.approx(f["policy_loss"], abs=1e-6)
+        assert s["clip_frac"] == f["clip_frac"] == 0
+        for name in ("rollout/logprob_abs_diff", "rollout/is_weight_mean", "rollout/is_clipped_frac"):
+            assert s[name] == pytest.approx(f[name], abs=1e-6), name
+        assert s["grad_norm"] == pytest.approx(f["grad_norm"], rel=1e-4)
+    worst = max(float((skip[n] - w).abs().max()) for n, w in full.items())
+    assert worst < 0.02 * LR, f"weights differ by {worst}"
+    moved = max(float((skip[n] - w).abs().max()) for n, w in
+                load_file(str(_initial_weights())).items() if n in skip)
+    assert moved > 0.5 * LR  # the update itself is not a no-op
+
+
+def _initial_weights():
+    import os
+
+    from rlhf.assets import EMBEDDED_MODEL_DIR
+
+    return os.path.join(EMBEDDED_MODEL_DIR, "model.safetensors")

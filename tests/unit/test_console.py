@@ -1,0 +1,230 @@
+"""What a user sees on the console: usage errors as one short line from rank 0 (exit 2), other errors
+with their traceback, and third-party library warnings once (all of them in the run's log file)."""
+
+import json
+import logging
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+import rlhf
+import rlhf.cli.train_ppo as train_ppo
+from rlhf.config import errors
+from rlhf.config.common import LoggingConfig
+from rlhf.config.errors import UsageError, usage_errors_exit
+from rlhf.distributed.launch import read_launch_env
+from rlhf.utils.console import route_library_output
+
+TORCH_FILE = os.path.join(os.path.dirname(torch.__file__), "fake_module.py")
+RLHF_FILE = os.path.join(os.path.dirname(rlhf.__file__), "fake_module.py")
+
+
+@pytest.fixture
+def single_process(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(errors, "RANK0_GRACE_S", 0.0)
+    return monkeypatch
+
+
+def error_lines(text):
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--actor_learnig_rate", "1e-6"], "error: unknown flag --actor_learnig_rate; did you mean --actor_learning_rate?"),
+    (["--seed", "abc"], "error: --seed 'abc' is not an integer; give one, e.g. --seed 42"),
+    (["--adam_betas", "0.9"], "error: --adam_betas takes 2 values, e.g. --adam_betas 0.9 0.95"),
+    (["--zero_stage", "4"], "error: --zero_stage 4: choose 0, 1, 2 or 3"),
+])
+def test_usage_errors_are_one_line_on_rank0(single_process, capsys, argv, line):
+    single_process.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exc:
+        train_ppo.main(argv)
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert error_lines(captured.err) == [line] and captured.out == ""
+    assert "usage:" not in captured.err and "Traceback" not in captured.err
+
+
+def test_one_line_per_problem(single_process, capsys):
+    with pytest.raises(SystemExit):
+        train_ppo.main(["--actor_learnig_rate", "1", "--no_such_flag"])
+    assert error_lines(capsys.readouterr().err) == [
+        "error: unknown flag --actor_learnig_rate; did you mean --actor_learning_rate?",
+        "error: unknown flag --no_such_flag; see --help"]
+
+
+def test_other_ranks_report_only_what_rank0_did_not(single_process, capsys):
+    single_process.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as exc:
+        train_ppo.main(["--zero_stage", "4"])
+    assert exc.value.code == 2
+    # Under torchrun rank 0's exit stops this rank during the grace period (RANK0_GRACE_S, 0 here).
+    assert error_lines(capsys.readouterr().err) == ["error: [rank 1] --zero_stage 4: choose 0, 1, 2 or 3"]
+
+
+def test_help_is_still_full(single_process, capsys):
+    with pytest.raises(SystemExit) as exc:
+        train_ppo.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and "--verbose" in out and "--actor_learning_rate" in out
+
+
+def test_input_checks_before_start_are_usage_errors(single_process, capsys):
+    def bad_launch():
+        read_launch_env({"RANK": "0", "WORLD_SIZE": "2"})  # a ValueError raised by rlhf code
+
+    with pytest.raises(SystemExit) as exc, usage_errors_exit(started=lambda: False):
+        bad_launch()
+    assert exc.value.code == 2
+    assert error_lines(capsys.readouterr().err) == [
+        "error: RANK/WORLD_SIZE are set but MASTER_ADDR, MASTER_PORT are not: start with torchrun, or export them"]
+    with pytest.raises(ValueError, match="MASTER_ADDR"), usage_errors_exit(started=lambda: True):
+        bad_launch()  # after start: not a usage error, the traceback stays
+
+
+def test_library_value_error_keeps_its_traceback(single_process, capsys):
+    def run(cfg, parse_warnings=()):
+        json.loads("{")  # a ValueError raised inside a library
+
+    single_process.setattr(train_ppo, "run", run)
+    with pytest.raises(json.JSONDecodeError):
+        train_ppo.main([])
+    assert capsys.readouterr().err == ""
+
+
+def test_errors_after_start_keep_their_traceback_but_usage_errors_do_not(single_process, capsys):
+    def run(cfg, parse_warnings=()):
+        raise ValueError("reward_func returned 1 rewards for 3 queries")
+
+    single_process.setattr(train_ppo, "run", run)
+    single_process.setattr(train_ppo.dist, "is_initialized", lambda: True)
+    with pytest.raises(ValueError, match="returned 1 rewards"):
+        train_ppo.main([])
+
+    def run_usage(cfg, parse_warnings=()):
+        raise UsageError("--vllm_tensor_parallel_size 2 needs vLLM")
+
+    single_process.setattr(train_ppo, "run", run_usage)
+    single_process.setenv("RANK", "1")
+    with pytest.raises(SystemExit):
+        train_ppo.main([])
+    assert error_lines(capsys.readouterr().err) == ["error: [rank 1] --vllm_tensor_parallel_size 2 needs vLLM"]
+
+
+@pytest.fixture
+def library_logger(monkeypatch):
+    """A library-style logger with its own console handler (as DeepSpeed and transformers set up);
+    call it inside the test, so that the handler writes to the captured stderr."""
+    monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)  # route_library_output sets it
+    logger = logging.getLogger("accelerate.fake_module")
+
+    def make():
+        logger.addHandler(logging.StreamHandler(sys.stderr))
+        logger.propagate = False
+        return logger
+
+    yield make
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    logger.propagate = True
+
+
+def warn_from(filename, message, times=1):
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        for _ in range(times):
+            warnings.warn_explicit(message, FutureWarning, filename, 1)
+
+
+def show_on_file(message, category, filename, lineno, file=None, line=None):
+    """Python's way of showing a warning, minus the source line (pytest records warnings instead)."""
+    (sys.stderr if file is None else file).write(f"{filename}:{lineno}: {category.__name__}: {message}\n")
+
+
+def test_library_output_once_on_console_all_in_file(tmp_path, capsys, monkeypatch, library_logger):
+    library_logger = library_logger()
+    monkeypatch.setattr(warnings, "showwarning", show_on_file)
+    routing = route_library_output(LoggingConfig(save_path=str(tmp_path)), rank=0)
+    try:
+        assert os.environ["VLLM_CONFIGURE_LOGGING"] == "0"
+        for _ in range(5):
+            library_logger.warning("same thing again")
+            logging.getLogger("vllm.worker.cpu_worker").warning("cpu worker noise")
+        warn_from(TORCH_FILE, "deprecated op", times=5)
+        warn_from(RLHF_FILE, "our own warning")
+        exec(compile("print('a library print')", TORCH_FILE, "exec"))
+        print("our own print")
+    finally:
+        routing.uninstall()
+    path = tmp_path / "logs" / "rank0.log"
+    captured = capsys.readouterr()
+    assert captured.out == "our own print\n"
+    suffix = f" (repeats are logged to {path})"
+    assert [line for line in captured.err.splitlines() if "our own warning" not in line] == [
+        "[accelerate] WARNING: same thing again" + suffix,
+        "[vllm] WARNING: cpu worker noise" + suffix,
+        "[torch] FutureWarning: deprecated op" + suffix,
+    ]
+    assert f"{RLHF_FILE}:1: FutureWarning: our own warning" in captured.err
+    logged = path.read_text()
+    assert logged.count("same thing again") == 5 and logged.count("cpu worker noise") == 5
+    assert logged.count("deprecated op") == 5 and "a library print" in logged
+    assert "our own" not in logged
+
+
+def test_library_warning_does_not_land_inside_a_progress_bar(tmp_path, capsys, library_logger):
+    library_logger = library_logger()
+    routing = route_library_output(LoggingConfig(save_path=str(tmp_path)), rank=0)
+    try:
+        sys.stderr.write("\rrl steps:  50%|#####")  # a bar leaves its line open
+        library_logger.warning("mid-step noise")
+        sys.stderr.write("\rrl steps: 100%|##########")
+    finally:
+        routing.uninstall()
+    assert capsys.readouterr().err.startswith("\rrl steps:  50%|#####\n[accelerate] WARNING: mid-step noise (")
+
+
+def test_other_ranks_show_no_library_output(tmp_path, capsys, library_logger):
+    library_logger = library_logger()
+    routing = route_library_output(LoggingConfig(save_path=str(tmp_path)), rank=1)
+    try:
+        library_logger.warning("rank 1 noise")
+    finally:
+        routing.uninstall()
+    assert capsys.readouterr().err == ""
+    assert "rank 1 noise" in (tmp_path / "logs" / "rank1.log").read_text()
+
+
+def test_uncaught_errors_reach_the_console_on_every_rank(tmp_path, capsys):
+    """A failing non-zero rank's traceback is shown (prefixed with its rank), not only logged."""
+    routing = route_library_output(LoggingConfig(save_path=str(tmp_path)), rank=1)
+    try:
+        try:
+            raise TimeoutError("reward_func in r.py did not return within 4 s")
+        except TimeoutError as err:
+            sys.excepthook(type(err), err, err.__traceback__)
+    finally:
+        routing.uninstall()
+    err = capsys.readouterr().err
+    assert "[rank 1] TimeoutError: reward_func in r.py did not return within 4 s" in err
+    assert "did not return within 4 s" in (tmp_path / "logs" / "rank1.log").read_text()
+    assert sys.excepthook is sys.__excepthook__
+
+
+def test_verbose_passes_everything_through(tmp_path, capsys, monkeypatch, library_logger):
+    library_logger = library_logger()
+    monkeypatch.setattr(warnings, "showwarning", show_on_file)
+    assert route_library_output(LoggingConfig(save_path=str(tmp_path), verbose=True), rank=0) is None
+    for _ in range(5):
+        library_logger.warning("same thing again")
+    warn_from(TORCH_FILE, "deprecated op", times=5)
+    err = capsys.readouterr().err
+    assert err.count("same thing again") == 5 and err.count("FutureWarning: deprecated op") == 5
+    assert "repeats are logged" not in err and not (tmp_path / "logs").exists()
+    assert "VLLM_CONFIGURE_LOGGING" not in os.environ

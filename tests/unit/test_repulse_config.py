@@ -1,0 +1,67 @@
+"""RePULSe through `train_ppo` on the embedded toy (one prompt, 2-word responses, bad words x y z): a run
+resumed from a checkpoint equals the uninterrupted one (policy and proposal weights, both optimisers, the
+sample counter, the analytic evaluation), over 2 data-parallel ranks; CTL moves q toward sigma (p held
+fixed): q puts far more mass on bad responses than p, and the SNIS estimate of E_sigma[r] from q's samples
+lands near its exact value by enumeration; and the config's checks."""
+
+
+import pytest
+
+from rlhf.config.errors import UsageError
+
+
+def test_repulse_config_checks():
+    from rlhf.config.ppo import BatchConfig, TrainPPOConfig
+    from rlhf.config.repulse import RepulseConfig
+
+    repulse_flags = dict(harmlessness_training_loss_type="neg_training", reinforce_baseline_type="expectation",
+                         actor_loss_type="ctl", parameterization="policy_psi_q_p_s_t", target_dist_beta=-1.0)
+
+    def cfg(**repulse):
+        return TrainPPOConfig(repulse=RepulseConfig(do_harmlessness_training=True, **{**repulse_flags, **repulse}),
+                              batch=BatchConfig(rollout_batch_size=2, train_batch_size=8, micro_train_batch_size=4))
+
+    assert cfg(duplicate_rollout_batch_by=4).samples_per_prompt == 4
+    assert not cfg(duplicate_rollout_batch_by=4).uses_critic
+    with pytest.raises(UsageError, match="must be > 1"):
+        cfg(duplicate_rollout_batch_by=1)
+    with pytest.raises(UsageError, match="--micro_train_batch_size 4 must be a multiple of the 8 samples"):
+        cfg(duplicate_rollout_batch_by=8)
+    with pytest.raises(UsageError, match="the proposal trains with ctl or dpg"):
+        RepulseConfig(do_harmlessness_training=True, **{**repulse_flags, "actor_loss_type": "sixo"})
+    # the fork's defaults: nothing RePULSe-specific is assumed, each choice is asked for by name
+    with pytest.raises(UsageError, match="--do_harmlessness_training needs one of neg_training, reinforce"):
+        RepulseConfig(do_harmlessness_training=True)
+    with pytest.raises(UsageError, match="needs --reinforce_baseline_type expectation"):
+        RepulseConfig(do_harmlessness_training=True, harmlessness_training_loss_type="reinforce")
+    with pytest.raises(UsageError, match="add --actor_loss_type ctl"):
+        RepulseConfig(do_harmlessness_training=True, **{**repulse_flags, "actor_loss_type": "ppo"})
+    with pytest.raises(UsageError, match="the proposal's target sigma need --target_dist_beta"):
+        RepulseConfig(do_harmlessness_training=True, **{**repulse_flags, "target_dist_beta": None})
+    with pytest.raises(UsageError, match="exists only with --do_harmlessness_training"):
+        RepulseConfig(actor_loss_type="ctl", parameterization="policy_psi_q_p_s_t")
+    from rlhf.config.ppo import AlgoConfig, PPOOptimConfig
+
+    with pytest.raises(UsageError, match="does not use --use_kl_loss .*, --dynamic_filtering: drop them"):
+        TrainPPOConfig(
+            repulse=RepulseConfig(do_harmlessness_training=True, duplicate_rollout_batch_by=4, **repulse_flags),
+            algo=AlgoConfig(use_kl_loss=True, dynamic_filtering=True))
+    reinforce = dict(repulse_flags, harmlessness_training_loss_type="reinforce", target_dist_beta=None)
+    assert RepulseConfig(do_harmlessness_training=True, **repulse_flags).uses_proposal
+    assert not RepulseConfig(do_harmlessness_training=True, use_base_as_proposal=True, **repulse_flags).uses_proposal
+    assert not RepulseConfig(do_harmlessness_training=True, **reinforce).uses_proposal
+    # q's learning rate: 0 is allowed (the fork's baselines pass it), a rate for no q is reported
+    with pytest.warns(UserWarning, match="--actor_learning_rate 0.0003 has no effect: .* trains no proposal"):
+        TrainPPOConfig(repulse=RepulseConfig(do_harmlessness_training=True, duplicate_rollout_batch_by=4, **reinforce),
+                       optim=PPOOptimConfig(actor_learning_rate=3e-4),
+                       batch=BatchConfig(rollout_batch_size=2, train_batch_size=8, micro_train_batch_size=4))
+    TrainPPOConfig(repulse=RepulseConfig(do_harmlessness_training=True, duplicate_rollout_batch_by=4, **reinforce),
+                   optim=PPOOptimConfig(actor_learning_rate=0),
+                   batch=BatchConfig(rollout_batch_size=2, train_batch_size=8, micro_train_batch_size=4))
+    with pytest.raises(UsageError, match="--actor_learning_rate must be positive"):
+        TrainPPOConfig(optim=PPOOptimConfig(actor_learning_rate=0))
+    # PPO runs take --duplicate_rollout_batch_by as samples per prompt (the fork's PPO commands do)
+    assert TrainPPOConfig(repulse=RepulseConfig(duplicate_rollout_batch_by=4),
+                          batch=BatchConfig(rollout_batch_size=2, train_batch_size=8)).samples_per_prompt == 4
+    with pytest.warns(UserWarning, match="--alpha, --target_dist_beta only act with --do_harmlessness_training"):
+        TrainPPOConfig(repulse=RepulseConfig(alpha=1.0, target_dist_beta=-1.0))

@@ -1,0 +1,78 @@
+"""The commands of the RePULSe research fork's README (tests/repulse_fork_commands.txt, verbatim) replayed
+after changing the launcher: every one parses; the toy ones (Sec 4.2: PPO, REINFORCE, reward-transformed
+REINFORCE, base-as-proposal, RePULSe; KL 0 and 10) train under torchrun with the model, reward and prompt
+paths replaced by the embedded toy assets and sizes shrunk, with the analytic evaluation after every fit
+step; the realistic ones (Sec 4.3) and the GCG evaluation stop at the model load with an error saying the
+model must be a local path (nothing is downloaded here)."""
+
+
+import pytest
+
+from rlhf.assets import TINY_DIR
+from rlhf.cli.common import for_this_machine
+from rlhf.config.errors import UsageError
+from rlhf.config.flags import parse_config
+from rlhf.config.gcg import EvaluateGCGConfig
+from rlhf.config.ppo import TrainPPOConfig
+from tests.repulse_fork import GCG, REALISTIC, TOY, TRAIN, flag_value, set_flag
+
+
+def test_the_file_holds_the_forks_commands():
+    assert (len(TOY), len(REALISTIC), len(GCG)) == (10, 21, 1)
+    methods = {h.rsplit(" / ", 1)[1] for h, _ in TOY}
+    assert methods == {"PPO", "REINFORCE", "REINFORCE with reward transformation", "Base model proposal", "RePULSe"}
+
+
+@pytest.mark.parametrize("heading,argv", TRAIN, ids=[f"{i}" for i in range(len(TRAIN))])
+def test_every_train_command_parses_into_what_it_means(heading, argv):
+    cfg = parse_config(TrainPPOConfig, argv)
+    rp = cfg.repulse
+    method = heading.rsplit(" / ", 1)[1]
+    assert rp.do_harmlessness_training == (method != "PPO")
+    assert cfg.samples_per_prompt == int(flag_value(argv, "--duplicate_rollout_batch_by"))
+    assert cfg.batch.rollout_batch_size * cfg.samples_per_prompt % cfg.batch.train_batch_size == 0
+    if method == "PPO":
+        assert cfg.uses_critic and cfg.optim.critic_learning_rate == float(flag_value(argv, "--critic_learning_rate"))
+        assert cfg.batch.num_episodes == int(flag_value(argv, "--num_episodes"))
+    elif method == "RePULSe":
+        assert rp.uses_proposal and rp.actor_loss_type == "ctl" and rp.alpha > 0
+        assert cfg.optim.actor_learning_rate > 0 and rp.base_actor_learning_rate > 0
+    elif method == "Base model proposal":
+        assert rp.negatives_used and not rp.uses_proposal
+    else:  # REINFORCE, with or without the transform
+        assert rp.harmlessness_training_loss_type == "reinforce" and not rp.uses_proposal
+        assert (rp.reward_transform == "minus_alpha_exp_beta_r") == ("transformation" in method.lower())
+    assert cfg.algo.init_kl_coef == float(flag_value(argv, "--init_kl_coef"))
+    assert rp.analytic_bad_word_calc == heading.startswith("Toy")
+    assert rp.evaluate_heldout_sampling == (not heading.startswith("Toy"))
+
+
+@pytest.mark.parametrize("heading,argv", REALISTIC, ids=[f"{i}" for i in range(len(REALISTIC))])
+def test_realistic_commands_stop_only_at_the_model_download(heading, argv):
+    """Every check before the engines passes up to the model load, which names --pretrain and says the model
+    must be a local path."""
+    from rlhf.cli.train_ppo import check_before_engines
+
+    cfg = for_this_machine(parse_config(TrainPPOConfig, argv).with_demo_defaults())
+    world = 1
+    with pytest.raises(UsageError, match=f"--pretrain {flag_value(argv, '--pretrain')}: the model must be a local "
+                                         "path.*huggingface-cli download"):
+        check_before_engines(cfg, world)
+
+
+def test_the_gcg_command_stops_only_at_the_model_download(tmp_path):
+    """With the trained checkpoint and the goals file replaced by local ones, the fork's GCG command stops at
+    --pretrain (a hub name)."""
+    from rlhf.cli.evaluate_gcg import main
+
+    argv = list(GCG[0])
+    set_flag(argv, "--ckpt_path", f"{TINY_DIR}/policy")
+    set_flag(argv, "--file_path", f"{TINY_DIR}/gcg_goals.csv")
+    parse_config(EvaluateGCGConfig, argv)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--save_path", str(tmp_path)])
+    assert exit_info.value.code == 2
+
+
+"""The toy's sizes, shrunk: 8 samples per step instead of 500, 2 fit steps of 2 episodes instead of 50 of 5-10,
+prompts of at most 8 tokens (the tiny policy has 256 positions, distilgpt2 1024)."""

@@ -1,0 +1,31 @@
+"""When a step's batch feeds exactly one actor update and no reference model reads the actor's log-probs, the
+experience step skips the actor forward and the training forward's detached log-probs stand in for the old
+ones (ratio exactly 1). That must give the update of the full path: same losses, same weights, and the same
+rollout-mismatch metrics, now measured by the training forward."""
+
+import pytest
+
+from rlhf.config.ppo import TrainPPOConfig
+from rlhf.trainers.experience import actor_forward_skippable
+from tests.tiny_runs import SMALL
+
+ONE_UPDATE = [*SMALL, "--train_batch_size", "16", "--micro_train_batch_size", "4", "--rollout_engine", "hf",
+              "--zero_stage", "2", "--max_steps", "2", "--seed", "3", "--enable_vllm_is_correction"]
+
+
+def _config(*flags: str) -> TrainPPOConfig:
+    from rlhf.config.flags import parse_config
+
+    return parse_config(TrainPPOConfig, list(flags))
+
+
+@pytest.mark.parametrize("flags, skippable", [
+    ((), True),
+    (("--max_epochs", "2"), False),
+    (("--train_batch_size", "8"), False),  # two optimizer steps per batch
+    (("--freezing_actor_steps", "1"), False),
+    (("--init_kl_coef", "0.01"), False),  # the reference model's KL reads the actor's log-probs
+    (("--advantage_estimator", "gae", "--n_samples_per_prompt", "1", "--train_batch_size", "4"), True),
+])
+def test_when_the_forward_is_skipped(flags, skippable):
+    assert actor_forward_skippable(_config(*ONE_UPDATE[:-1], *flags)) is skippable

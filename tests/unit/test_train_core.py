@@ -1,0 +1,87 @@
+"""The job-agnostic core: the loop's cadence (logging, evaluation before/every N/after the last step,
+checkpoints, preemption), the training step named in non-finite errors, and metric reductions by
+declaration (share sums, the lead rank's value, replica means; an undeclared metric is an error)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlhf.engines.deepspeed_engine import NonFiniteError
+from rlhf.train.loop import Loop
+from rlhf.train.state import CheckpointedState
+from rlhf.utils.logging import MetricsLogger
+from rlhf.utils.timers import StageTimer
+
+
+class FakeJob:
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.timer, self.fail_at, self.evaluated, self.steps = StageTimer(), fail_at, [], []
+
+    def step(self, step: int) -> dict[str, float]:
+        if step == self.fail_at:
+            raise NonFiniteError("optimizer step 9: model policy_loss is nan on rank 1; stopping")
+        self.steps.append(step)
+        return {"loss": float(step)}
+
+    def evaluate(self) -> dict[str, float]:
+        self.evaluated.append(len(self.steps))
+        return {"eval_loss": -float(len(self.steps))}
+
+    def checkpointed(self) -> CheckpointedState:
+        return CheckpointedState()
+
+
+class FakeCheckpointer:
+    def __init__(self) -> None:
+        self.saved = []
+
+    def save(self, state: CheckpointedState, done_steps: int) -> str:
+        self.saved.append(done_steps)
+        return f"global_step{done_steps}"
+
+
+class StopAfter:
+    def __init__(self, calls: int) -> None:
+        self.calls = calls
+
+    def should_stop(self) -> bool:
+        self.calls -= 1
+        return self.calls == 0
+
+
+def _loop(tmp_path, total=7, logging_steps=2, save_steps=3, eval_every=3):
+    logger = MetricsLogger(str(tmp_path), None, total, enabled=True, bar_metrics={})
+    return Loop(total, logging_steps, save_steps, eval_every, logger, FakeCheckpointer(), rank=0)
+
+
+def _rows(tmp_path):
+    with open(tmp_path / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_loop_logs_evaluates_and_checkpoints_on_its_cadence(tmp_path):
+    loop, job = _loop(tmp_path), FakeJob()
+    assert loop.fit(job) is True
+    assert job.steps == list(range(7))
+    assert job.evaluated == [0, 3, 6, 7]  # before training, every 3 steps, after the last
+    assert loop.checkpointer.saved == [3, 6]
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [0, 2, 4, 6]
+    assert rows[0] == {"step": 0, "eval_loss": 0.0}
+    assert rows[2]["loss"] == 3.0 and "time/step" in rows[2] and "eval_loss" not in rows[2]
+    assert rows[3]["eval_loss"] == -6.0
+
+
+def test_preemption_checkpoints_once_and_stops(tmp_path):
+    loop, job = _loop(tmp_path, eval_every=None), FakeJob()
+    assert loop.fit(job, start_step=1, preemption=StopAfter(4)) is False
+    assert job.steps == [1, 2, 3, 4] and loop.checkpointer.saved == [3, 5]
+    assert job.evaluated == []
+
+
+def test_a_nonfinite_step_names_the_training_step(tmp_path):
+    loop = _loop(tmp_path, eval_every=None)
+    with pytest.raises(NonFiniteError, match=r"^training step 5, optimizer step 9: model policy_loss is nan"):
+        loop.fit(FakeJob(fail_at=4))
