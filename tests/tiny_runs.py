@@ -14,3 +14,30 @@ SMALL = [*CPU, "--init_kl_coef", "0", "--advantage_estimator", "group_norm",
 def read_metrics(out_dir):
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def run_job(nproc: int, module: str, out, *args: str) -> tuple[list[dict], dict, str]:
+    """`torchrun -m rlhf.cli.<module> args --save_path out` on `nproc` CPU ranks of a supervised job: its
+    metrics rows, its saved weights (model.safetensors) and its stdout."""
+    from safetensors.torch import load_file
+
+    from tests.distributed import run_torchrun
+
+    proc = run_torchrun(nproc, f"-m rlhf.cli.{module}", *args, "--save_path", str(out))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return read_metrics(out), load_file(os.path.join(out, "model.safetensors")), proc.stdout
+
+
+def assert_same_steps(ref: tuple, other: tuple, compared: tuple[str, ...], rel: float, abs_: float,
+                      what: str = "") -> None:
+    """Two `run_job` results took the same steps: every compared metric of every step, and the final weights."""
+    import pytest
+    import torch
+
+    assert [r["step"] for r in other[0]] == [r["step"] for r in ref[0]], what
+    for a, b in zip(ref[0], other[0]):
+        for key in compared:
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=rel, abs=abs_), (what, a["step"], key, a[key], b[key])
+    for name, w in ref[1].items():
+        torch.testing.assert_close(other[1][name], w, rtol=rel, atol=abs_, msg=f"{what} {name}")

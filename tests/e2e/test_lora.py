@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 
 import pytest
@@ -84,9 +83,10 @@ def _sft(out, *extra):
         return [json.loads(line) for line in f], proc.stdout
 
 
-def test_sft_with_lora_learns_saves_adapters_and_resumes(tmp_path):
+def test_sft_with_lora_learns_and_saves_adapters(tmp_path):
     """Held-out NLL falls with only the adapters trained; --save_path and the checkpoints hold the adapters
-    alone; resuming from the middle gives the straight run's steps; the combined model is the adapter model."""
+    alone; the combined model is the adapter model. (Resuming from adapter-only checkpoints:
+    tests/dist/test_lora_zero3.py, in one process.)"""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -94,7 +94,7 @@ def test_sft_with_lora_learns_saves_adapters_and_resumes(tmp_path):
     from rlhf.models.logprobs import sequence_logprobs
 
     ckpt = tmp_path / "ckpt"
-    rows, _ = _sft(tmp_path / "straight", "--save_steps", "8", "--ckpt_path", str(ckpt))
+    rows, _ = _sft(tmp_path / "straight", "--save_steps", "16", "--ckpt_path", str(ckpt))
     evals = [r["eval_gpt_loss"] for r in rows if "eval_gpt_loss" in r]
     assert evals[-1] < 0.85 * evals[0], evals
     out = tmp_path / "straight"
@@ -106,15 +106,6 @@ def test_sft_with_lora_learns_saves_adapters_and_resumes(tmp_path):
     assert saved and all("lora_" in k for k in saved)
     model_bytes = os.path.getsize(os.path.join(EMBEDDED_MODEL_DIR, "model.safetensors"))
     assert sum(os.path.getsize(state / f) for f in os.listdir(state)) < model_bytes  # adapters + their Adam states
-
-    shutil.rmtree(ckpt / "global_step16")
-    resumed, stdout = _sft(tmp_path / "resumed", "--load_checkpoint", "--ckpt_path", str(ckpt))
-    assert f"resumed from {ckpt}/global_step8 after 8 steps" in stdout
-    by_step = {r["step"]: r for r in rows}
-    for row in resumed:
-        assert {k: v for k, v in row.items() if not k.startswith("time/")} == \
-            {k: v for k, v in by_step[row["step"]].items() if not k.startswith("time/")}
-    assert load_file(tmp_path / "resumed" / "adapter_model.safetensors").keys() == adapter.keys()
 
     main(["--model_path", EMBEDDED_MODEL_DIR, "--lora_path", str(out), "--output_path", str(tmp_path / "merged"),
           "--param_dtype", "fp32"])

@@ -1,5 +1,6 @@
 """A split placement (actor+ref on ranks 0-1, critic+reward on ranks 2-3) gives the same losses and
-weights after two PPO steps as every role colocated on all 4 ranks, for ZeRO-2 and ZeRO-3.
+weights after two PPO steps as every role colocated on all 4 ranks, at ZeRO-3 (whose collectives had to be scoped
+to a role's group; ZeRO-0 to 2 on subgroups need no patch).
 
 Tolerance: the two runs differ only in how the same global batch is split over DP ranks and
 micro-batches (4 ranks x 1 micro-batch vs 2 ranks x 2), i.e. in fp32 summation order (~1e-7
@@ -42,8 +43,8 @@ def run(out, zero_stage, placement):
         load_file(os.path.join(out, "critic", "model.safetensors"))
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
-def test_split_placement_equals_colocated(tmp_path, zero_stage):
+def test_split_placement_equals_colocated(tmp_path):
+    zero_stage = 3  # the stage whose collectives DeepSpeed had to be taught to scope to a role's group
     colo_metrics, colo_actor, colo_critic = run(tmp_path / "colocated", zero_stage, ["--colocate_all_models"])
     split_metrics, split_actor, split_critic = run(tmp_path / "split", zero_stage, SPLIT)
     assert len(colo_metrics) == len(split_metrics) == 2

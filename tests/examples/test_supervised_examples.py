@@ -1,7 +1,9 @@
 """The supervised launch/examples scripts and the InstructGPT pipeline built from them (2 CPU ranks per
-stage): held-out NLL must fall after SFT, the reward model, DPO and KTO must rank held-out pairs, and PPO against that
-reward model must raise its score, so the figures in the scripts' headers cannot silently go false. Not in
-the default run (marked `slow`); run with `python -m pytest -m examples -rP tests/test_examples_supervised.py`."""
+stage): DPO and KTO must rank held-out pairs, and the pipeline's stages, which are the SFT and reward-model
+examples themselves (`sft_tiny_cpu.sh` stopped after 12 of its 32 steps, `rm_tiny_cpu.sh` from the SFT model),
+must lower the held-out NLL, rank held-out pairs, and raise the reward model's score under PPO, so the figures
+in the scripts' headers and the README cannot silently go false (`python -m pytest tests/examples -rP` prints
+them). The SFT and reward-model examples are not run a second time on their own."""
 
 import json
 import os
@@ -41,17 +43,6 @@ def _rm_acc(path, name: str) -> float:
     assert evals[0][0] == 0 and evals[-1][0] > 0, evals
     print(f"{name}: held-out accuracy {evals[0][1]:.3f} before, {evals[-1][1]:.3f} after {evals[-1][0]} steps")
     return evals[-1][1]
-
-
-def test_sft_example_nll_falls(tmp_path):
-    _run("sft_tiny_cpu.sh", tmp_path / "run", timeout=600)
-    before, after = _sft_nll(tmp_path / "run", "sft_tiny_cpu.sh")
-    assert after < 0.5 * before
-
-
-def test_rm_example_ranks_held_out_pairs(tmp_path):
-    _run("rm_tiny_cpu.sh", tmp_path / "run", timeout=600)
-    assert _rm_acc(tmp_path / "run", "rm_tiny_cpu.sh") >= 0.9
 
 
 @pytest.mark.parametrize("script", ["dpo_tiny_cpu.sh", "kto_tiny_cpu.sh"])
