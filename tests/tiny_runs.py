@@ -9,6 +9,17 @@ SMALL = [*CPU, "--init_kl_coef", "0", "--advantage_estimator", "group_norm",
          "--rollout_batch_size", "4", "--n_samples_per_prompt", "4", "--train_batch_size", "8",
          "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "4", "--generate_max_len", "6",
          "--prompt_max_len", "16", "--label_key", "label", "--actor_learning_rate", "1e-3", "--max_steps", "3"]
+SUPERVISED = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_len", "32", "--max_epochs", "1",
+              "--learning_rate", "3e-3", "--lr_warmup_ratio", "0.1", "--max_steps", "4", "--eval_steps", "2",
+              "--zero_stage", "2"]
+"""4 steps of a supervised job on 2 ranks (ZeRO-2, padded), evaluated at steps 0, 2 and 4."""
+SUPERVISED_LAYOUTS = {  # name -> (ranks, flags); the ring runs one data-parallel replica: twice the micro-batch
+    "dp1": (1, ()),
+    "packed": (2, ("--packing_samples",)),
+    "zero3_checkpointing": (2, ("--zero_stage", "3", "--gradient_checkpointing")),
+    "ring": (2, ("--packing_samples", "--ring_attn_size", "2", "--micro_train_batch_size", "16")),
+}
+"""The layouts whose steps must equal SUPERVISED's."""
 
 
 def read_metrics(out_dir):

@@ -7,7 +7,7 @@ cross-check that broadcasts from global rank 0, which is not a member of every r
 (1) is scoped to the role's group while an engine is built. (2) is skipped: every rank of a role runs
 the same forwards in the same order by construction (the trainer's stages are SPMD), which is what
 the check verifies. Building a transformers model under ZeRO-3 on a subgroup needs two more scopes
-(`zero3_construction`). `tests/test_deepspeed_compat.py` fails if DeepSpeed or transformers move
+(`zero3_construction`). `tests/unit/test_deepspeed_compat.py` fails if DeepSpeed or transformers move
 any of these.
 """
 

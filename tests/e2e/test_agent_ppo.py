@@ -1,8 +1,5 @@
-"""Multi-turn agent rollouts (`rlhf.agents`, `--agent_func_path`): the episode loop against a scripted
-engine (token-in-token-out, the action mask with several spans, limits, seeds, both agent-file forms),
-the rollout record and rewards built from episodes, returns across turns, and `train_ppo` end to end
-(packed + dynamic batches + ring attention == padded on agent trajectories; the rollout log-probs the
-trainer compares against its own stay at float precision)."""
+"""Multi-turn agents through `train_ppo` (2 ranks, critic and reference): packed + dynamic batches + ring attention
+== padded on agent trajectories, and the rollout log-probs the trainer compares against stay at float precision."""
 
 
 import pytest

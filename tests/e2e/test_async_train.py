@@ -1,8 +1,6 @@
-"""Asynchronous training (--async_train): the last --vllm_num_engines x TP ranks only generate, a step ahead
-(or --async_queue_size steps) of the ranks that train. The rank plan, the refusals, and the schedule itself: the
-batch trained at step t was sampled with the weights of step t - queue size (seen in its samples, which equal a
-run that never moves its weights, and in the gap between the engine's and the actor's log-probs that the
-off-policy correction then weights)."""
+"""Asynchronous training end to end: the batch trained at step t was sampled with the weights of step t - queue size
+(its samples equal a run that never moves its weights, and the engine-actor log-prob gap appears exactly on the
+steps after an update)."""
 
 import pytest
 

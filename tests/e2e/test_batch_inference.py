@@ -1,7 +1,6 @@
-"""batch_inference: the post-processors against hand-computed rows, the chunked writer across interruptions
-(torn lines included), the config's refusals, and end-to-end runs on the embedded tiny models: HF generate on
-2 ranks == a 1-rank run stopped after its first chunk and rerun, reward-model scores == scoring the rows by hand
-(with the stored mean/std), and vLLM greedy rows == HF greedy decoding."""
+"""batch_inference end to end on the embedded tiny models: HF generate on 2 ranks == a 1-rank run stopped after its
+first chunk and rerun, reward-model scores == scoring the rows by hand (with the stored mean/std), vLLM greedy rows
+== HF greedy decoding, and vLLM sampled rows do not depend on the rank count."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""Checkpoints: 4 steps straight == 2 steps, checkpoint, resume, 2 steps (weights and metrics), where the
-checkpointed and resumed runs also have every sleep/offload switch on (so the same comparison shows
-that sleep/offload leaves training unchanged), and the resume skips a damaged newer checkpoint, removes
-a leftover temporary one and drops the lost attempt's rows from metrics.jsonl; a process killed while
-writing a checkpoint leaves the previous one loadable and resume picks it; pruning."""
+"""Checkpoints of a PPO run (critic, reference, adaptive KL controller): 4 steps straight == 2 steps, checkpoint,
+resume, 2 steps (weights and metrics), where the checkpointed and resumed runs also have every sleep/offload switch
+on, and the resume skips a damaged newer checkpoint, removes a leftover temporary one and drops the lost attempt's
+rows from metrics.jsonl; a process killed while writing a checkpoint leaves the previous one loadable."""
 
 import json
 import os

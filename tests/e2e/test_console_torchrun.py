@@ -1,5 +1,4 @@
-"""What a user sees on the console: usage errors as one short line from rank 0 (exit 2), other errors
-with their traceback, and third-party library warnings once (all of them in the run's log file)."""
+"""Under torchrun, a misspelt flag prints one `error:` line first, from rank 0, before torchrun's own banner."""
 
 
 

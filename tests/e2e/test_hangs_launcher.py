@@ -1,6 +1,5 @@
-"""A stuck rank is named, not silent: the watchdog prints each rank's stage after `--watchdog_interval`
-seconds without progress, collectives give up after `--dist_timeout`, and a reward_func that never
-returns fails after `--reward_func_timeout` with an error naming the file."""
+"""A reward_func that never returns ends the run on every rank; `rlhf.cli.launch` relays SIGTERM/SIGUSR1 to the
+workers and waits for them, and stops workers that outlast the grace period."""
 
 import os
 import signal

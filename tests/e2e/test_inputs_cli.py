@@ -1,4 +1,4 @@
-"""Bad user input fails before any engine starts, with a message naming the file, row or flag."""
+"""The CLI (no launcher) reports a reward file without reward_func as one line, exit 2, no traceback."""
 
 import subprocess
 import sys

@@ -1,75 +1,20 @@
-"""LoRA / QLoRA (peft) on every trained model: the flags and their OpenRLHF defaults; after training (B != 0) the
-merged weights give the adapter model's log-probs and values; checkpoints hold the adapters alone and resume
-exactly; the rollout engine fed the merged weights agrees with the actor (the vLLM parity check); SFT learns
-with only adapters trainable; `lora_combiner` output loads with plain transformers; --load_in_4bit is refused
-without CUDA and trains on a GPU.
-
-    torchrun --nproc_per_node 2 -m tests.test_lora OUT.json    (the vLLM parity worker)
-"""
+"""LoRA end to end: SFT learns with only the adapters trainable, --save_path and the checkpoints hold the adapters
+alone, and `lora_combiner` output equals the adapter model; the vLLM parity check with a LoRA actor on ZeRO-3; PPO
+with LoRA actor and critic."""
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from rlhf.assets import EMBEDDED_MODEL_DIR
-from rlhf.config.common import LoRAConfig
 from tests.distributed import run_torchrun
+from tests.tiny_lora import lora_batch
 from tests.tiny_runs import CPU, SMALL
-
-LORA = LoRAConfig(lora_rank=4, lora_alpha=16)
-FP32 = torch.float32
-
-
-def _lora_model(kind: str, zero_stage: int, lr: float = 2e-2):
-    import torch.distributed as dist
-
-    from rlhf.config.common import EngineConfig, OptimConfig
-    from rlhf.engines.deepspeed_engine import DeepSpeedModel
-    from rlhf.models.loading import load_causal_lm
-    from rlhf.models.lora import apply_lora
-    from rlhf.models.value import load_scalar_head_model
-
-    def build():
-        if kind == "actor":
-            return load_causal_lm(EMBEDDED_MODEL_DIR, FP32, "sdpa")
-        return load_scalar_head_model(EMBEDDED_MODEL_DIR, "score", FP32, "sdpa", fresh_head=True)
-
-    return DeepSpeedModel(build, EngineConfig(zero_stage=zero_stage),
-                          OptimConfig(lr_warmup_ratio=0.0, lr_scheduler="constant"), learning_rate=lr, bf16=False,
-                          micro_batch_size=2, grad_accum_steps=1, num_optimizer_steps=10, device=torch.device("cpu"),
-                          dp_group=dist.group.WORLD, adapt=lambda module: apply_lora(module, LORA), name=kind)
-
-
-def _role(kind: str, zero_stage: int, lr: float = 2e-2):
-    """An Actor or Critic on a LoRA DeepSpeedModel over the world (2 samples per micro-batch)."""
-    import torch.distributed as dist
-
-    from rlhf.config.ppo import AlgoConfig
-    from rlhf.models.layout import PADDED
-    from rlhf.models.micro_batches import MicroBatcher
-    from rlhf.trainers.actor import Actor
-    from rlhf.trainers.critic import Critic
-
-    model, world, cpu = _lora_model(kind, zero_stage, lr), dist.group.WORLD, torch.device("cpu")
-    infer, train = MicroBatcher(16, None, world, PADDED), MicroBatcher(2, None, world, PADDED)
-    if kind == "actor":
-        return Actor(model, world, cpu, temperature=1.0, algo=AlgoConfig(), infer_batcher=infer, train_batcher=train)
-    return Critic(model, world, cpu, None, infer_batcher=infer, train_batcher=train)
-
-
-def _batch():
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(4, 64, (3, 10), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, 6:] = 0
-    return ids.masked_fill(mask == 0, 0), mask  # pad id 0, as the sequence-classification head expects
-
 
 SFT = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_len", "32", "--max_epochs", "1",
        "--learning_rate", "1e-2", "--lr_warmup_ratio", "0.1", "--max_steps", "16", "--zero_stage", "2",
@@ -109,7 +54,7 @@ def test_sft_with_lora_learns_and_saves_adapters(tmp_path):
 
     main(["--model_path", EMBEDDED_MODEL_DIR, "--lora_path", str(out), "--output_path", str(tmp_path / "merged"),
           "--param_dtype", "fp32"])
-    ids, mask = _batch()
+    ids, mask = lora_batch()
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR), str(out))
     with torch.no_grad():
         want = sequence_logprobs(peft_model.eval(), ids, mask)
@@ -126,7 +71,7 @@ def test_engine_logprobs_match_lora_actor_after_push(tmp_path):
     the merged weights go into every rank's engine, whose log-probs then equal the actor's."""
     pytest.importorskip("vllm")
     out = tmp_path / "parity.json"
-    proc = run_torchrun(2, "-m tests.test_lora", str(out))
+    proc = run_torchrun(2, "-m tests.tiny_lora", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     report = json.loads(out.read_text())
     print(report)
@@ -160,13 +105,3 @@ def test_ppo_with_lora_actor_and_critic(tmp_path):
     assert AutoModelForSequenceClassification.from_pretrained(tmp_path / "critic").num_labels == 1
 
 
-def _vllm_parity_worker(out_path: str) -> None:
-    """tests/workers/vllm_parity.py's check, its actor replaced by a LoRA actor (ZeRO-3, TP 1)."""
-    from tests.workers import vllm_parity
-
-    vllm_parity.build_actor = lambda zero_stage, lr, grad_accum_steps: _role("actor", zero_stage, lr)
-    vllm_parity.main(out_path, 3, 1)
-
-
-if __name__ == "__main__":
-    _vllm_parity_worker(sys.argv[1])

@@ -1,9 +1,6 @@
-"""The commands of the RePULSe research fork's README (tests/repulse_fork_commands.txt, verbatim) replayed
-after changing the launcher: every one parses; the toy ones (Sec 4.2: PPO, REINFORCE, reward-transformed
-REINFORCE, base-as-proposal, RePULSe; KL 0 and 10) train under torchrun with the model, reward and prompt
-paths replaced by the embedded toy assets and sizes shrunk, with the analytic evaluation after every fit
-step; the realistic ones (Sec 4.3) and the GCG evaluation stop at the model load with an error saying the
-model must be a local path (nothing is downloaded here)."""
+"""The RePULSe research fork's README commands (tests/repulse_fork_commands.txt) under torchrun: a realistic one stops
+at the model load with one error line; two toy ones (the PPO method without KL, RePULSe with KL 10) train on the
+embedded toy with the analytic evaluation after every fit step."""
 
 import json
 import math

@@ -1,5 +1,4 @@
-"""Reward sources behind one interface: reward models (summed), the HTTP server and client (with
-timeouts and retries), and reward_func files give the same scores for the same samples."""
+"""The reward server (serve_rm, a separate process) and its client give the local reward model's scores."""
 
 import subprocess
 import sys

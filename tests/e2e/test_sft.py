@@ -10,18 +10,11 @@ import shutil
 import pytest
 import torch
 
-from tests.tiny_runs import CPU, assert_same_steps, run_job
+from tests.tiny_runs import SUPERVISED, SUPERVISED_LAYOUTS, assert_same_steps, run_job
 
-SFT = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_len", "32", "--max_epochs", "1",
-       "--learning_rate", "3e-3", "--lr_warmup_ratio", "0.1", "--max_steps", "4", "--eval_steps", "2",
-       "--zero_stage", "2"]
+SFT = SUPERVISED
 COMPARED = ("gpt_loss", "grad_norm", "lr", "eval_gpt_loss")
-LAYOUTS = {  # name -> (ranks, flags); the ring runs one data-parallel replica: twice the micro-batch per rank
-    "dp1": (1, ()),
-    "packed": (2, ("--packing_samples",)),
-    "zero3_checkpointing": (2, ("--zero_stage", "3", "--gradient_checkpointing")),
-    "ring": (2, ("--packing_samples", "--ring_attn_size", "2", "--micro_train_batch_size", "16")),
-}
+LAYOUTS = SUPERVISED_LAYOUTS
 
 
 @pytest.fixture(scope="module")

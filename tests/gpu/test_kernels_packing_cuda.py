@@ -1,8 +1,6 @@
-"""Packing round trips, varlen attention == block-diagonal reference, and the must-show equivalence:
-a tiny Llama on a packed row (rlhf_varlen attention) gives the padded batch's log-probs and gradients.
+"""flash-attn's and torch's flash varlen kernels on CUDA equal the varlen reference (with gradients).
 
-Shape legend: B batch, T padded positions, N packed tokens, H/K query/kv heads, D head dim, V vocab.
-"""
+Shape legend: N packed tokens, H/K query/kv heads, D head dim."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
-"""What a user sees on the console: usage errors as one short line from rank 0 (exit 2), other errors
-with their traceback, and third-party library warnings once (all of them in the run's log file)."""
+"""What a user sees on the console: usage errors as one short line from rank 0 (exit 2), other errors with their
+traceback, and third-party library warnings once (all of them in the run's log file)."""
 
 import json
 import logging

@@ -1,8 +1,5 @@
-"""CPU tests for the logic of the CUDA-only paths (issue 16): what each path decides runs here on fakes,
-simulated environments or gloo ranks; what only a GPU can show is in benchmarks/gpu_smoke.sh.
-
-Shape legend: G global packed tokens, N local tokens, H/K query/kv heads, D head dim.
-"""
+"""CPU tests for the logic of the CUDA-only paths: what each path decides runs here on fakes (srun local world
+sizes, device indices, offload lists, sleep requirements, the weight-push path, IS correction warnings)."""
 
 import pytest
 import torch

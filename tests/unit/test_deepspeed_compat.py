@@ -1,5 +1,4 @@
-"""The DeepSpeed/transformers patches for ZeRO-3 on role subgroups: the patched calls still exist where
-we patch them, and a model built on a group without global rank 0 gets the checkpoint's weights."""
+"""The DeepSpeed/transformers calls that the ZeRO-3 subgroup patches replace still exist where we patch them."""
 
 import inspect
 

@@ -1,7 +1,4 @@
-"""--dynamic_filtering refills the batch: groups whose mean score is outside the range are dropped and more
-prompts are sampled until the step has --rollout_batch_size informative groups (OpenRLHF/DAPO), within
---dynamic_filtering_max_rounds; past the cap rejected groups fill in, masked. On the embedded demo most groups
-start uniform (every sample scores 0), which is the case the refill exists for."""
+"""--dynamic_filtering's refill prompts are seeded by step and round."""
 
 
 from rlhf.data.prompts import Prompt, PromptSampler

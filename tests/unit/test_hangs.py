@@ -1,6 +1,6 @@
-"""A stuck rank is named, not silent: the watchdog prints each rank's stage after `--watchdog_interval`
-seconds without progress, collectives give up after `--dist_timeout`, and a reward_func that never
-returns fails after `--reward_func_timeout` with an error naming the file."""
+"""A stuck rank is named, not silent: the watchdog prints the stage after `--watchdog_interval` seconds without
+progress, and a reward_func that never returns fails after `--reward_func_timeout` naming the file; the launcher's
+flags."""
 
 import io
 import signal

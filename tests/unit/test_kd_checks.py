@@ -1,7 +1,4 @@
-"""train_kd end to end (torchrun, 1-3 CPU ranks) with a teacher trained by train_sft: the student learns
-from it, DP=2 == DP=1 x accumulation 2, packed == padded (with the teacher offloaded between forwards), a
-teacher on its own rank gives exactly the colocated steps, and a teacher with another vocabulary is refused
-before any engine starts."""
+"""train_kd refuses a teacher with another vocabulary, and a missing teacher, before any engine starts."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""The fused Triton log-prob/entropy kernel equals the log_softmax references, forward and backward.
+"""The fused Triton log-prob/entropy kernel equals the log_softmax references, forward and backward, under Triton's
+interpreter in a subprocess (TRITON_INTERPRET=1 must be set before the kernel module is imported, and bf16 is
+silently wrong there, so only fp32 is checked); without the interpreter a CPU tensor is refused.
 
-On CPU it runs under Triton's interpreter in a subprocess (TRITON_INTERPRET=1 must be set before the
-kernel module is imported, and bf16 is silently wrong there, so only fp32 is checked); natively on CUDA
-in fp32 and bf16 (gpu-marked).
-
-Shape legend: N rows, V vocabulary.
-"""
+Shape legend: N rows, V vocabulary."""
 
 import os
 import subprocess

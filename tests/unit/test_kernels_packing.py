@@ -1,8 +1,7 @@
-"""Packing round trips, varlen attention == block-diagonal reference, and the must-show equivalence:
-a tiny Llama on a packed row (rlhf_varlen attention) gives the padded batch's log-probs and gradients.
+"""Packing round trips, varlen attention == block-diagonal reference, and the must-show equivalence: a tiny Llama on
+a packed row (rlhf_varlen attention) gives the padded batch's log-probs and gradients.
 
-Shape legend: B batch, T padded positions, N packed tokens, H/K query/kv heads, D head dim, V vocab.
-"""
+Shape legend: B batch, T padded positions, N packed tokens, H/K query/kv heads, D head dim, V vocab."""
 
 import pytest
 import torch

@@ -1,6 +1,4 @@
-"""`train_ppo` end to end with `--packing_samples`, `--use_dynamic_batch` and `--ring_attn_size 2`: PPO
-with a critic, a reward model and a reference model on 2 ranks gives the same first step as the padded,
-fixed-micro-batch run (same rollouts, so the same rewards, KL, losses and gradient norms)."""
+"""--use_liger_kernel is refused without CUDA."""
 
 import pytest
 
@@ -11,7 +9,7 @@ def test_liger_kernel_flag_is_refused_without_cuda():
     from rlhf.models.loading import apply_liger_kernel, check_liger_kernel
 
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: tests/test_gpu_trainer.py covers Liger")
+        pytest.skip("this machine has CUDA: tests/gpu/test_gpu_trainer.py covers Liger")
     with pytest.raises(ValueError, match="--use_liger_kernel needs CUDA"):
         check_liger_kernel()
     with pytest.raises(ValueError, match="--use_liger_kernel needs CUDA"):

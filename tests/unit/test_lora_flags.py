@@ -1,16 +1,9 @@
-"""LoRA / QLoRA (peft) on every trained model: the flags and their OpenRLHF defaults; after training (B != 0) the
-merged weights give the adapter model's log-probs and values; checkpoints hold the adapters alone and resume
-exactly; the rollout engine fed the merged weights agrees with the actor (the vLLM parity check); SFT learns
-with only adapters trainable; `lora_combiner` output loads with plain transformers; --load_in_4bit is refused
-without CUDA and trains on a GPU.
-
-    torchrun --nproc_per_node 2 -m tests.test_lora OUT.json    (the vLLM parity worker)
-"""
+"""LoRA / QLoRA flags and their OpenRLHF defaults on every job, bad values, --load_in_4bit refused without CUDA, and
+`lora_combiner` (plain causal LM, sequence classifier, errors naming the flag)."""
 
 from __future__ import annotations
 
 import os
-import sys
 from contextlib import nullcontext
 
 import pytest
@@ -18,11 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf.assets import EMBEDDED_MODEL_DIR
-from rlhf.config.common import LoRAConfig
-
-LORA = LoRAConfig(lora_rank=4, lora_alpha=16)
-FP32 = torch.float32
-
+from tests.tiny_lora import FP32, LORA, lora_batch
 
 # ---------------------------------------------------------------- flags
 
@@ -76,41 +65,6 @@ def test_load_in_4bit_is_refused_without_cuda(job, tmp_path, capsys):
 # ---------------------------------------------------------------- engines (2 gloo ranks, ZeRO-3)
 
 
-def _lora_model(kind: str, zero_stage: int, lr: float = 2e-2):
-    import torch.distributed as dist
-
-    from rlhf.config.common import EngineConfig, OptimConfig
-    from rlhf.engines.deepspeed_engine import DeepSpeedModel
-    from rlhf.models.loading import load_causal_lm
-    from rlhf.models.lora import apply_lora
-    from rlhf.models.value import load_scalar_head_model
-
-    def build():
-        if kind == "actor":
-            return load_causal_lm(EMBEDDED_MODEL_DIR, FP32, "sdpa")
-        return load_scalar_head_model(EMBEDDED_MODEL_DIR, "score", FP32, "sdpa", fresh_head=True)
-
-    return DeepSpeedModel(build, EngineConfig(zero_stage=zero_stage),
-                          OptimConfig(lr_warmup_ratio=0.0, lr_scheduler="constant"), learning_rate=lr, bf16=False,
-                          micro_batch_size=2, grad_accum_steps=1, num_optimizer_steps=10, device=torch.device("cpu"),
-                          dp_group=dist.group.WORLD, adapt=lambda module: apply_lora(module, LORA), name=kind)
-
-
-def _role(kind: str, zero_stage: int, lr: float = 2e-2):
-    """An Actor or Critic on a LoRA DeepSpeedModel over the world (2 samples per micro-batch)."""
-    import torch.distributed as dist
-
-    from rlhf.config.ppo import AlgoConfig
-    from rlhf.models.layout import PADDED
-    from rlhf.models.micro_batches import MicroBatcher
-    from rlhf.trainers.actor import Actor
-    from rlhf.trainers.critic import Critic
-
-    model, world, cpu = _lora_model(kind, zero_stage, lr), dist.group.WORLD, torch.device("cpu")
-    infer, train = MicroBatcher(16, None, world, PADDED), MicroBatcher(2, None, world, PADDED)
-    if kind == "actor":
-        return Actor(model, world, cpu, temperature=1.0, algo=AlgoConfig(), infer_batcher=infer, train_batcher=train)
-    return Critic(model, world, cpu, None, infer_batcher=infer, train_batcher=train)
 
 
 def _adapter(kind: str, path, extra: dict | None = None):
@@ -132,13 +86,6 @@ def _adapter(kind: str, path, extra: dict | None = None):
     return model.eval()
 
 
-def _batch():
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(4, 64, (3, 10), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, 6:] = 0
-    return ids.masked_fill(mask == 0, 0), mask  # pad id 0, as the sequence-classification head expects
-
 
 def test_combiner_writes_a_plain_causal_lm(tmp_path):
     from transformers import AutoModelForCausalLM
@@ -150,7 +97,7 @@ def test_combiner_writes_a_plain_causal_lm(tmp_path):
     main(["--model_path", EMBEDDED_MODEL_DIR, "--lora_path", str(tmp_path / "adapter"), "--output_path",
           str(tmp_path / "merged"), "--param_dtype", "fp32"])
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
-    ids, mask = _batch()
+    ids, mask = lora_batch()
     with torch.no_grad():
         want, got = sequence_logprobs(adapted, ids, mask), sequence_logprobs(merged, ids, mask)
         before = sequence_logprobs(AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR), ids, mask)
@@ -170,7 +117,7 @@ def test_combiner_is_rm_writes_a_sequence_classifier(tmp_path):
     main(["--model_path", EMBEDDED_MODEL_DIR, "--lora_path", str(tmp_path / "adapter"), "--output_path",
           str(tmp_path / "rm"), "--param_dtype", "fp32", "--is_rm"])
     rm = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm")
-    ids, mask = _batch()
+    ids, mask = lora_batch()
     with torch.no_grad():
         want = last_token_values(token_values(adapted, ids, mask), mask)
         got = rm(input_ids=ids, attention_mask=mask).logits.squeeze(-1)
@@ -192,13 +139,3 @@ def test_combiner_errors_name_the_flag(tmp_path, capsys):
     assert f"--model_path {tmp_path / 'nowhere'}: the model must be a local HF model directory" in err
 
 
-def _vllm_parity_worker(out_path: str) -> None:
-    """tests/workers/vllm_parity.py's check, its actor replaced by a LoRA actor (ZeRO-3, TP 1)."""
-    from tests.workers import vllm_parity
-
-    vllm_parity.build_actor = lambda zero_stage, lr, grad_accum_steps: _role("actor", zero_stage, lr)
-    vllm_parity.main(out_path, 3, 1)
-
-
-if __name__ == "__main__":
-    _vllm_parity_worker(sys.argv[1])

@@ -1,4 +1,4 @@
-"""End-to-end runs of `train_ppo` on the embedded tiny demo, through torchrun."""
+"""The metrics logger writes metrics.jsonl, TensorBoard scalars and wandb calls."""
 
 
 

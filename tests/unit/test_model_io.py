@@ -1,6 +1,4 @@
-"""Model weights in and out at scale: the value head is read by key from the one shard that holds it
-(never whole shards), and under ZeRO-3 only the writer rank keeps the gathered state dict while
-`save_hf` still writes the whole model."""
+"""The value head is read by key from the one shard (or single file) that holds it."""
 
 import json
 import os

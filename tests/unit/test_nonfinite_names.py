@@ -1,5 +1,4 @@
-"""A non-finite loss never reaches the weights: every rank stops at the same optimizer step with the
-same message, or (--max_nonfinite_steps) skips the update and trains on as if it had not happened."""
+"""The first non-finite loss term is named in the error."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The actor's experience-time log-probs and its optimizer step do not depend on how a batch is laid out
-or cut: packed (`--packing_samples`), token-budget micro-batches (`--use_dynamic_batch`) and ring
-attention (`--ring_attn_size`) all equal the padded, fixed-micro-batch step on one rank, on the same
-global batch: same log-probs, loss, entropy, KL, ptx (SFT) loss, gradient norm and updated weights."""
+"""The packed policy forward equals the padded one (log-probs, entropy and gradients), with and without gradient
+checkpointing."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Evaluation during RL (--eval_dataset): pass1/pass{k} per data source by hand, and a run with evaluation on
-trains to the same weights, bit for bit, as the same run with it off (its samples have their own seeds)."""
+"""Evaluation during RL: pass1/pass{k} per data source by hand."""
 
 
 import pytest

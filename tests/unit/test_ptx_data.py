@@ -1,6 +1,5 @@
-"""The ptx loss walks its pretraining data like any dataset: different batches on different
-data-parallel replicas, new batches on every step, every batch once per pass, and a position that a
-checkpoint restores exactly."""
+"""The ptx loss walks its pretraining data like any dataset: different batches on different replicas, passes that
+move on, and a position that round-trips through a checkpoint."""
 
 import torch
 

@@ -1,8 +1,4 @@
-"""RePULSe through `train_ppo` on the embedded toy (one prompt, 2-word responses, bad words x y z): a run
-resumed from a checkpoint equals the uninterrupted one (policy and proposal weights, both optimisers, the
-sample counter, the analytic evaluation), over 2 data-parallel ranks; CTL moves q toward sigma (p held
-fixed): q puts far more mass on bad responses than p, and the SNIS estimate of E_sigma[r] from q's samples
-lands near its exact value by enumeration; and the config's checks."""
+"""RePULSe's config checks."""
 
 
 import pytest

@@ -1,5 +1,5 @@
-"""Reward sources behind one interface: reward models (summed), the HTTP server and client (with
-timeouts and retries), and reward_func files give the same scores for the same samples."""
+"""Reward sources behind one interface: reward models (summed, packed == padded, saved as sequence classifiers), the
+HTTP client (retries, clear errors) and reward_func extra logs."""
 
 import json
 import threading

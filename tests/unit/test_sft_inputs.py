@@ -1,6 +1,4 @@
-"""train_sft end to end on the embedded copy-task demonstrations (torchrun, 1-2 CPU ranks): learning on
-held-out data, DP=2 == DP=1 x accumulation 2, packed == padded, resume == straight run bit for bit, and the
-bad-input errors."""
+"""train_sft's bad inputs name the row and the fix."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""When a step's batch feeds exactly one actor update and no reference model reads the actor's log-probs, the
-experience step skips the actor forward and the training forward's detached log-probs stand in for the old
-ones (ratio exactly 1). That must give the update of the full path: same losses, same weights, and the same
-rollout-mismatch metrics, now measured by the training forward."""
+"""When the experience step may skip the actor forward (one actor update per batch, no reference model)."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Rank planning (pure), process groups on gloo ranks, and launcher environment detection."""
+"""Rank planning (pure) and launcher environment detection."""
 
 import pytest
 

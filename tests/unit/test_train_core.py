@@ -1,6 +1,5 @@
-"""The job-agnostic core: the loop's cadence (logging, evaluation before/every N/after the last step,
-checkpoints, preemption), the training step named in non-finite errors, and metric reductions by
-declaration (share sums, the lead rank's value, replica means; an undeclared metric is an error)."""
+"""The job-agnostic core: the loop's cadence (logging, evaluation before/every N/after the last step, checkpoints),
+preemption, and a non-finite step named."""
 
 from __future__ import annotations
 

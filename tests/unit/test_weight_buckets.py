@@ -1,8 +1,5 @@
-"""Weight streaming from the actor's first rank: buckets keep `full_parameters` order and one dtype each,
-and a broadcast of a mixed-dtype parameter list gives every rank the source's tensors exactly. The vLLM
-push (both in-place paths): an engine pushed weights W generates exactly what it generated when freshly
-loaded from W, and a push of other weights changes its generations. A CPU engine whose KV cache cannot hold
-one call's sequences at full length says so at start-up, with the size that would."""
+"""Weight buckets keep `full_parameters` order and one dtype each and respect the byte limit; a CPU engine whose KV
+cache cannot hold one call's sequences at full length says so, with the size that would."""
 
 
 import torch
