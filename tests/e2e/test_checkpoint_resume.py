@@ -1,7 +1,8 @@
-"""Checkpoints of a PPO run (critic, reference, adaptive KL controller): 4 steps straight == 2 steps, checkpoint,
-resume, 2 steps (weights and metrics), where the checkpointed and resumed runs also have every sleep/offload switch
-on, and the resume skips a damaged newer checkpoint, removes a leftover temporary one and drops the lost attempt's
-rows from metrics.jsonl; a process killed while writing a checkpoint leaves the previous one loadable."""
+"""Checkpoints of a PPO run (critic, reference, adaptive KL controller, reward normalisation, ptx data): 4 steps
+straight == 2 steps, checkpoint, resume, 2 steps (weights and metrics), where the checkpointed and resumed runs
+also have every sleep/offload switch on, and the resume skips a damaged newer checkpoint, removes a leftover
+temporary one and drops the lost attempt's rows from metrics.jsonl; a process killed while writing a checkpoint
+leaves the previous one loadable."""
 
 import json
 import os
@@ -25,9 +26,11 @@ PPO = [*CPU, "--pretrain", f"{TINY_DIR}/policy", "--reward_pretrain", f"{TINY_DI
        "--rollout_batch_size", "8", "--micro_rollout_batch_size", "4", "--train_batch_size", "4",
        "--micro_train_batch_size", "2", "--max_epochs", "2", "--generate_max_len", "6", "--prompt_max_len", "16",
        "--actor_learning_rate", "1e-3", "--critic_learning_rate", "1e-3", "--lr_warmup_ratio", "0.25",
-       "--max_steps", "4", "--seed", "5", "--zero_stage", "2"]
+       "--max_steps", "4", "--seed", "5", "--zero_stage", "2", "--ptx_coef", "0.1", "--pretrain_data",
+       f"{TINY_DIR}/prompts.jsonl"]
 SLEEP = ["--deepspeed_enable_sleep", "--ref_reward_offload", "--vllm_enable_sleep"]
-COMPARED = ("reward_mean", "reward_shaped_mean", "kl", "kl_coef", "policy_loss", "value_loss", "grad_norm", "lr")
+COMPARED = ("reward_mean", "reward_shaped_mean", "kl", "kl_coef", "policy_loss", "value_loss", "grad_norm", "lr",
+            "ptx_loss")
 
 
 def train(out, *extra, stdout=None):
