@@ -11,7 +11,8 @@ import pytest
 from tests.distributed import run_torchrun
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.vllm
+# vLLM CPU engines of TP > 1 share fixed /dev/shm names: one such test at a time (one xdist worker)
+pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm_tp2")]
 
 
 @pytest.mark.parametrize("zero_stage,tp", [(3, 1), (2, 2)])

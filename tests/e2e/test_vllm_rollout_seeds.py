@@ -11,6 +11,9 @@ from tests.rollout_stats import check_first_tokens
 from tests.rollout_stats import stat_distribution as model_distribution
 from tests.workers import rollout_seeds as worker
 
+# vLLM CPU engines of TP > 1 share fixed /dev/shm names: one such test at a time (one xdist worker)
+pytestmark = pytest.mark.xdist_group("vllm_tp2")
+
 
 @pytest.fixture(scope="module")
 def stat_distribution() -> tuple[float, torch.Tensor]:
