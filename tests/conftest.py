@@ -1,6 +1,7 @@
 """Test levels are folders: tests/unit, tests/dist, tests/e2e, tests/examples and tests/gpu (see tests/README.md).
 Each collected test gets its folder's marker, a test file outside a level folder is an error (it would run in no
-CI step), and `gpu` tests are skipped where CUDA is not available."""
+CI step), and `gpu` tests are skipped where CUDA is not available. Under pytest-xdist (`-n 2 --dist loadfile`,
+setup.cfg) the tests of one file share a worker, so a module fixture runs once."""
 
 import os
 from pathlib import Path

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import tempfile
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch.multiprocessing as mp
 
@@ -70,6 +72,20 @@ def run_variants_on_ranks(world_size: int, variants: list[tuple]) -> list[list]:
     process start for all of them); returns, per variant, the per-rank results in rank order."""
     per_rank = run_on_ranks(world_size, _each_variant, variants)
     return [[results[i] for results in per_rank] for i in range(len(variants))]
+
+
+@contextmanager
+def exclusive(name: str) -> Iterator[None]:
+    """Holds a machine-wide lock named `name` (a file lock): tests that cannot overlap, such as vLLM CPU engines of
+    TP > 1, which share fixed /dev/shm names, run one at a time whatever pytest-xdist worker runs them."""
+    import fcntl
+
+    with open(os.path.join(tempfile.gettempdir(), f"spmd-rlhf-tests-{name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,8 +16,8 @@ SUPERVISED = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "8",
 SUPERVISED_LAYOUTS = {  # name -> (ranks, flags); the ring runs one data-parallel replica: twice the micro-batch
     "dp1": (1, ()),
     "packed": (2, ("--packing_samples",)),
-    "zero3_checkpointing": (2, ("--zero_stage", "3", "--gradient_checkpointing")),
     "ring": (2, ("--packing_samples", "--ring_attn_size", "2", "--micro_train_batch_size", "16")),
+    "zero3_checkpointing": (2, ("--zero_stage", "3", "--gradient_checkpointing")),  # last: see run_jobs
 }
 """The layouts whose steps must equal SUPERVISED's."""
 
@@ -37,6 +37,26 @@ def run_job(nproc: int, module: str, out, *args: str) -> tuple[list[dict], dict,
     proc = run_torchrun(nproc, f"-m rlhf.cli.{module}", *args, "--save_path", str(out))
     assert proc.returncode == 0, proc.stderr[-6000:]
     return read_metrics(out), load_file(os.path.join(out, "model.safetensors")), proc.stdout
+
+
+def run_jobs(nproc: int, runs: list[tuple[str, object, list[str]]], tmp) -> list[tuple[list[dict], dict, str]]:
+    """Like `run_job` for each (module, out, args) of `runs`, all in one torchrun process on `nproc` CPU ranks
+    (tests/workers/job_variants.py): one launch for several variants. Put ZeRO-3 runs last: the hooks that make
+    transformers build a model partitioned stay installed in the process."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tests.distributed import run_torchrun
+
+    spec = tmp / f"variants-{len(os.listdir(tmp))}.json"
+    spec.write_text(json.dumps([[module, [*args, "--save_path", str(out)]] for module, out, args in runs]))
+    proc = run_torchrun(nproc, "tests/workers/job_variants.py", str(spec), timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    stdouts = proc.stdout.split("=== variant ")[1:]
+    assert len(stdouts) == len(runs), proc.stdout[-3000:]
+    return [(read_metrics(out), load_file(os.path.join(out, "model.safetensors")), text)
+            for (_, out, _), text in zip(runs, stdouts)]
 
 
 def assert_same_steps(ref: tuple, other: tuple, compared: tuple[str, ...], rel: float, abs_: float,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_runs import CPU, assert_same_steps, run_job
+from tests.tiny_runs import CPU, assert_same_steps, run_job, run_jobs
 
 BASE = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_len", "32", "--max_epochs", "1",
         "--learning_rate", "3e-3", "--lr_warmup_ratio", "0.1", "--zero_stage", "2"]
@@ -16,12 +16,15 @@ COMPARED = ("gpt_loss", "distil_loss", "grad_norm", "lr", "eval_gpt_loss", "eval
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
+    """The teacher and the 2-rank students in one launch, then the 1-rank and the 3-rank (teacher on its own
+    rank) students."""
     tmp = tmp_path_factory.mktemp("kd")
-    run_job(2, "train_sft", tmp / "teacher", *BASE, "--max_steps", "4")
     kd = [*BASE, "--teacher_model", str(tmp / "teacher"), "--max_steps", "3", "--eval_steps", "2"]
-    return {"dp2": run_job(2, "train_kd", tmp / "dp2", *kd),
-            "dp1": run_job(1, "train_kd", tmp / "dp1", *kd),
-            "packed": run_job(2, "train_kd", tmp / "packed", *kd, "--packing_samples", "--teacher_offload"),
+    teacher, dp2, packed = run_jobs(2, [("train_sft", tmp / "teacher", [*BASE, "--max_steps", "4"]),
+                                        ("train_kd", tmp / "dp2", kd),
+                                        ("train_kd", tmp / "packed", [*kd, "--packing_samples", "--teacher_offload"])],
+                                    tmp)
+    return {"dp2": dp2, "packed": packed, "dp1": run_job(1, "train_kd", tmp / "dp1", *kd),
             "own": run_job(3, "train_kd", tmp / "own", *kd, "--teacher_num_gpus_per_node", "1")}
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tiny_runs import CPU, assert_same_steps, run_job
+from tests.tiny_runs import CPU, assert_same_steps, run_job, run_jobs
 
 BASE = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "4", "--max_len", "32", "--max_epochs", "1",
         "--learning_rate", "1e-3", "--lr_warmup_ratio", "0.1", "--zero_stage", "2", "--max_steps", "3",
@@ -23,6 +23,7 @@ KTO_COMPARED = ("kto_loss", "chosen_reward", "reject_reward", "kl", "grad_norm",
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
+    """The 2-rank runs in one launch (ZeRO-3 last), then the 1-rank and the 3-rank (reference on its own rank) DPO."""
     from rlhf.assets import EMBEDDED_PAIRS_EVAL
 
     tmp = tmp_path_factory.mktemp("preference")
@@ -31,15 +32,13 @@ def runs(tmp_path_factory) -> dict:
     base = [*BASE, "--eval_dataset", str(tmp / "eval.jsonl")]
     dpo = [*base, "--nll_loss_coef", "0.1", "--ipo", "--beta", "0.5"]
     kto = [*base, "--desirable_loss_weight", "1.5"]
-    return {
-        "dpo": run_job(2, "train_dpo", tmp / "dpo", *dpo),
-        "dpo_dp1": run_job(1, "train_dpo", tmp / "dpo_dp1", *dpo),
-        "dpo_zero3_packed": run_job(2, "train_dpo", tmp / "dpo_zero3_packed", *dpo, "--zero_stage", "3",
-                                    "--packing_samples", "--ref_offload"),
-        "dpo_own_ref": run_job(3, "train_dpo", tmp / "dpo_own_ref", *dpo, "--ref_num_gpus_per_node", "1"),
-        "kto": run_job(2, "train_kto", tmp / "kto", *kto),
-        "kto_packed": run_job(2, "train_kto", tmp / "kto_packed", *kto, "--packing_samples", "--ref_offload"),
-    }
+    two = {"dpo": ("train_dpo", dpo), "kto": ("train_kto", kto),
+           "kto_packed": ("train_kto", [*kto, "--packing_samples", "--ref_offload"]),
+           "dpo_zero3_packed": ("train_dpo", [*dpo, "--zero_stage", "3", "--packing_samples", "--ref_offload"])}
+    out = dict(zip(two, run_jobs(2, [(module, tmp / name, args) for name, (module, args) in two.items()], tmp)))
+    out["dpo_dp1"] = run_job(1, "train_dpo", tmp / "dpo_dp1", *dpo)
+    out["dpo_own_ref"] = run_job(3, "train_dpo", tmp / "dpo_own_ref", *dpo, "--ref_num_gpus_per_node", "1")
+    return out
 
 
 def test_dpo_layouts_splits_and_placements_take_the_same_steps(runs):

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.tiny_runs import CPU, SUPERVISED, SUPERVISED_LAYOUTS, assert_same_steps, run_job
+from tests.tiny_runs import CPU, SUPERVISED, SUPERVISED_LAYOUTS, assert_same_steps, run_job, run_jobs
 
 RM = SUPERVISED
 COMPARED = ("loss", "acc", "chosen_reward", "reject_reward", "grad_norm", "lr", "eval_loss", "eval_acc",
@@ -21,10 +21,13 @@ LAYOUTS = SUPERVISED_LAYOUTS
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
+    """The 2-rank variants in one launch (ZeRO-3 last: its model-construction hooks stay in the process), and the
+    1-rank one."""
     tmp = tmp_path_factory.mktemp("rm")
-    out = {"dp2": run_job(2, "train_rm", tmp / "dp2", *RM), "dp2_path": tmp / "dp2"}
-    for name, (nproc, flags) in LAYOUTS.items():
-        out[name] = run_job(nproc, "train_rm", tmp / name, *RM, *flags)
+    two = {"dp2": RM, **{name: [*RM, *flags] for name, (nproc, flags) in LAYOUTS.items() if nproc == 2}}
+    out = dict(zip(two, run_jobs(2, [("train_rm", tmp / name, args) for name, args in two.items()], tmp)))
+    out["dp1"] = run_job(1, "train_rm", tmp / "dp1", *RM, *LAYOUTS["dp1"][1])
+    out["dp2_path"] = tmp / "dp2"
     return out
 
 

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from tests.tiny_runs import SUPERVISED, SUPERVISED_LAYOUTS, assert_same_steps, run_job
+from tests.tiny_runs import SUPERVISED, SUPERVISED_LAYOUTS, assert_same_steps, run_job, run_jobs
 
 SFT = SUPERVISED
 COMPARED = ("gpt_loss", "grad_norm", "lr", "eval_gpt_loss")
@@ -19,11 +19,14 @@ LAYOUTS = SUPERVISED_LAYOUTS
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
+    """The 2-rank variants in one launch (ZeRO-3 last: its model-construction hooks stay in the process), the
+    1-rank one, and the resumed run in a fresh launch of its own."""
     tmp = tmp_path_factory.mktemp("sft")
     ckpt = tmp / "ckpt"
-    out = {"dp2": run_job(2, "train_sft", tmp / "dp2", *SFT, "--save_steps", "2", "--ckpt_path", str(ckpt))}
-    for name, (nproc, flags) in LAYOUTS.items():
-        out[name] = run_job(nproc, "train_sft", tmp / name, *SFT, *flags)
+    two = {"dp2": [*SFT, "--save_steps", "2", "--ckpt_path", str(ckpt)]}
+    two.update({name: [*SFT, *flags] for name, (nproc, flags) in LAYOUTS.items() if nproc == 2})
+    out = dict(zip(two, run_jobs(2, [("train_sft", tmp / name, args) for name, args in two.items()], tmp)))
+    out["dp1"] = run_job(1, "train_sft", tmp / "dp1", *SFT, *LAYOUTS["dp1"][1])
     shutil.rmtree(ckpt / "global_step4")  # resume from the middle
     out["resumed"] = run_job(2, "train_sft", tmp / "resumed", *SFT, "--load_checkpoint", "--ckpt_path", str(ckpt))
     out["ckpt"] = ckpt

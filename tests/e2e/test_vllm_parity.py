@@ -5,20 +5,21 @@ model's tokens of every turn, with the environment's tokens between them)."""
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 
 import pytest
 
-from tests.distributed import run_torchrun
+from tests.distributed import exclusive, run_torchrun
 
 pytest.importorskip("vllm")
-# vLLM CPU engines of TP > 1 share fixed /dev/shm names: one such test at a time (one xdist worker)
-pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm_tp2")]
+pytestmark = pytest.mark.vllm
 
 
 @pytest.mark.parametrize("zero_stage,tp", [(3, 1), (2, 2)])
 def test_engine_logprobs_match_actor_after_sync(tmp_path, zero_stage, tp):
     out = tmp_path / "parity.json"
-    proc = run_torchrun(2, "tests/workers/vllm_parity.py", str(out), str(zero_stage), str(tp))
+    with exclusive("vllm-tp") if tp > 1 else nullcontext():  # TP > 1 engines share fixed /dev/shm names
+        proc = run_torchrun(2, "tests/workers/vllm_parity.py", str(out), str(zero_stage), str(tp))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     report = json.loads(out.read_text())
     assert report["num_tokens"] > 20

@@ -2,17 +2,15 @@
 do not depend on how many engines (or TP ranks) drew them."""
 
 import json
+from contextlib import nullcontext
 
 import pytest
 import torch
 
-from tests.distributed import run_torchrun
+from tests.distributed import exclusive, run_torchrun
 from tests.rollout_stats import check_first_tokens
 from tests.rollout_stats import stat_distribution as model_distribution
 from tests.workers import rollout_seeds as worker
-
-# vLLM CPU engines of TP > 1 share fixed /dev/shm names: one such test at a time (one xdist worker)
-pytestmark = pytest.mark.xdist_group("vllm_tp2")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +46,8 @@ def test_vllm_samples_do_not_depend_on_the_number_of_engines(tmp_path, one_engin
     """World 2: two TP-1 engines, or one TP-2 engine, give each global prompt of a step the same samples
     as one engine on one rank."""
     out = tmp_path / "world2.json"
-    proc = run_torchrun(2, "tests/workers/rollout_seeds.py", str(out), str(tp), str(stat_distribution[0]))
+    with exclusive("vllm-tp") if tp > 1 else nullcontext():  # TP > 1 engines share fixed /dev/shm names
+        proc = run_torchrun(2, "tests/workers/rollout_seeds.py", str(out), str(tp), str(stat_distribution[0]))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     report = json.loads(out.read_text())
     assert report["steps"].keys() == one_engine_report["steps"].keys()

@@ -3,12 +3,14 @@ generation, the embedded reward model as judge): the reward-model score of the p
 the first iteration to the last under rejection sampling and iterative DPO, and conditional SFT asked for the
 highest reward must score above the SFT policy it started from (and above itself asked for the lowest), so the
 figures in the scripts' headers cannot silently go false (`python -m pytest tests/examples -rP` prints them).
+The scripts' common first stage (a 12-step SFT) runs once and each script starts after it, as on a restart.
 A rerun of a finished script must skip every stage: proved once per restart mechanism, on rejection sampling
 (OUT_DIR/iter.log, the same loop as iterative DPO's) and on conditional SFT (a .done file per stage).
 """
 
 import json
 import os
+import shutil
 import subprocess
 import time
 
@@ -44,6 +46,26 @@ def _run(script: str, out, timeout: int) -> float:
     return time.monotonic() - start
 
 
+@pytest.fixture(scope="module")
+def sft_policy(tmp_path_factory):
+    """The three scripts' first stage, run once for all of them: each starts with exactly this command
+    (`sft_tiny_cpu.sh DIR --max_steps 12 --seed 1`) and skips it when it has finished (a restart)."""
+    out = tmp_path_factory.mktemp("sft") / "sft"
+    proc = subprocess.run(["bash", "launch/examples/sft_tiny_cpu.sh", str(out), "--max_steps", "12", "--seed", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return out
+
+
+def _after_sft(out, sft_policy, finished_marker: str, content: str = ""):
+    """`out` as a script leaves it once its SFT stage has finished: the policy in out/sft and the script's own
+    marker of the finished stage (rejection sampling and iterative DPO: iter.log at 0; conditional SFT: sft.done)."""
+    out.mkdir()
+    shutil.copytree(sft_policy, out / "sft")
+    (out / finished_marker).write_text(content)
+    return out
+
+
 def _rewards(out) -> dict[str, dict]:
     with open(out / "rewards.jsonl") as f:
         return {row["stage"]: row for row in map(json.loads, f)}
@@ -69,24 +91,25 @@ def _iterations(name: str, rewards: dict[str, dict]) -> tuple[float, float]:
 
 
 @pytest.mark.vllm
-def test_rejection_sampling_raises_reward(tmp_path):
+def test_rejection_sampling_raises_reward(tmp_path, sft_policy):
     pytest.importorskip("vllm")
-    first, last = _iterations("rejection sampling", _run_twice("rejection_sampling_tiny_cpu.sh", tmp_path / "run"))
+    out = _after_sft(tmp_path / "run", sft_policy, "iter.log", "0\n")
+    first, last = _iterations("rejection sampling", _run_twice("rejection_sampling_tiny_cpu.sh", out))
     assert last > first + RS_MIN_GAIN
 
 
 @pytest.mark.vllm
-def test_iterative_dpo_raises_reward(tmp_path):
+def test_iterative_dpo_raises_reward(tmp_path, sft_policy):
     pytest.importorskip("vllm")
-    _run("iterative_dpo_tiny_cpu.sh", tmp_path / "run", timeout=1500)
+    _run("iterative_dpo_tiny_cpu.sh", _after_sft(tmp_path / "run", sft_policy, "iter.log", "0\n"), timeout=1500)
     first, last = _iterations("iterative DPO", _rewards(tmp_path / "run"))
     assert last > first + ITER_DPO_MIN_GAIN
 
 
 @pytest.mark.vllm
-def test_conditional_sft_highest_condition_scores_higher(tmp_path):
+def test_conditional_sft_highest_condition_scores_higher(tmp_path, sft_policy):
     pytest.importorskip("vllm")
-    rewards = _run_twice("conditional_sft_tiny_cpu.sh", tmp_path / "run")
+    rewards = _run_twice("conditional_sft_tiny_cpu.sh", _after_sft(tmp_path / "run", sft_policy, "sft.done"))
     sft, high, low = (rewards[stage]["rm_score"] for stage in ("sft_policy", "csft_w9", "csft_w0"))
     rules = [rewards[stage]["rule_reward"] for stage in ("sft_policy", "csft_w9", "csft_w0")]
     print(f"conditional SFT: RM score SFT policy {sft:.3f}, highest condition {high:.3f} (lowest condition "
