@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 def test_triton_kernel_interpreted_on_cpu_fp32():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
-    code = "from tests.unit.test_kernels_logprobs_triton import interpreted_fp32_checks; interpreted_fp32_checks()"
+    code = "from tests.triton_checks import interpreted_fp32_checks; interpreted_fp32_checks()"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
