@@ -1,7 +1,7 @@
 """The RePULSe toy example (`launch/examples/repulse_toy_cpu.sh`: four methods at 3200 sampled responses each,
 the exact log P(bad) and expected reward after every fit step), at one seed in CI (REPULSE_TOY_SEEDS=1): every
 method reaches about the same reward, and RePULSe ends with the lowest log P(bad). The README's 3-seed table
-comes from the script's default seeds 1-3; the thresholds below hold for every one of those seeds.
+comes from the script's default seeds 1-3; the thresholds below are set from the seed-1 figures.
 """
 
 import json
@@ -13,9 +13,10 @@ from tests.distributed import ROOT
 MIN_REWARD = 0.99
 """Final exact expected reward of every method (0.996-0.998 at each of seeds 1-3 when measured)."""
 
-MIN_LOG_P_BAD_GAP = 1.0
-"""RePULSe's final log P(bad) below every other method's. Measured over seeds 1-3: RePULSe -10.60, the others
--8.75 to -8.92 (mean gaps 1.7-1.9)."""
+MIN_LOG_P_BAD_GAP = 0.4
+"""RePULSe's final log P(bad) below every other method's, at seed 1. Measured at seed 1: RePULSe -10.25, REINFORCE
+-9.07, transformed REINFORCE -8.62, base as proposal -9.44 (smallest gap 0.81; the 3-seed means' gaps are 1.7-1.9,
+but single seeds spread by about 1): about half the smallest gap."""
 
 
 def test_repulse_toy_reaches_a_lower_log_p_bad_at_equal_reward(tmp_path):
