@@ -1,0 +1,50 @@
+"""A rank left waiting in a collective prints its stage and gives up after --dist_timeout (2 gloo ranks)."""
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from rlhf.rewards.base import RewardInputs
+from rlhf.rewards.reward_func import RewardFuncFile, RewardFuncTimeout
+from rlhf.utils import watchdog
+from rlhf.utils.watchdog import Watchdog
+from tests.distributed import ROOT, free_port, run_on_ranks
+
+
+def _one_rank_sleeps_in_a_stage(port: int) -> dict:
+    """Rank 1 sleeps 8 s inside a stage; rank 0 waits for it in an all_reduce under a 4 s --dist_timeout."""
+    import torch.distributed as dist
+
+    from rlhf.distributed.launch import init_distributed, read_launch_env
+
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    init_distributed(read_launch_env(), timeout_minutes=4 / 60)
+    rank, out, start = dist.get_rank(), io.StringIO(), time.monotonic()
+    dog = Watchdog(rank, 1.0, out=out).start()
+    error, error_after = None, None
+    with watchdog.stage("experience"):
+        if rank == 1:
+            with watchdog.stage("reward_func"):
+                time.sleep(8)
+        else:
+            try:
+                dist.all_reduce(torch.ones(1))
+            except RuntimeError as err:
+                error, error_after = str(err), time.monotonic() - start
+    dog.stop()
+    return {"lines": out.getvalue().splitlines(), "error": error, "error_after": error_after}
+
+
+def test_waiting_rank_prints_its_stage_and_times_out():
+    rank0, rank1 = run_on_ranks(2, _one_rank_sleeps_in_a_stage, free_port())
+    assert rank0["lines"][0].startswith("[rank 0] no progress for 1 s: in stage 'experience' since ")
+    assert rank1["lines"][0].startswith("[rank 1] no progress for 1 s: in stage 'experience/reward_func' since ")
+    assert 3 <= len(rank0["lines"]) <= 6  # about one a second until the timeout
+    assert rank0["error"] is not None and 3.5 <= rank0["error_after"] <= 10, rank0
