@@ -1,29 +1,14 @@
 """Every rank resumes from rank 0's choice of checkpoint and reports rank 0's errors (2 gloo ranks)."""
 
 import json
-import os
-import pickle
-import random
-from types import SimpleNamespace
-
-import numpy as np
-import pytest
-import torch
 
 from rlhf.config.errors import UsageError
 from rlhf.utils import checkpoint as ckpt
 from rlhf.utils.checkpoint import (
     MANIFEST,
-    CheckpointWriteError,
     CheckpointWriter,
-    complete_checkpoints,
-    load_rank_state,
     pick_checkpoint,
-    rng_state,
-    verify_checkpoint,
-    write_manifest,
 )
-from rlhf.utils.logging import MetricsLogger
 from tests.distributed import run_on_ranks
 
 

@@ -1,11 +1,9 @@
 """CPU checks of CUDA-path logic that need several gloo processes: ring attention on the world group, the node-local
 world size exported under simulated srun nodes, and DeepSpeed offload keeping the low-precision weights."""
 
-import pytest
 import torch
 from rlhf.kernels import cu_seqlens_from_lengths, ring_attention, varlen_attention_reference, zigzag_shard
 
-from rlhf.distributed.launch import cuda_device_index, read_launch_env, slurm_local_world_size
 from tests.distributed import run_on_ranks
 
 # ---- item 5: ring attention with group=None -----------------------------------------------------

@@ -2,19 +2,13 @@
 
 import io
 import os
-import signal
-import subprocess
-import sys
 import time
 
-import pytest
 import torch
 
-from rlhf.rewards.base import RewardInputs
-from rlhf.rewards.reward_func import RewardFuncFile, RewardFuncTimeout
 from rlhf.utils import watchdog
 from rlhf.utils.watchdog import Watchdog
-from tests.distributed import ROOT, free_port, run_on_ranks
+from tests.distributed import free_port, run_on_ranks
 
 
 def _one_rank_sleeps_in_a_stage(port: int) -> dict:

@@ -7,21 +7,17 @@ Shape legend: G global packed tokens, N local tokens, H/K query/kv heads, D head
 import pytest
 import torch
 from rlhf.kernels import (
-    cu_seqlens_from_lengths,
     next_token_targets,
     pack_sequences,
     ring_attention,
     token_logprobs,
-    varlen_attention_reference,
-    zigzag_indices,
-    zigzag_local_cu_seqlens,
     zigzag_shard,
     zigzag_unshard,
 )
-from rlhf.kernels.packing import round_up
-from tests.ring_cases import CASES, case_inputs, check_against_reference
 
 from tests.distributed import run_on_ranks
+from tests.ring_cases import CASES, case_inputs, check_against_reference
+
 
 def _ring_worker(ring_sizes: list[int]) -> dict:
     """On every rank, for each ring size: split the world into rings of that size (explicit subgroups) and

@@ -3,24 +3,14 @@ model's log-probs and values, and checkpoints hold the adapters alone and resume
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import sys
-from contextlib import nullcontext
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from rlhf.assets import EMBEDDED_MODEL_DIR
-from rlhf.config.common import LoRAConfig
+from tests.distributed import run_on_ranks
 from tests.tiny_lora import FP32, lora_role
-from tests.distributed import run_on_ranks, run_torchrun
-from tests.tiny_runs import CPU, SMALL
-
-
-
 
 
 def _merged_log_probs_and_values(merged_actor: dict, merged_critic: dict, exp) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from rlhf.engines.deepspeed_engine import NonFiniteError
-from rlhf.train.loop import Loop
-from rlhf.train.state import CheckpointedState
-from rlhf.utils.logging import MetricsLogger
-from rlhf.utils.timers import StageTimer
 from tests.distributed import run_on_ranks
 
 

@@ -1,14 +1,9 @@
 """Gathering a ZeRO-3 model for saving: only the writer keeps the gathered weights, and save_hf round-trips."""
 
-import json
 import os
 
-import pytest
-import safetensors.torch
 import torch
-from safetensors.torch import save_file
 
-import rlhf.models.value as value
 from rlhf.assets import EMBEDDED_MODEL_DIR
 from tests.distributed import run_on_ranks
 

@@ -103,7 +103,8 @@ def test_nonfinite_loss_stops_or_skips_on_every_rank():
     variants = run_variants_on_ranks(2, [(nonfinite_steps, stage) for stage in ZERO_STAGES])
     for zero_stage, r in ((s, r) for s, results in zip(ZERO_STAGES, variants) for r in results):
         assert r["error"].startswith("optimizer step 1: actor policy_loss is nan on rank 1; stopping before the "
-                                     "non-finite values reach the weights (--max_nonfinite_steps 0"), (zero_stage, r["error"])
+                                     "non-finite values reach the weights (--max_nonfinite_steps 0"), \
+            (zero_stage, r["error"])
         assert r["unchanged_after_error"], zero_stage
         assert r["skipped"] == 1 and r["skipped_stats"]["nonfinite_skipped"] == 1.0
         assert "policy_loss" not in r["skipped_stats"]

@@ -33,4 +33,5 @@ def test_offload_moves_state_and_changes_nothing():
     for zero_stage, plain, offloaded in ((2, plain2, offloaded2), (3, plain3, offloaded3)):
         assert offloaded["moved"] is True, zero_stage
         for name, weight in plain["weights"].items():
-            torch.testing.assert_close(offloaded["weights"][name], weight, rtol=0, atol=0, msg=f"ZeRO-{zero_stage} {name}")
+            torch.testing.assert_close(offloaded["weights"][name], weight, rtol=0, atol=0,
+                                       msg=f"ZeRO-{zero_stage} {name}")

@@ -1,8 +1,6 @@
 """Process groups on 4 gloo ranks, and a world formed from SLURM variables without torchrun."""
 
-import pytest
 
-from rlhf.distributed.launch import _first_host, read_launch_env
 from rlhf.distributed.topology import Placement, Role, Topology, plan_ranks
 from tests.distributed import run_on_ranks
 

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from rlhf.engines.weight_sync import ParamSpec, broadcast_parameters, buckets
+from rlhf.engines.weight_sync import ParamSpec, broadcast_parameters
 from tests.distributed import run_on_ranks, run_variants_on_ranks
 
 MIXED = [ParamSpec("embed", (4, 3), torch.float32), ParamSpec("norm", (3,), torch.float32),

@@ -1,9 +1,7 @@
 """The DeepSpeed/transformers patches for ZeRO-3 on role subgroups: a model built on a group without global rank 0
 gets the checkpoint's weights, frozen and trainable (4 gloo ranks, one process start)."""
 
-import inspect
 
-import pytest
 import torch
 import torch.distributed as dist
 
