@@ -1,14 +1,18 @@
-"""Preference losses against a frozen reference policy, as pure tensor functions: DPO (sigmoid), IPO, cDPO
-(label smoothing) and KTO (OpenRLHF `DPOLoss`, `KTOLoss`), the response mask they sum log-probs over, and
-the per-sample terms the trainers divide by global counts.
+"""Preference losses as pure tensor functions: against a frozen reference policy, DPO (sigmoid), IPO, cDPO
+(label smoothing) and KTO (OpenRLHF `DPOLoss`, `KTOLoss`); reference-free, SimPO (Meng et al. 2024) and
+ORPO's odds-ratio term (Hong et al. 2024); the response mask they sum log-probs over, and the per-sample
+terms the trainers divide by global counts.
 
-Every log-prob argument is a sequence log-prob: the sum over the response tokens of log p(token | prefix),
-float32 [B]. "Implicit reward" = beta x (policy - reference) sequence log-prob.
+A "sequence log-prob" is the sum over the response tokens of log p(token | prefix), float32 [B]; an "average
+log-prob" is that sum divided by the response's token count. "Implicit reward" = beta x (policy - reference)
+sequence log-prob (DPO, KTO) or beta x average log-prob (SimPO, ORPO).
 
 Shapes: B samples (pairs for DPO), T tokens, T1 = T - 1 next-token positions (position t scores token t + 1).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -65,3 +69,32 @@ def kto_losses_B(policy_B: torch.Tensor, ref_B: torch.Tensor, desirable_B: torch
     loss_B = torch.where(desirable_B, desirable_weight * (1 - torch.sigmoid(beta * (r_B - z0))),
                          undesirable_weight * (1 - torch.sigmoid(beta * (z0 - r_B))))
     return loss_B, beta * r_B.detach()
+
+
+def simpo_losses_B(chosen_avg_B: torch.Tensor, rejected_avg_B: torch.Tensor, *, beta: float,
+                   gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss_B, chosen_reward_B, rejected_reward_B) per pair of SimPO: -log sigmoid(beta (chosen_avg -
+    rejected_avg) - gamma), with the policy's average log-probs (no reference) and gamma the target reward
+    margin. Rewards are beta x the average log-prob, detached."""
+    chosen_B, rejected_B = beta * chosen_avg_B, beta * rejected_avg_B
+    return -F.logsigmoid(chosen_B - rejected_B - gamma), chosen_B.detach(), rejected_B.detach()
+
+
+LOG_ODDS_MAX_AVG_LOGPROB = -1e-6
+"""ORPO: average log-probs are clamped to at most this before log(1 - p): at 0 (p = 1 in float32) the odds are
+infinite. A response that certain contributes no odds-ratio gradient."""
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, accurate at both ends (Maechler's two branches)."""
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def odds_ratio_losses_B(chosen_avg_B: torch.Tensor, rejected_avg_B: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(odds-ratio loss_B, log odds ratio_B) per pair of ORPO: with p = exp(average log-prob) and odds(p) =
+    p / (1 - p), log OR = log odds(p_chosen) - log odds(p_rejected) and the loss is -log sigmoid(log OR)."""
+    chosen_B = chosen_avg_B.clamp(max=LOG_ODDS_MAX_AVG_LOGPROB)
+    rejected_B = rejected_avg_B.clamp(max=LOG_ODDS_MAX_AVG_LOGPROB)
+    log_odds_B = (chosen_B - rejected_B) - (log1mexp(chosen_B) - log1mexp(rejected_B))
+    return -F.logsigmoid(log_odds_B), log_odds_B.detach()

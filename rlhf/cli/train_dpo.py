@@ -25,7 +25,7 @@ from rlhf.distributed.topology import Role
 from rlhf.models.loading import load_causal_lm
 from rlhf.train.loop import Job
 from rlhf.trainers.frozen import padded_target_logprobs
-from rlhf.trainers.preference import DPO_EVAL_SUMS, DPO_METRICS, REFERENCE, DPOTrainer
+from rlhf.trainers.preference import DPO_METRICS, PAIR_EVAL_SUMS, REFERENCE, DPOTrainer
 
 
 def check_reference(cfg: PreferenceJobConfig) -> None:
@@ -46,7 +46,8 @@ def with_reference(cfg: PreferenceJobConfig, b: Built, make_trainer, metrics, ev
                        make_trainer=make_trainer, metrics=metrics, eval_sums=eval_sums)
 
 
-def _samples(cfg: TrainDPOConfig, tokenizer, rows: list) -> list:
+def pair_samples(cfg, tokenizer, rows: list) -> list:
+    """The preference pairs of `rows` (the pair jobs' samples)."""
     d = cfg.data
     samples, _ = load_pair_samples(rows, tokenizer, prompt_key=d.prompt_key, chosen_key=d.chosen_key,
                                    rejected_key=d.rejected_key, input_template=d.input_template,
@@ -58,11 +59,11 @@ def _samples(cfg: TrainDPOConfig, tokenizer, rows: list) -> list:
 def _trainer(cfg: TrainDPOConfig, b: Built) -> Job:
     return with_reference(cfg, b, lambda reference: DPOTrainer(
         *b.trainer_args, reference=reference, beta=cfg.beta, label_smoothing=cfg.label_smoothing, ipo=cfg.ipo,
-        nll_loss_coef=cfg.nll_loss_coef), DPO_METRICS, DPO_EVAL_SUMS)
+        nll_loss_coef=cfg.nll_loss_coef), DPO_METRICS, PAIR_EVAL_SUMS)
 
 
 DPO_JOB = SupervisedJob(
-    name="dpo", samples=_samples, load_model=SFT_JOB.load_model, make_trainer=_trainer, save=save_trained_model,
+    name="dpo", samples=pair_samples, load_model=SFT_JOB.load_model, make_trainer=_trainer, save=save_trained_model,
     bar={"loss": "loss", "acc": "acc", "margin": "margin"}, check=check_reference, plan=reference_plan,
     demo_line="no --pretrain given: DPO of the embedded tiny demo model on its pairs")
 

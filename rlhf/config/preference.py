@@ -1,6 +1,7 @@
-"""The config roots of the preference jobs (`train_dpo`, `train_kto`): the shared sub-configs, a frozen
-reference policy, and each job's loss settings and dataset columns, with OpenRLHF v0.9.5's flag names and
-per-job defaults. Knows nothing of argparse or of training.
+"""The config roots of the preference jobs: `train_dpo` and `train_kto` (against a frozen reference policy,
+with OpenRLHF v0.9.5's flag names and per-job defaults) and the reference-free `train_simpo` and `train_orpo`
+(defaults of their papers); the shared sub-configs, each job's loss settings and dataset columns. Knows
+nothing of argparse or of training.
 """
 
 from __future__ import annotations
@@ -51,25 +52,34 @@ class ReferenceConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PreferenceJobConfig(JobConfig):
-    """What both preference roots check."""
+class PreferenceBaseConfig(JobConfig):
+    """What every preference root has: the trained model, its optimizer, engine and batches."""
 
     PENDING_FLAGS: ClassVar[tuple[str, ...]] = SUPERVISED_PENDING_FLAGS
     model: ModelConfig = field(default_factory=ModelConfig)
-    ref: ReferenceConfig = field(default_factory=ReferenceConfig)
     optim: LearningRateConfig = field(default_factory=lambda: LearningRateConfig(learning_rate=1e-5))
     engine: EngineConfig = field(default_factory=EngineConfig)
     batch: SupervisedBatchConfig = field(default_factory=lambda: SupervisedBatchConfig(max_epochs=1))
-    beta: float = opt(0.1, "strength of the KL regularisation towards the reference (the implicit reward's scale)")
     aux_loss_coef: float = opt(0.0, "MoE auxiliary loss coefficient (models that return aux_loss)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.beta > 0, "--beta must be positive")
         require(self.aux_loss_coef >= 0, "--aux_loss_coef must be >= 0")
         if self.aux_loss_coef:
             warnings.warn(f"--aux_loss_coef {self.aux_loss_coef} has no effect in the preference jobs of this build: "
                           "the MoE auxiliary loss is not added", stacklevel=2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreferenceJobConfig(PreferenceBaseConfig):
+    """What the preference roots with a frozen reference policy (DPO, KTO) check."""
+
+    ref: ReferenceConfig = field(default_factory=ReferenceConfig)
+    beta: float = opt(0.1, "strength of the KL regularisation towards the reference (the implicit reward's scale)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.beta > 0, "--beta must be positive")
         if self.ref.num_ranks:
             require(self.engine.ring_attn_size == 1, "a reference on its own ranks serves whole sequences: drop "
                     "--ring_attn_size or colocate the reference (--ref_num_gpus_per_node 0)")
@@ -102,12 +112,61 @@ class TrainDPOConfig(PreferenceJobConfig):
         if self.ipo and self.label_smoothing:
             warnings.warn(f"--label_smoothing {self.label_smoothing} has no effect with --ipo (IPO's loss has no "
                           "label smoothing, as in OpenRLHF)", stacklevel=2)
-        if self.data.margin_loss:
-            warnings.warn("--margin_loss has no effect in train_dpo (it is a reward-model loss)", stacklevel=2)
+        _no_margin_loss(self, "train_dpo")
 
     def with_demo_defaults(self) -> TrainDPOConfig:
         return _with_demo(self, EMBEDDED_PAIRS, EMBEDDED_PAIRS_EVAL, prompt_key=self.data.prompt_key or "prompt",
                           eval_split="train")
+
+
+def _no_margin_loss(cfg, job: str) -> None:
+    if cfg.data.margin_loss:
+        warnings.warn(f"--margin_loss has no effect in {job} (it is a reward-model loss)", stacklevel=3)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReferenceFreePairConfig(PreferenceBaseConfig):
+    """What the reference-free pair roots (SimPO, ORPO) share: preference pairs and the embedded demo."""
+
+    data: PairDataConfig = field(default_factory=lambda: PairDataConfig(max_len=512, eval_split="test"))
+
+    def with_demo_defaults(self):
+        return _with_demo(self, EMBEDDED_PAIRS, EMBEDDED_PAIRS_EVAL, prompt_key=self.data.prompt_key or "prompt",
+                          eval_split="train")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSimPOConfig(ReferenceFreePairConfig):
+    """Everything `train_simpo` needs (defaults: the SimPO authors' beta 2.0 and gamma = 0.5 beta)."""
+
+    logging: LoggingConfig = field(default_factory=lambda: LoggingConfig(wandb_project="train_simpo"))
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(
+        ckpt_path="./ckpt/checkpoints_simpo"))
+    beta: float = opt(2.0, "scale of the implicit reward, beta x the response's average log-prob")
+    simpo_gamma: float = opt(1.0, "target reward margin gamma: the loss is -log sigmoid(beta (chosen - rejected "
+                             "average log-prob) - gamma)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.beta > 0, "--beta must be positive")
+        require(self.simpo_gamma >= 0, "--simpo_gamma must be >= 0")
+        _no_margin_loss(self, "train_simpo")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainORPOConfig(ReferenceFreePairConfig):
+    """Everything `train_orpo` needs (default: the ORPO paper's lambda 0.1)."""
+
+    logging: LoggingConfig = field(default_factory=lambda: LoggingConfig(wandb_project="train_orpo"))
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(
+        ckpt_path="./ckpt/checkpoints_orpo"))
+    orpo_lambda: float = opt(0.1, "weight lambda of the odds-ratio term: the loss is the chosen responses' NLL + "
+                             "lambda x -log sigmoid(log odds ratio of chosen over rejected)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.orpo_lambda >= 0, "--orpo_lambda must be >= 0")
+        _no_margin_loss(self, "train_orpo")
 
 
 @dataclass(frozen=True, kw_only=True)

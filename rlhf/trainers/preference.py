@@ -1,13 +1,16 @@
-"""One step of preference optimisation against a frozen reference policy: DPO/IPO/cDPO on pairs (`train_dpo`)
-and KTO on labelled single responses (`train_kto`). Sequence log-probs are sums over the response tokens
-(and EOS); the reference's come from a `Frozen` role (colocated, or on its own ranks) in one phase per step,
-before the policy's forward/backward passes. Every loss and metric is a sum over samples divided by the
+"""One step of preference optimisation: on pairs against a frozen reference policy, DPO/IPO/cDPO (`train_dpo`),
+or without one, SimPO (`train_simpo`) and ORPO (`train_orpo`), all on one pair trainer; and KTO on labelled
+single responses (`train_kto`). Sequence log-probs are sums over the response tokens (and EOS); the
+reference's come from a `Frozen` role (colocated, or on its own ranks) in one phase per step, before the
+policy's forward/backward passes. Every loss and metric is a sum over samples divided by the
 count of the whole global batch, so DP ranks x micro-batches give the global mean whatever the split.
 
 `rlhf.train.loop.Job`s; they know the model wrappers, the sampler and the batch records, not flags.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -17,7 +20,9 @@ from rlhf.algorithms.preference import (
     kto_losses_B,
     kto_reference_point,
     masked_sum_B,
+    odds_ratio_losses_B,
     response_mask_BT1,
+    simpo_losses_B,
 )
 from rlhf.data.supervised import PairBatch, SFTBatch, UnpairedBatch, mismatched
 from rlhf.distributed.topology import Role
@@ -29,18 +34,16 @@ from rlhf.trainers.supervised import SupervisedTrainer
 
 REFERENCE = Role.REF
 
-DPO_METRICS = {**dict.fromkeys(("loss", "acc", "chosen_reward", "reject_reward", "margin", "nll_loss"), Reduce.SHARE),
-               **dict.fromkeys(("grad_norm", "lr", "nonfinite_skipped"), Reduce.LEAD)}
 KTO_METRICS = {**dict.fromkeys(("kto_loss", "chosen_reward", "reject_reward"), Reduce.SHARE),
                **dict.fromkeys(("kl", "grad_norm", "lr", "nonfinite_skipped"), Reduce.LEAD)}
-DPO_EVAL_SUMS = (6,)
 KTO_EVAL_SUMS = (2, 8)
 
 
 class PreferenceTrainer(SupervisedTrainer):
-    """What DPO and KTO share: the reference's and the policy's sequence log-probs of a micro-batch."""
+    """What the preference trainers share: the reference's (if any) and the policy's sequence log-probs of a
+    micro-batch."""
 
-    def __init__(self, *args, reference: Frozen) -> None:
+    def __init__(self, *args, reference: Frozen | None) -> None:
         super().__init__(*args)
         self.reference = reference
 
@@ -67,18 +70,39 @@ class PreferenceTrainer(SupervisedTrainer):
         return batch.input_ids_BT, batch.attention_mask_BT, batch.loss_mask_BT1
 
 
-class DPOTrainer(PreferenceTrainer):
-    """DPO (sigmoid), IPO or cDPO on the ranks of `Role.ACTOR`: each micro-batch's chosen and rejected
-    sequences in one forward (packed together with --packing_samples), plus `nll_loss_coef` x the chosen
-    responses' per-token NLL (OpenRLHF: each pair's token mean, averaged over pairs)."""
+@dataclass
+class PairTerms:
+    """One micro-batch of B pairs: `objective_B` is minimised; `chosen_B`/`rejected_B` are the implicit rewards
+    (detached; accuracy is chosen > rejected); `logged_B` are per-pair terms logged as their mean over the
+    global batch ("loss": the preference loss)."""
+
+    objective_B: torch.Tensor
+    chosen_B: torch.Tensor
+    rejected_B: torch.Tensor
+    logged_B: dict[str, torch.Tensor]
+
+
+def pair_metrics(*terms: str) -> dict[str, Reduce]:
+    """The metric table of a pair trainer that logs `terms` besides the shared ones."""
+    return {**dict.fromkeys(("loss", "acc", "chosen_reward", "reject_reward", "margin", *terms), Reduce.SHARE),
+            **dict.fromkeys(("grad_norm", "lr", "nonfinite_skipped"), Reduce.LEAD)}
+
+
+DPO_METRICS = pair_metrics("nll_loss")
+SIMPO_METRICS = pair_metrics()
+ORPO_METRICS = pair_metrics("nll_loss", "or_loss", "log_odds_ratio")
+PAIR_EVAL_SUMS = (6,)
+
+
+class PairTrainer(PreferenceTrainer):
+    """A loss on preference pairs on the ranks of `Role.ACTOR`, with a frozen reference or without one
+    (`reference` None): each micro-batch's chosen and rejected sequences in one forward (packed together with
+    --packing_samples). A subclass gives `pair_terms`; the step and the held-out evaluation are shared."""
 
     batch_type = PairBatch
-    metrics = DPO_METRICS
 
-    def __init__(self, *args, reference: Frozen, beta: float, label_smoothing: float, ipo: bool,
-                 nll_loss_coef: float) -> None:
+    def __init__(self, *args, reference: Frozen | None = None) -> None:
         super().__init__(*args, reference=reference)
-        self.beta, self.label_smoothing, self.ipo, self.nll_loss_coef = beta, label_smoothing, ipo, nll_loss_coef
 
     def cost_mask(self, batch: PairBatch) -> torch.Tensor:
         return torch.cat([batch.chosen_mask_BT, batch.rejected_mask_BT], dim=1)  # both halves are run
@@ -87,33 +111,29 @@ class DPOTrainer(PreferenceTrainer):
         ids, mask = batch.concatenated()
         return ids, mask, response_mask_BT1(mask, torch.cat([batch.prompt_lens_B, batch.prompt_lens_B]))
 
-    def _terms(self, batch: PairBatch, ref_2B: torch.Tensor):
-        """(loss_B, chosen_reward_B, rejected_reward_B, nll_B) of one micro-batch of B pairs."""
-        B = batch.num_samples
-        logps_2B, counts_2B = self.policy_logps(batch)
-        loss_B, chosen_B, rejected_B = dpo_losses_B(logps_2B[:B], logps_2B[B:], ref_2B[:B], ref_2B[B:],
-                                                    beta=self.beta, label_smoothing=self.label_smoothing,
-                                                    ipo=self.ipo)
-        nll_B = -logps_2B[:B] / counts_2B[:B].clamp(min=1)
-        return loss_B, chosen_B, rejected_B, nll_B
+    def pair_terms(self, batch: PairBatch, ref_2B: torch.Tensor | None) -> PairTerms:
+        """The loss terms of one micro-batch (`ref_2B`: the reference's chosen then rejected sequence
+        log-probs, None without a reference)."""
+        raise NotImplementedError
+
+    def _reference(self, micro_batches: list) -> list:
+        return self.reference_logps(micro_batches) if self.reference is not None else [None] * len(micro_batches)
 
     def step(self, step: int) -> dict[str, float]:
         with self.timer.stage("train"):
             micro_batches = self.next_micro_batches(step)
             (num_pairs,) = global_counts([sum(m.num_samples for m in micro_batches)], self.group,
                                          self.batcher.layout.ring_size)
-            refs = self.reference_logps(micro_batches)
+            refs = self._reference(micro_batches)
 
-            def micro_loss(item: tuple[PairBatch, torch.Tensor]) -> MicroLoss:
-                loss_B, chosen_B, rejected_B, nll_B = self._terms(*item)
-                preference, nll = loss_B.sum() / num_pairs, nll_B.sum() / num_pairs
-                terms = {"loss": preference, "acc": (chosen_B > rejected_B).float().sum() / num_pairs,
-                         "chosen_reward": chosen_B.sum() / num_pairs, "reject_reward": rejected_B.sum() / num_pairs,
-                         "margin": (chosen_B - rejected_B).sum() / num_pairs}
-                if self.nll_loss_coef > 0:
-                    terms["nll_loss"] = nll
-                return MicroLoss(preference + self.nll_loss_coef * nll if self.nll_loss_coef > 0 else preference,
-                                 terms)
+            def micro_loss(item: tuple[PairBatch, torch.Tensor | None]) -> MicroLoss:
+                t = self.pair_terms(*item)
+                terms = {name: v.sum() / num_pairs for name, v in t.logged_B.items()}
+                terms.update({"acc": (t.chosen_B > t.rejected_B).float().sum() / num_pairs,
+                              "chosen_reward": t.chosen_B.sum() / num_pairs,
+                              "reject_reward": t.rejected_B.sum() / num_pairs,
+                              "margin": (t.chosen_B - t.rejected_B).sum() / num_pairs})
+                return MicroLoss(t.objective_B.sum() / num_pairs, terms)
 
             stats = step_metrics(self.model, optimizer_step(self.model, list(zip(micro_batches, refs)), micro_loss))
         return self.reduced(stats)
@@ -126,19 +146,82 @@ class DPOTrainer(PreferenceTrainer):
             return {}
         self.model.eval()
         batches, counted = self.eval_micro_batches()
-        refs = self.reference_logps(batches)
-        sums = [0.0] * 6  # pairs, loss, correct, margin, chosen reward, rejected reward
+        refs = self._reference(batches)
+        sums = [0.0] * PAIR_EVAL_SUMS[0]  # pairs, loss, correct, margin, chosen reward, rejected reward
         for b, (batch, ref) in enumerate(zip(batches, refs)):
-            loss_B, chosen_B, rejected_B, _ = self._terms(batch, ref)
+            t = self.pair_terms(batch, ref)
             if b >= counted:
                 continue
-            for i, v in enumerate((batch.num_samples, loss_B.sum(), (chosen_B > rejected_B).sum(),
-                                   (chosen_B - rejected_B).sum(), chosen_B.sum(), rejected_B.sum())):
+            for i, v in enumerate((batch.num_samples, t.logged_B["loss"].sum(), (t.chosen_B > t.rejected_B).sum(),
+                                   (t.chosen_B - t.rejected_B).sum(), t.chosen_B.sum(), t.rejected_B.sum())):
                 sums[i] += float(v)
         pairs, loss, correct, margin, chosen, rejected = self.world_sums(sums)
         pairs = max(pairs, 1.0)
         return {"eval_loss": loss / pairs, "eval_acc": correct / pairs, "eval_margin": margin / pairs,
                 "eval_chosen_reward": chosen / pairs, "eval_reject_reward": rejected / pairs}
+
+
+class DPOTrainer(PairTrainer):
+    """DPO (sigmoid), IPO or cDPO against the frozen reference, plus `nll_loss_coef` x the chosen responses'
+    per-token NLL (OpenRLHF: each pair's token mean, averaged over pairs)."""
+
+    metrics = DPO_METRICS
+
+    def __init__(self, *args, reference: Frozen, beta: float, label_smoothing: float, ipo: bool,
+                 nll_loss_coef: float) -> None:
+        super().__init__(*args, reference=reference)
+        self.beta, self.label_smoothing, self.ipo, self.nll_loss_coef = beta, label_smoothing, ipo, nll_loss_coef
+
+    def pair_terms(self, batch: PairBatch, ref_2B: torch.Tensor | None) -> PairTerms:
+        B = batch.num_samples
+        logps_2B, counts_2B = self.policy_logps(batch)
+        loss_B, chosen_B, rejected_B = dpo_losses_B(logps_2B[:B], logps_2B[B:], ref_2B[:B], ref_2B[B:],
+                                                    beta=self.beta, label_smoothing=self.label_smoothing,
+                                                    ipo=self.ipo)
+        if self.nll_loss_coef <= 0:
+            return PairTerms(loss_B, chosen_B, rejected_B, {"loss": loss_B})
+        nll_B = -logps_2B[:B] / counts_2B[:B].clamp(min=1)
+        return PairTerms(loss_B + self.nll_loss_coef * nll_B, chosen_B, rejected_B,
+                         {"loss": loss_B, "nll_loss": nll_B})
+
+
+class SimPOTrainer(PairTrainer):
+    """SimPO (reference-free): the length-normalised log-likelihood margin against a target margin."""
+
+    metrics = SIMPO_METRICS
+
+    def __init__(self, *args, beta: float, gamma: float) -> None:
+        super().__init__(*args)
+        self.beta, self.gamma = beta, gamma
+
+    def pair_terms(self, batch: PairBatch, ref_2B: None) -> PairTerms:
+        B = batch.num_samples
+        logps_2B, counts_2B = self.policy_logps(batch)
+        avg_2B = logps_2B / counts_2B.clamp(min=1)
+        loss_B, chosen_B, rejected_B = simpo_losses_B(avg_2B[:B], avg_2B[B:], beta=self.beta, gamma=self.gamma)
+        return PairTerms(loss_B, chosen_B, rejected_B, {"loss": loss_B})
+
+
+class ORPOTrainer(PairTrainer):
+    """ORPO (reference-free): the chosen responses' per-token NLL (each pair's token mean, averaged over pairs)
+    plus `orpo_lambda` x the odds-ratio loss. Implicit rewards: lambda x the average log-prob (as TRL logs)."""
+
+    metrics = ORPO_METRICS
+
+    def __init__(self, *args, orpo_lambda: float) -> None:
+        super().__init__(*args)
+        self.orpo_lambda = orpo_lambda
+
+    def pair_terms(self, batch: PairBatch, ref_2B: None) -> PairTerms:
+        B = batch.num_samples
+        logps_2B, counts_2B = self.policy_logps(batch)
+        avg_2B = logps_2B / counts_2B.clamp(min=1)
+        or_loss_B, log_odds_B = odds_ratio_losses_B(avg_2B[:B], avg_2B[B:])
+        nll_B = -avg_2B[:B]
+        loss_B = nll_B + self.orpo_lambda * or_loss_B
+        rewards_2B = self.orpo_lambda * avg_2B.detach()
+        return PairTerms(loss_B, rewards_2B[:B], rewards_2B[B:],
+                         {"loss": loss_B, "nll_loss": nll_B, "or_loss": or_loss_B, "log_odds_ratio": log_odds_B})
 
 
 class KTOTrainer(PreferenceTrainer):

@@ -3,8 +3,8 @@ before the first step and after the last on 9 held-out pairs (2 micro-batches on
 before any step the policy is its reference, so the DPO loss is log 2 and KTO's 0.5; DP=2 == DP=1 x
 accumulation 2 (each held-out pair counted once); ZeRO-3 with packing and the reference offloaded == ZeRO-2
 padded (at ZeRO-3 rank 1 runs a discarded copy of rank 0's extra evaluation forward, or the gather hangs);
-a reference on its own rank == colocated; KTO packed == padded. (Learning is shown by the DPO and KTO
-examples, tests/examples.)"""
+a reference on its own rank == colocated; KTO packed == padded; the reference-free SimPO and ORPO: DP=2 == DP=1
+and packed == padded. (Learning is shown by the DPO, KTO, SimPO and ORPO examples, tests/examples.)"""
 
 from __future__ import annotations
 
@@ -17,13 +17,17 @@ BASE = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "4", "--ma
         "--eval_steps", "3", "--max_samples", "128", "--eval_split", "train"]
 DPO_COMPARED = ("loss", "acc", "chosen_reward", "reject_reward", "margin", "nll_loss", "grad_norm", "lr",
                 "eval_loss", "eval_acc", "eval_margin", "eval_chosen_reward")
+PAIR_COMPARED = ("loss", "acc", "chosen_reward", "reject_reward", "margin", "grad_norm", "lr", "eval_loss", "eval_acc",
+                 "eval_margin", "eval_chosen_reward", "eval_reject_reward")
+ORPO_COMPARED = (*PAIR_COMPARED, "nll_loss", "or_loss", "log_odds_ratio")
 KTO_COMPARED = ("kto_loss", "chosen_reward", "reject_reward", "kl", "grad_norm", "lr", "eval_loss", "eval_kl",
                 "eval_acc")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """The 2-rank runs in one launch (ZeRO-3 last), then the 1-rank and the 3-rank (reference on its own rank) DPO."""
+    """The 2-rank runs in one launch (ZeRO-3 last), the 1-rank runs in another, then the 3-rank DPO (reference on
+    its own rank)."""
     from rlhf.assets import EMBEDDED_PAIRS_EVAL
 
     tmp = tmp_path_factory.mktemp("preference")
@@ -31,12 +35,19 @@ def runs(tmp_path_factory) -> dict:
         (tmp / "eval.jsonl").write_text("".join(f.readlines()[:9]))
     base = [*BASE, "--eval_dataset", str(tmp / "eval.jsonl")]
     dpo = [*base, "--nll_loss_coef", "0.1", "--ipo", "--beta", "0.5"]
+    out = {}
     kto = [*base, "--desirable_loss_weight", "1.5"]
+    simpo = [*base, "--beta", "2.5", "--simpo_gamma", "0.5"]
+    orpo = [*base, "--orpo_lambda", "0.5"]
     two = {"dpo": ("train_dpo", dpo), "kto": ("train_kto", kto),
            "kto_packed": ("train_kto", [*kto, "--packing_samples", "--ref_offload"]),
+           "simpo": ("train_simpo", simpo), "simpo_packed": ("train_simpo", [*simpo, "--packing_samples"]),
+           "orpo": ("train_orpo", orpo), "orpo_packed": ("train_orpo", [*orpo, "--packing_samples"]),
            "dpo_zero3_packed": ("train_dpo", [*dpo, "--zero_stage", "3", "--packing_samples", "--ref_offload"])}
-    out = dict(zip(two, run_jobs(2, [(module, tmp / name, args) for name, (module, args) in two.items()], tmp)))
-    out["dpo_dp1"] = run_job(1, "train_dpo", tmp / "dpo_dp1", *dpo)
+    one = {"dpo_dp1": ("train_dpo", dpo), "simpo_dp1": ("train_simpo", simpo), "orpo_dp1": ("train_orpo", orpo)}
+    for nproc, runs in ((2, two), (1, one)):
+        out.update(zip(runs, run_jobs(nproc, [(module, tmp / name, args) for name, (module, args) in runs.items()],
+                                      tmp)))
     out["dpo_own_ref"] = run_job(3, "train_dpo", tmp / "dpo_own_ref", *dpo, "--ref_num_gpus_per_node", "1")
     return out
 
@@ -61,3 +72,17 @@ def test_kto_packing_gives_the_same_steps(runs):
     # over as many desirable as undesirable answers
     assert ref[0][0]["eval_loss"] == pytest.approx(0.5 * (1.5 + 1.0) / 2)
     assert_same_steps(ref, runs["kto_packed"], KTO_COMPARED, rel=1e-5, abs_=1e-6, what="packed")
+
+
+@pytest.mark.parametrize("job", ["simpo", "orpo"])
+def test_reference_free_pairs_split_and_packing_give_the_same_steps(runs, job):
+    ref = runs[job]
+    assert f"{job}: 128 samples" in ref[2] and "ref on ranks" not in ref[2]
+    assert [r["step"] for r in ref[0]] == [0, 1, 2, 3]
+    compared = ORPO_COMPARED if job == "orpo" else PAIR_COMPARED
+    for row in ref[0][1:]:
+        assert row["margin"] == pytest.approx(row["chosen_reward"] - row["reject_reward"], abs=1e-6)
+        if job == "orpo":  # the logged terms are global means of per-pair terms, so the loss is their sum
+            assert row["loss"] == pytest.approx(row["nll_loss"] + 0.5 * row["or_loss"], rel=1e-6)
+    assert_same_steps(ref, runs[f"{job}_dp1"], compared, rel=1e-5, abs_=1e-6, what="dp1")
+    assert_same_steps(ref, runs[f"{job}_packed"], compared, rel=1e-5, abs_=1e-6, what="packed")
