@@ -171,13 +171,14 @@ class LoggingConfig:
     wandb_group: str | None = opt(None, "wandb group")
     wandb_run_name: str | None = opt(None, "wandb run name")
     logging_steps: int = opt(1, "log every N steps")
-    eval_steps: int = opt(-1, "evaluate every N steps (-1: never; jobs with an --eval_dataset also evaluate "
-                          "at the end)")
+    eval_steps: int = opt(-1, "with --eval_dataset, evaluate every N steps, besides before the first step and "
+                          "after the last (-1: train_ppo only then; the supervised and preference jobs also once "
+                          "per epoch)")
     verbose: bool = opt(False, "show all third-party library output on the console, unfiltered, from every rank")
 
     def __post_init__(self) -> None:
         require(self.logging_steps >= 1, "--logging_steps must be >= 1")
-        require(self.eval_steps == -1 or self.eval_steps >= 1, "--eval_steps must be -1 (never) or >= 1")
+        require(self.eval_steps == -1 or self.eval_steps >= 1, "--eval_steps must be -1 (the default schedule) or >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)

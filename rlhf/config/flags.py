@@ -27,6 +27,7 @@ from rlhf.config.errors import exit_usage
 IGNORED_FLAGS: dict[str, str] = {
     "vllm_sync_with_ray": "weights move in-process here; there is no Ray",
     "vllm_sync_backend": "weights are loaded into each rank's own engine in-process; no sync backend",
+    "save_value_network": "train_ppo always saves the critic (HF format, under --save_path/critic)",
     # the RePULSe fork's own bookkeeping (its test-info and reward-model plumbing), nothing to do here
     "rm_type": "the RePULSe fork's reward-model plumbing switch; rewards come from --reward_pretrain/--remote_rm_url",
     "n_seeds_f_q": "the RePULSe fork's F_q test-info bookkeeping, not part of training",
@@ -35,7 +36,7 @@ IGNORED_FLAGS: dict[str, str] = {
 }
 """Flag -> why it is ignored. Value-taking flags consume their value."""
 
-IGNORED_SWITCHES = {"vllm_sync_with_ray", "no_test_info"}
+IGNORED_SWITCHES = {"vllm_sync_with_ray", "no_test_info", "save_value_network"}
 
 
 

@@ -356,7 +356,7 @@ class TrainPPOConfig(JobConfig):
 
     PENDING_FLAGS: ClassVar[tuple[str, ...]] = tuple((
         "ds_tensor_parallel_size max_len prompt_data_probs "
-        "save_value_network vllm_generate_batch_size"
+        "vllm_generate_batch_size"
     ).split())
     """OpenRLHF train_ppo flags whose features are not built yet: refused, never silently ignored."""
 

@@ -256,7 +256,8 @@ class TeacherConfig:
 
     teacher_model: str | None = opt(None, "HF model directory of the teacher (required; it must share the "
                                     "student's tokenizer/vocabulary)")
-    kd_coef: float = opt(0.4, "loss = (1 - kd_coef) x NLL + kd_coef x distillation (forward KL to the teacher)")
+    kd_coef: float = opt(0.4, "loss = (1 - kd_coef) x NLL + kd_coef x distillation (the cross-entropy to the "
+                          "teacher's distribution: forward KL plus the teacher's entropy, the same gradient)")
     teacher_offload: bool = opt(False, "keep the teacher's parameters in host memory outside its forward "
                                 "(below ZeRO-3; at ZeRO-3 they are sharded over the ranks instead)")
     teacher_num_nodes: int = opt(1, "nodes of the teacher's own rank range (with --teacher_num_gpus_per_node)")

@@ -1,5 +1,6 @@
 """One step of knowledge distillation (`train_kd`): the student's next-token NLL on the target tokens mixed
-with the forward KL from a frozen teacher over the full vocabulary, (1 - kd_coef) x NLL + kd_coef x KD, both
+with the cross-entropy to a frozen teacher's distribution over the full vocabulary (the forward KL plus the
+teacher's entropy: the same gradient, as OpenRLHF's `KDLoss`), (1 - kd_coef) x NLL + kd_coef x KD, both
 token sums over the target tokens divided by their count in the whole global batch. The KD term runs the
 chunked kernel (`rlhf.kernels.kd_loss_chunked`), so the float32 softmaxes of both models over B x T x V are
 never held at once. The teacher is a colocated frozen role, optionally offloaded outside its forward.

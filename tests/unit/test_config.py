@@ -70,6 +70,8 @@ def test_ignored_flag_warns_and_consumes_its_value():
     assert cfg.seed == 3
     with pytest.warns(UserWarning, match="--vllm_sync_with_ray is ignored"):
         assert parse("--vllm_sync_with_ray", "--seed", "4").seed == 4
+    with pytest.warns(UserWarning, match="--save_value_network is ignored: train_ppo always saves the critic"):
+        assert parse("--save_value_network", "--seed", "5").seed == 5  # a switch: takes no value
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -82,7 +84,7 @@ def test_ignored_flag_warns_and_consumes_its_value():
     (["--param_dtype", "fp8"], "--param_dtype 'fp8': choose bf16, fp16 or fp32"),
     (["--bf16", "--param_dtype", "fp32"], "--bf16 contradicts --param_dtype fp32"),
     (["--vllm_is_correction_type", "seq-mask-tis"], "seq-mask-tis is not implemented"),
-    (["--eval_steps", "0"], "--eval_steps must be -1 (never) or >= 1"),
+    (["--eval_steps", "0"], "--eval_steps must be -1 (the default schedule) or >= 1"),
     (["--dist_timeout", "0"], "--dist_timeout must be > 0"),
     (["--watchdog_interval", "-1"], "--watchdog_interval must be >= 0"),
     (["--reward_func_timeout", "-1"], "--reward_func_timeout must be >= 0"),
@@ -287,3 +289,33 @@ def test_offload_flags_that_do_nothing_at_a_zero_stage_warn():
         parse("--deepspeed_enable_sleep", "--zero_stage", "0")
     with pytest.warns(UserWarning, match="--ref_reward_offload has no effect at --zero_stage 3"):
         parse("--ref_reward_offload", "--zero_stage", "3")
+
+
+def test_readme_lists_exactly_the_refused_flags_of_every_job(monkeypatch):
+    """README's table of refused ("not built yet") flags equals each job parser's refused set, so the two cannot
+    drift; every CLI module that parses a config root appears in it or refuses nothing."""
+    import importlib
+    import pkgutil
+
+    import rlhf.cli
+    from tests.distributed import ROOT
+
+    refused: dict[str, set[str]] = {}
+    roots: list[type] = []
+    for info in pkgutil.iter_modules(rlhf.cli.__path__):
+        module = importlib.import_module(f"rlhf.cli.{info.name}")
+        if not hasattr(module, "main_for") or not hasattr(module, "main"):
+            continue
+        monkeypatch.setattr(module, "main_for", lambda cls, *a, **k: roots.append(cls))
+        module.main([])
+        refused[info.name] = {f"--{flag}" for flag in roots[-1].PENDING_FLAGS}
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    table = text[text.index("| jobs | refused: not built yet |"):].split("\n\n")[0].splitlines()[2:]
+    listed: dict[str, set[str]] = {}
+    for row in table:
+        jobs, flags = row.strip("|").split("|")
+        for job in re.findall(r"`(\w+)`", jobs):
+            listed[job] = set(re.findall(r"`(--\w+)`", flags))
+    assert listed == {job: flags for job, flags in refused.items() if flags}
+    assert {"train_ppo", "train_sft", "train_simpo", "batch_inference", "evaluate_gcg"} <= refused.keys()
