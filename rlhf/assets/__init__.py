@@ -1,8 +1,8 @@
 """Files that ship with the package: the embedded tiny demo (tokenizer, policy, prompts, reward) and
 the copy-task data of the supervised jobs (SFT, reward-model pairs, process-reward steps).
 
-`python -m rlhf.assets.build_tiny` regenerates everything under `tiny/` deterministically;
-`python -m rlhf.assets.build_tiny --data_only` rewrites only the supervised data files. Their format and
+`python -m rlhf.cli.build_tiny` regenerates everything under `tiny/` deterministically;
+`python -m rlhf.cli.build_tiny --data_only` rewrites only the supervised data files. Their format and
 the PRM token choices are described in `build_tiny`'s docstring.
 """
 

@@ -40,13 +40,22 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tok
 
 
+def quantization_config(load_in_4bit: bool):
+    """transformers' `quantization_config=` for --load_in_4bit (OpenRLHF's QLoRA settings: NF4, double
+    quantisation, bf16 compute), or None."""
+    if not load_in_4bit:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.bfloat16)
+
+
 def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool = False,
                    load_in_4bit: bool = False):
     """An `AutoModelForCausalLM` in `dtype`, with the KV cache disabled (training-time forwards).
-    `load_in_4bit`: linear weights in 4-bit NF4 (QLoRA; CUDA, see `rlhf.models.lora.quantization_config`)."""
+    `load_in_4bit`: linear weights in 4-bit NF4 (QLoRA; CUDA, see `quantization_config`)."""
     from transformers import AutoModelForCausalLM
-
-    from rlhf.models.lora import quantization_config
 
     check_local_model(path)
     model = AutoModelForCausalLM.from_pretrained(

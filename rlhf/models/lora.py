@@ -48,17 +48,6 @@ def check_lora(cfg: LoRAConfig) -> None:
                          "installs it)")
 
 
-def quantization_config(load_in_4bit: bool):
-    """transformers' `quantization_config=` for --load_in_4bit (OpenRLHF's QLoRA settings: NF4, double
-    quantisation, bf16 compute), or None."""
-    if not load_in_4bit:
-        return None
-    from transformers import BitsAndBytesConfig
-
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=torch.bfloat16)
-
-
 def is_quantized(module: torch.nn.Module) -> bool:
     """Whether any parameter of `module` is a bitsandbytes 4-bit parameter."""
     return any(type(p).__name__ == "Params4bit" for p in module.parameters())
@@ -79,8 +68,9 @@ def _target_modules(cfg: LoRAConfig) -> str | list[str]:
 def apply_lora(module: torch.nn.Module, cfg: LoRAConfig) -> torch.nn.Module:
     """`module` (a causal LM, or a `ScalarHeadModel` whose head stays trainable) with LoRA adapters on
     --target_modules; every other parameter is frozen. With --load_in_4bit the module must have been loaded
-    quantised (`quantization_config`): it is prepared for k-bit training (peft's `prepare_model_for_kbit_training`)
-    first, and after wrapping every parameter that is not 4-bit is in bf16, the compute dtype."""
+    quantised (`rlhf.models.loading.quantization_config`): it is prepared for k-bit training (peft's
+    `prepare_model_for_kbit_training`) first, and after wrapping every parameter that is not 4-bit is in bf16,
+    the compute dtype."""
     from peft import LoraConfig, TaskType, get_peft_model, prepare_model_for_kbit_training
 
     from rlhf.models.value import ScalarHeadModel

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rlhf.models.layout import PADDED, SequenceLayout, position_ids_for
-from rlhf.models.loading import check_local_model
+from rlhf.models.loading import check_local_model, quantization_config
 
 
 class ScalarHeadModel(torch.nn.Module):
@@ -125,8 +125,6 @@ def load_scalar_head_model(path: str, head_prefix: str, dtype: torch.dtype, attn
     (a critic may start from the policy): then it is initialised N(0, 1/(hidden+1)). `load_in_4bit`: the base's
     linear weights in 4-bit NF4 (QLoRA; the head stays in `dtype`)."""
     from transformers import AutoModel
-
-    from rlhf.models.lora import quantization_config
 
     check_local_model(path, flag)
     if not fresh_head:
