@@ -91,11 +91,25 @@ def exclusive(name: str) -> Iterator[None]:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+PORT_TAKEN = "EADDRINUSE"
+"""In torchrun's error when the free port picked for its rendezvous was taken by another process (another test's
+engine, say) before torchrun bound it: nothing has run yet, so the launch is retried on a new port."""
+
+
 def run_torchrun(nproc: int, target: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node nproc target args...` from the repository root; `target` is a script
-    path or `-m module`."""
+    path or `-m module`. A launch whose rendezvous port was taken in the meantime is retried (twice)."""
     target_args = target.split(" ", 1) if target.startswith("-m ") else [target]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", *target_args, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    for attempt in range(3):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", *target_args, *args]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode == 0 or not _rendezvous_port_taken(proc.stderr) or attempt == 2:
+            return proc
+    raise AssertionError("unreachable")
+
+
+def _rendezvous_port_taken(stderr: str) -> bool:
+    """torchrun failed binding its rendezvous store (before any worker started)."""
+    return PORT_TAKEN in stderr and "next_rendezvous" in stderr
