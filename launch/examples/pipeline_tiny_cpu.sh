@@ -16,18 +16,30 @@
 # from the chosen ones by letters, so the reward model learns "digits, not letters" (it scores "q copy 5 :
 # 8 8 8 8" as high as "5 5 5 5") and PPO learns to emit 8 words, mostly digits, never </s>; the rule reward of
 # reward.py (fraction of the answer's words equal to the prompt's digit) stays at 0.07-0.08 (SFT: 0.08).
+# Restartable: a finished stage leaves OUT_DIR/<stage>.done (sft, rm) and a rerun skips it; PPO resumes with
+# --load_checkpoint (pass it with --ckpt_path among the extra flags).
 # Usage: bash launch/examples/pipeline_tiny_cpu.sh OUT_DIR [extra train_ppo flags...]
 set -euo pipefail
 # shellcheck source=launch/examples/common.sh
 source "$(dirname "$0")/common.sh"
 shift
 here=$(dirname "$0")
+mkdir -p "$out"
+
+# Runs "$@" unless OUT_DIR/$1.done exists, then writes it.
+stage() {
+  local name=$1
+  shift
+  [[ -f $out/$name.done ]] && return 0
+  "$@"
+  touch "$out/$name.done"
+}
 
 # (a) The SFT example, stopped after its first 12 of 32 steps (the schedule shrinks to those 12 steps).
-bash "$here/sft_tiny_cpu.sh" "$out/sft" --max_steps 12
+stage sft bash "$here/sft_tiny_cpu.sh" "$out/sft" --max_steps 12 --seed 1
 
 # (b) The reward-model example, starting from the SFT model instead of the random one.
-bash "$here/rm_tiny_cpu.sh" "$out/rm" --pretrain "$out/sft"
+stage rm bash "$here/rm_tiny_cpu.sh" "$out/rm" --pretrain "$out/sft"
 
 # (c) The PPO example's algorithm, every role colocated on the 2 ranks (common.sh again: a port free now).
 # shellcheck source=launch/examples/common.sh
