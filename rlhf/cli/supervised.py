@@ -30,6 +30,7 @@ from rlhf.train.checkpoint import Checkpointer
 from rlhf.train.loop import Job, Loop
 from rlhf.train.metrics import Reduce
 from rlhf.trainers.frozen import Answer, Frozen, FrozenLink, FrozenModel, FrozenService, server_rank_of
+from rlhf.trainers.supervised import MODEL
 from rlhf.utils.seeding import seed_everything
 from rlhf.utils.watchdog import Watchdog
 
@@ -100,11 +101,11 @@ def frozen_plan(role: Role, num_ranks: int, flags: str, world_size: int) -> dict
     `role` on the last `num_ranks` (`flags`: the flags that set them, for the error)."""
     everyone = tuple(range(world_size))
     if not num_ranks:
-        return {Role.ACTOR: everyone, role: everyone}
+        return {MODEL: everyone, role: everyone}
     if num_ranks >= world_size:
         raise UsageError(f"the {role.value}'s {num_ranks} ranks ({flags}) leave none of the {world_size} for the "
                          "trained model: lower them or add ranks")
-    return {Role.ACTOR: everyone[:-num_ranks], role: everyone[-num_ranks:]}
+    return {MODEL: everyone[:-num_ranks], role: everyone[-num_ranks:]}
 
 
 def frozen_role(cfg, built: Built, role: Role, load: Callable[[str], torch.nn.Module], answer: Answer, *,
@@ -116,7 +117,7 @@ def frozen_role(cfg, built: Built, role: Role, load: Callable[[str], torch.nn.Mo
     (replicated, whole sequences per rank: ZeRO-0; `metrics` and `eval_sums` mirror the trainer's collectives).
     `load(attn)`: the frozen module; `tail`: the answer's trailing shape."""
     m, topology = cfg.model, built.topology
-    own_ranks = topology.ranks(role) != topology.ranks(Role.ACTOR)
+    own_ranks = topology.ranks(role) != topology.ranks(MODEL)
     if own_ranks and not topology.hosts(role):  # a trained-model rank: its frozen role is elsewhere
         return make_trainer(FrozenLink(server_rank_of(topology, role, topology.rank), tail, built.device))
     engine = dataclasses.replace(cfg.engine, zero_stage=0) if own_ranks else cfg.engine
@@ -167,8 +168,8 @@ def run_supervised(job: SupervisedJob, cfg, parse_warnings: Sequence[warnings.Wa
     cfg = for_this_machine(cfg.with_demo_defaults())
     everyone = tuple(range(launch.world_size))
     plan = (job.plan(cfg, launch.world_size) if job.plan is not None
-            else {role: everyone for role in (Role.ACTOR, *job.colocated_roles)})
-    check_before_engines(cfg, len(plan[Role.ACTOR]), default_ckpt_path)
+            else {role: everyone for role in (MODEL, *job.colocated_roles)})
+    check_before_engines(cfg, len(plan[MODEL]), default_ckpt_path)
     if job.check is not None:
         job.check(cfg)
     m, e, b, d = cfg.model, cfg.engine, cfg.batch, cfg.data
@@ -184,10 +185,10 @@ def run_supervised(job: SupervisedJob, cfg, parse_warnings: Sequence[warnings.Wa
     topology = Topology(plan, ring_size=e.ring_attn_size)
     if topology.has_subgroups:
         install_subgroup_patches()
-    dp = topology.dp_size(Role.ACTOR)
-    student = topology.hosts(Role.ACTOR)
+    dp = topology.dp_size(MODEL)
+    student = topology.hosts(MODEL)
     sampler = DistributedBatchSampler(len(samples), b.train_batch_size, dp,
-                                      topology.dp_rank(Role.ACTOR) if student else 0, cfg.seed)
+                                      topology.dp_rank(MODEL) if student else 0, cfg.seed)
     steps = sampler.steps_per_epoch * b.max_epochs
     steps = min(steps, b.max_steps) if b.max_steps else steps
     eval_every = None
@@ -202,13 +203,13 @@ def run_supervised(job: SupervisedJob, cfg, parse_warnings: Sequence[warnings.Wa
         print(f"{job.name}: {len(samples)} samples, {b.max_epochs} epoch(s) of {sampler.steps_per_epoch} steps of "
               f"{b.train_batch_size} samples ({steps} steps); {dp} data-parallel replica(s)"
               + "".join(f"; {role.value} on ranks {ranks[0]}-{ranks[-1]}" for role, ranks in plan.items()
-                        if role is not Role.ACTOR and ranks != everyone)
+                        if role is not MODEL and ranks != everyone)
               + (f"; held-out metrics of {len(eval_samples)} samples every {eval_every} steps" if eval_every else ""),
               flush=True)
     seed_everything(cfg.seed + launch.rank, cfg.full_determinism)
-    batcher = micro_batcher(e, b.micro_train_batch_size, topology, Role.ACTOR)
+    batcher = micro_batcher(e, b.micro_train_batch_size, topology, MODEL)
     model = role_model(model_builder(m, e, batcher.layout, lambda attn: job.load_model(cfg, attn)), m, e, cfg.optim,
-                       topology, Role.ACTOR, device, trainable=True, micro_batch_size=b.micro_train_batch_size,
+                       topology, MODEL, device, trainable=True, micro_batch_size=b.micro_train_batch_size,
                        grad_accum_steps=b.train_batch_size // (b.micro_train_batch_size * dp),
                        num_optimizer_steps=steps, learning_rate=cfg.optim.learning_rate,
                        name="model") if student else None

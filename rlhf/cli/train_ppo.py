@@ -29,7 +29,6 @@ from rlhf.rewards.base import RewardSource
 from rlhf.train.checkpoint import Checkpointer
 from rlhf.train.loop import Loop
 from rlhf.trainers.build import (
-    ROLE_NAMES,
     build_roles,
     check_models,
     describe_algorithm,
@@ -112,7 +111,7 @@ def check_before_engines(cfg: TrainPPOConfig, world_size: int) -> dict[Role, tup
     the rank plan they validate. Reading the data and the reward file follows in `run`, also before."""
     cfg.check_world(world_size)
     plan = plan_ranks(placement_from_config(cfg), world_size)
-    cfg.check_role_sizes({ROLE_NAMES[r]: len(ranks) for r, ranks in plan.items() if r is not Role.ROLLOUT},
+    cfg.check_role_sizes({r.value: len(ranks) for r, ranks in plan.items() if r is not Role.ROLLOUT},
                          trainable=("actor", "critic", "proposal"))
     if cfg.engine.use_liger_kernel:
         check_liger_kernel()

@@ -44,6 +44,32 @@ def require(cond: bool, message: str) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RolePlacement:
+    """The ranks of one role: num_nodes x num_gpus_per_node (0 per node: no ranks of its own). A job's config
+    holds one per placeable role through `role_placement`, which names its flags after the role as OpenRLHF
+    does (--actor_num_nodes, --actor_num_gpus_per_node)."""
+
+    num_nodes: int = opt(1, "nodes of {whose} rank range")
+    num_gpus_per_node: int = opt(0, "{whose} ranks per node ({zero})")
+
+    @property
+    def num_ranks(self) -> int:
+        return self.num_nodes * self.num_gpus_per_node
+
+    def check(self, role: str) -> None:
+        """Validates the sizes, naming the flags of `role` (the name given to `role_placement`)."""
+        require(self.num_nodes >= 1, f"--{role}_num_nodes must be >= 1")
+        require(self.num_gpus_per_node >= 0, f"--{role}_num_gpus_per_node must be >= 0")
+
+
+def role_placement(role: str, whose: str, zero: str) -> Any:
+    """A config field with the placement of `role`: flags --{role}_num_nodes and --{role}_num_gpus_per_node,
+    help texts about `whose` ranks and what 0 ranks per node means (`zero`)."""
+    return field(default_factory=RolePlacement,
+                 metadata={"flag_prefix": f"{role}_", "help_vars": {"whose": whose, "zero": zero}})
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoRAConfig:
     """LoRA adapters (peft) on the trained models (actor, critic, the supervised jobs' model); frozen models
     (reference, reward, teacher) never get them. OpenRLHF's flags and defaults."""

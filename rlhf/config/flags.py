@@ -67,26 +67,32 @@ def _scalar_type(annotation: Any) -> tuple[type, bool, Any]:
     return annotation, optional, None
 
 
-def flag_specs(config_cls: type, prefix: tuple[str, ...] = (), defaults: Any = None) -> list[FlagSpec]:
+def flag_specs(config_cls: type, prefix: tuple[str, ...] = (), defaults: Any = None, flag_prefix: str = "",
+               help_vars: dict[str, str] | None = None) -> list[FlagSpec]:
     """Every flag of a config tree, depth first in field order. A sub-config's defaults are those of the
-    instance its parent builds by default (so a job root can give a shared field its own default)."""
+    instance its parent builds by default (so a job root can give a shared field its own default). A sub-config
+    field may carry a `flag_prefix` (its flags are the prefix + its fields' flags: one placement type gives
+    --actor_num_nodes and --critic_num_nodes) and `help_vars` (filled into its fields' help texts)."""
     specs = []
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
         annotation = hints[f.name]
         if dataclasses.is_dataclass(annotation):
             instance = getattr(defaults, f.name) if defaults is not None else f.default_factory()
-            specs.extend(flag_specs(annotation, prefix + (f.name,), instance))
+            specs.extend(flag_specs(annotation, prefix + (f.name,), instance,
+                                    flag_prefix + f.metadata.get("flag_prefix", ""),
+                                    f.metadata.get("help_vars", help_vars)))
             continue
         kind, optional, type_nargs = _scalar_type(annotation)
+        help_text = f.metadata.get("help", "")
         specs.append(FlagSpec(
-            flag=f.metadata.get("flag") or f.name,
+            flag=flag_prefix + (f.metadata.get("flag") or f.name),
             path=prefix + (f.name,),
             kind=kind,
             optional=optional,
             default=(getattr(defaults, f.name) if defaults is not None
                      else f.default if f.default is not dataclasses.MISSING else f.default_factory()),
-            help=f.metadata.get("help", ""),
+            help=help_text.format(**help_vars) if help_vars else help_text,
             nargs=f.metadata.get("nargs") or type_nargs,
         ))
     return specs

@@ -20,9 +20,11 @@ from rlhf.config.common import (
     LoggingConfig,
     ModelConfig,
     OptimConfig,
+    RolePlacement,
     opt,
     replace_quietly,
     require,
+    role_placement,
 )
 from rlhf.config.repulse import RepulseConfig
 
@@ -327,27 +329,28 @@ class PlacementConfig:
     colocate_all_models: bool = opt(False, "every role on every rank (also the default when no sizes are given)")
     colocate_actor_ref: bool = opt(False, "actor and reference share ranks")
     colocate_critic_reward: bool = opt(False, "critic and reward models share ranks")
-    actor_num_nodes: int = opt(1, "nodes of the actor's rank range")
-    actor_num_gpus_per_node: int = opt(0, "ranks per node of the actor (0: colocated over the world)")
-    critic_num_nodes: int = opt(1, "nodes of the critic's rank range")
-    critic_num_gpus_per_node: int = opt(0, "ranks per node of the critic")
-    reward_num_nodes: int = opt(1, "nodes of the reward models' rank range")
-    reward_num_gpus_per_node: int = opt(0, "ranks per node of the reward models")
-    ref_num_nodes: int = opt(1, "nodes of the reference model's rank range")
-    ref_num_gpus_per_node: int = opt(0, "ranks per node of the reference model")
-    proposal_num_nodes: int = opt(1, "nodes of RePULSe's proposal q (not an OpenRLHF flag)")
-    proposal_num_gpus_per_node: int = opt(0, "ranks per node of RePULSe's proposal q (0: on the actor's ranks)")
+    actor: RolePlacement = role_placement("actor", "the actor's", "0: every rank of the world")
+    critic: RolePlacement = role_placement("critic", "the critic's", "0: every rank of the world")
+    reward: RolePlacement = role_placement("reward", "the reward models'", "0: every rank of the world")
+    ref: RolePlacement = role_placement("ref", "the reference model's", "0: every rank of the world")
+    proposal: RolePlacement = role_placement("proposal", "RePULSe's proposal q's (not an OpenRLHF flag)",
+                                             "0: on the actor's ranks")
 
     def __post_init__(self) -> None:
-        for role in ("actor", "critic", "reward", "ref", "proposal"):
-            require(getattr(self, f"{role}_num_nodes") >= 1, f"--{role}_num_nodes must be >= 1")
-            require(getattr(self, f"{role}_num_gpus_per_node") >= 0, f"--{role}_num_gpus_per_node must be >= 0")
+        for name, placement in self.by_role.items():
+            placement.check(name)
+
+    @property
+    def by_role(self) -> dict[str, RolePlacement]:
+        """Role name (a `Role`'s value) -> its placement."""
+        return {"actor": self.actor, "critic": self.critic, "reward": self.reward, "ref": self.ref,
+                "proposal": self.proposal}
 
     def num_ranks(self, role: str) -> int:
-        """Ranks requested for `role` (0: span the world)."""
+        """Ranks requested for the role named `role` (0: span the world)."""
         if self.colocate_all_models:
             return 0
-        return getattr(self, f"{role}_num_nodes") * getattr(self, f"{role}_num_gpus_per_node")
+        return self.by_role[role].num_ranks
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,8 +17,10 @@ from rlhf.config.common import (
     JobConfig,
     LoggingConfig,
     ModelConfig,
+    RolePlacement,
     opt,
     require,
+    role_placement,
 )
 from rlhf.config.supervised import (
     SUPERVISED_PENDING_FLAGS,
@@ -37,18 +39,16 @@ class ReferenceConfig:
     ref_pretrain: str | None = opt(None, "HF model directory of the reference (default: --pretrain)")
     ref_offload: bool = opt(False, "keep the reference's parameters in host memory outside its forward "
                             "(below ZeRO-3; at ZeRO-3 they are sharded over the ranks instead)")
-    ref_num_nodes: int = opt(1, "nodes of the reference's own rank range (with --ref_num_gpus_per_node)")
-    ref_num_gpus_per_node: int = opt(0, "ranks per node of the reference's own ranks, the last ranks of the world "
-                                     "(0: the reference is colocated with the trained model on every rank)")
+    placement: RolePlacement = role_placement("ref", "the reference's own", "0: the reference is colocated "
+                                              "with the trained model on every rank; else the last ranks of the world")
 
     def __post_init__(self) -> None:
-        require(self.ref_num_nodes >= 1 and self.ref_num_gpus_per_node >= 0,
-                "--ref_num_nodes must be >= 1 and --ref_num_gpus_per_node >= 0")
+        self.placement.check("ref")
 
     @property
     def num_ranks(self) -> int:
         """The reference's own ranks (0: colocated with the trained model)."""
-        return self.ref_num_nodes * self.ref_num_gpus_per_node
+        return self.placement.num_ranks
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,8 +27,10 @@ from rlhf.config.common import (
     LoggingConfig,
     ModelConfig,
     OptimConfig,
+    RolePlacement,
     opt,
     require,
+    role_placement,
 )
 
 SUPERVISED_PENDING_FLAGS = tuple((
@@ -260,19 +262,17 @@ class TeacherConfig:
                           "teacher's distribution: forward KL plus the teacher's entropy, the same gradient)")
     teacher_offload: bool = opt(False, "keep the teacher's parameters in host memory outside its forward "
                                 "(below ZeRO-3; at ZeRO-3 they are sharded over the ranks instead)")
-    teacher_num_nodes: int = opt(1, "nodes of the teacher's own rank range (with --teacher_num_gpus_per_node)")
-    teacher_num_gpus_per_node: int = opt(0, "ranks per node of the teacher's own ranks, the last ranks of the "
-                                         "world (0: the teacher is colocated with the student on every rank)")
+    placement: RolePlacement = role_placement("teacher", "the teacher's own", "0: the teacher is colocated with "
+                                              "the student on every rank; else the last ranks of the world")
 
     def __post_init__(self) -> None:
         require(0 <= self.kd_coef <= 1, "--kd_coef must lie in [0, 1]")
-        require(self.teacher_num_nodes >= 1 and self.teacher_num_gpus_per_node >= 0,
-                "--teacher_num_nodes must be >= 1 and --teacher_num_gpus_per_node >= 0")
+        self.placement.check("teacher")
 
     @property
     def num_ranks(self) -> int:
         """The teacher's own ranks (0: colocated with the student)."""
-        return self.teacher_num_nodes * self.teacher_num_gpus_per_node
+        return self.placement.num_ranks
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,9 +33,6 @@ from rlhf.trainers.critic import Critic
 from rlhf.trainers.experience import ExperienceMaker, actor_forward_skippable
 from rlhf.trainers.ppo import Roles
 
-ROLE_NAMES = {Role.ACTOR: "actor", Role.CRITIC: "critic", Role.REWARD: "reward", Role.REF: "ref",
-              Role.PROPOSAL: "proposal"}
-
 
 def roles_needed(cfg: TrainPPOConfig) -> tuple[Role, ...]:
     roles = [Role.ACTOR, Role.REWARD]
@@ -52,7 +49,7 @@ def placement_from_config(cfg: TrainPPOConfig) -> Placement:
     """Role rank counts from the --{role}_num_nodes/_num_gpus_per_node flags and colocation switches."""
     roles = roles_needed(cfg)
     p = cfg.placement
-    counts = {role: p.num_ranks(ROLE_NAMES[role]) for role in roles}
+    counts = {role: p.num_ranks(role.value) for role in roles}
     generating = cfg.rollout.rollout_ranks  # --async_train: ranks of their own
     if p.colocate_all_models or not any(counts.values()):
         return dataclasses.replace(Placement.colocated(roles + (Role.ROLLOUT,)), rollout_ranks=generating)
@@ -86,7 +83,7 @@ def _engine(cfg: TrainPPOConfig, topology: Topology, role: Role, build, device: 
                       micro_batch_size=b.micro_train_batch_size if trainable else b.micro_rollout_batch_size,
                       grad_accum_steps=b.train_batch_size // (b.micro_train_batch_size * dp) if trainable else 1,
                       num_optimizer_steps=steps * b.max_epochs * samples // b.train_batch_size,
-                      learning_rate=learning_rate, name=name or ROLE_NAMES[role])
+                      learning_rate=learning_rate, name=name or role.value)
 
 
 def batchers_for(cfg: TrainPPOConfig, topology: Topology, role: Role) -> tuple[MicroBatcher, MicroBatcher]:
@@ -186,7 +183,8 @@ def describe_layout(cfg: TrainPPOConfig, topology: Topology, device: torch.devic
         gen, train = topology.ranks(Role.ROLLOUT), topology.training_ranks
         parts.append(f"asynchronous: ranks {gen[0]}-{gen[-1]} generate ({topology.num_engines} engine(s)) up to "
                      f"{cfg.rollout.async_queue_size} step(s) ahead of ranks {train[0]}-{train[-1]}, which train")
-    replicas = ", ".join(f"{ROLE_NAMES[r]} {topology.dp_size(r)}" for r in ROLE_NAMES if r in topology.plan)
+    replicas = ", ".join(f"{r.value} {topology.dp_size(r)}" for r in Role
+                         if r in topology.plan and r is not Role.ROLLOUT)
     return f"layout: {'; '.join(parts)}; data-parallel replicas: {replicas}"
 
 

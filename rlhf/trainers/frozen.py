@@ -19,6 +19,7 @@ from rlhf.models.layout import LaidOut, SequenceLayout
 from rlhf.models.logprobs import token_logprobs
 from rlhf.train.metrics import Reduce, reduce_metrics
 from rlhf.train.state import CheckpointedState
+from rlhf.trainers.supervised import MODEL
 from rlhf.utils.timers import StageTimer
 
 Answer = Callable[[torch.nn.Module, LaidOut], torch.Tensor]
@@ -112,7 +113,7 @@ def serve_frozen(model: DeepSpeedModel, students: list[int], layout: SequenceLay
 
 def server_rank_of(topology: Topology, role: Role, student_rank: int) -> int:
     """The rank of `role` serving `student_rank` (the trained model's ranks are dealt round-robin over it)."""
-    servers, students = topology.ranks(role), topology.ranks(Role.ACTOR)
+    servers, students = topology.ranks(role), topology.ranks(MODEL)
     return servers[students.index(student_rank) % len(servers)]
 
 
@@ -127,7 +128,7 @@ class FrozenService:
                  eval_sums: Sequence[int]) -> None:
         self.model, self.topology, self.layout, self.answer, self.device = model, topology, layout, answer, device
         self.metrics, self.has_eval, self.eval_sums = metrics, has_eval, eval_sums
-        servers, students = topology.ranks(role), topology.ranks(Role.ACTOR)
+        servers, students = topology.ranks(role), topology.ranks(MODEL)
         mine = servers.index(topology.rank)
         self.students = [r for i, r in enumerate(students) if i % len(servers) == mine]
         self.timer = StageTimer()

@@ -30,7 +30,7 @@ KD_METRICS = {**dict.fromkeys(("gpt_loss", "distil_loss"), Reduce.SHARE),
 
 
 class DistillationTrainer(SupervisedTrainer):
-    """KD on the ranks of `Role.ACTOR`, the teacher colocated or on its own ranks (answering `padded_logits`)."""
+    """KD on the ranks of `MODEL`, the teacher colocated or on its own ranks (answering `padded_logits`)."""
 
     batch_type = SFTBatch
     metrics = KD_METRICS

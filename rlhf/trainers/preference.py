@@ -30,7 +30,7 @@ from rlhf.models.logprobs import policy_forward
 from rlhf.train.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
 from rlhf.train.metrics import Reduce
 from rlhf.trainers.frozen import Frozen
-from rlhf.trainers.supervised import SupervisedTrainer
+from rlhf.trainers.supervised import MODEL, SupervisedTrainer
 
 REFERENCE = Role.REF
 
@@ -95,7 +95,7 @@ PAIR_EVAL_SUMS = (6,)
 
 
 class PairTrainer(PreferenceTrainer):
-    """A loss on preference pairs on the ranks of `Role.ACTOR`, with a frozen reference or without one
+    """A loss on preference pairs on the ranks of `MODEL`, with a frozen reference or without one
     (`reference` None): each micro-batch's chosen and rejected sequences in one forward (packed together with
     --packing_samples). A subclass gives `pair_terms`; the step and the held-out evaluation are shared."""
 
@@ -225,7 +225,7 @@ class ORPOTrainer(PairTrainer):
 
 
 class KTOTrainer(PreferenceTrainer):
-    """KTO on the ranks of `Role.ACTOR`. The reference point z0 of a step is the mean policy - reference
+    """KTO on the ranks of `MODEL`. The reference point z0 of a step is the mean policy - reference
     log-prob of mismatched pairs (each sample's prompt with the next sample's response, over this rank's
     samples of the step), averaged over the data-parallel group and clamped at 0, as the KTO paper and
     OpenRLHF's `KTOLoss` (there per micro-batch; here per optimizer step, so it does not depend on the
@@ -310,7 +310,7 @@ class KTOTrainer(PreferenceTrainer):
     def _eval_share(self) -> list:
         """This replica's held-out samples, dealt in turn; both samples of a preference pair go to the same
         replica."""
-        dp, rank = self.topology.dp_size(Role.ACTOR), self.topology.dp_rank(Role.ACTOR)
+        dp, rank = self.topology.dp_size(MODEL), self.topology.dp_rank(MODEL)
         units: list[list] = []  # a pair or a single sample
         for s in self.eval_samples:
             if s.pair is not None and units and units[-1][0].pair == s.pair:

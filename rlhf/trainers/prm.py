@@ -34,7 +34,7 @@ def placeholder_logits(model: torch.nn.Module, batch: PRMBatch, layout, device: 
 
 
 class ProcessRewardTrainer(SupervisedTrainer):
-    """PRM training on the ranks of `Role.ACTOR` (every rank)."""
+    """PRM training on the ranks of `MODEL` (every rank)."""
 
     batch_type = PRMBatch
     metrics = PRM_METRICS

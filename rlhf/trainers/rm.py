@@ -14,12 +14,11 @@ import torch
 
 from rlhf.algorithms.reward_model import PAIRWISE_LOSSES
 from rlhf.data.supervised import PairBatch
-from rlhf.distributed.topology import Role
 from rlhf.models.value import last_token_values, save_scalar_head_model, token_values
 from rlhf.train.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
 from rlhf.train.metrics import Reduce
 from rlhf.train.state import CheckpointedState
-from rlhf.trainers.supervised import SupervisedTrainer
+from rlhf.trainers.supervised import MODEL, SupervisedTrainer
 
 RM_METRICS = {**dict.fromkeys(("loss", "acc", "chosen_reward", "reject_reward"), Reduce.SHARE),
               **dict.fromkeys(("grad_norm", "lr", "nonfinite_skipped"), Reduce.LEAD)}
@@ -40,7 +39,7 @@ class RewardStats:
 
 
 class RewardModelTrainer(SupervisedTrainer):
-    """Pairwise reward-model training on the ranks of `Role.ACTOR` (every rank)."""
+    """Pairwise reward-model training on the ranks of `MODEL` (every rank)."""
 
     batch_type = PairBatch
     metrics = RM_METRICS
@@ -107,7 +106,7 @@ class RewardModelTrainer(SupervisedTrainer):
     def save_hf(self, directory: str) -> None:
         """The model as a sequence-classification checkpoint, with the reward mean/std of the last evaluation
         in its config; with LoRA, the adapter and head with the mean/std in its config.json (collective)."""
-        is_writer = self.topology.leads(Role.ACTOR)
+        is_writer = self.topology.leads(MODEL)
         extra = {"mean": self.stats.mean, "std": self.stats.std} if self.stats.mean is not None else {}
         if self.model.adapted:  # the adapter and head (as OpenRLHF); `lora_combiner --is_rm` merges them
             self.model.save_hf(directory, self.tokenizer, is_writer, extra or None)

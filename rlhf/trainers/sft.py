@@ -13,18 +13,17 @@ import torch.distributed as dist
 
 from rlhf.algorithms.sft import nll_over_global_count
 from rlhf.data.supervised import SFTBatch
-from rlhf.distributed.topology import Role
 from rlhf.models.logprobs import policy_forward
 from rlhf.train.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
 from rlhf.train.metrics import Reduce
-from rlhf.trainers.supervised import SupervisedTrainer
+from rlhf.trainers.supervised import MODEL, SupervisedTrainer
 
 SFT_METRICS = {"gpt_loss": Reduce.SHARE, "aux_loss": Reduce.SHARE, "grad_norm": Reduce.LEAD, "lr": Reduce.LEAD,
                "nonfinite_skipped": Reduce.LEAD}
 
 
 class SFTTrainer(SupervisedTrainer):
-    """SFT on the ranks of `Role.ACTOR` (every rank). Construct on every rank with the same samples."""
+    """SFT on the ranks of `MODEL` (every rank). Construct on every rank with the same samples."""
 
     batch_type = SFTBatch
     metrics = SFT_METRICS
@@ -40,7 +39,7 @@ class SFTTrainer(SupervisedTrainer):
             (num_tokens,) = global_counts([sum(float(m.loss_mask_BT1.sum()) for m in micro_batches)], self.group,
                                           ring)
             num_micro = len(micro_batches) * dist.get_world_size(self.group)  # the aux loss: per rank's tokens
-            num_replica_micro = len(micro_batches) * self.topology.dp_size(Role.ACTOR)  # its logged mean
+            num_replica_micro = len(micro_batches) * self.topology.dp_size(MODEL)  # its logged mean
 
             def micro_loss(batch: SFTBatch) -> MicroLoss:
                 out = policy_forward(self.model.engine, batch.input_ids_BT.to(self.device),

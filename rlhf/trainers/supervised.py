@@ -20,9 +20,13 @@ from rlhf.train.metrics import Reduce, reduce_metrics
 from rlhf.train.state import CheckpointedState
 from rlhf.utils.timers import StageTimer
 
+MODEL = Role.define("model")
+"""The model a supervised or preference job trains (the SFT policy, the reward model, the DPO policy, the KD
+student): its ranks are every rank but those of a frozen model placed on ranks of its own."""
+
 
 class SupervisedTrainer:
-    """The trained model on the ranks of `Role.ACTOR`. Construct on those ranks with the same samples."""
+    """The trained model on the ranks of `MODEL`. Construct on those ranks with the same samples."""
 
     batch_type: ClassVar[type]  # the record with `collate(samples, pad_id)`, `select` and `trimmed`
     metrics: ClassVar[dict[str, Reduce]]
@@ -31,7 +35,7 @@ class SupervisedTrainer:
                  sampler: DistributedBatchSampler, batcher: MicroBatcher, tokenizer, device: torch.device) -> None:
         self.model, self.topology, self.samples, self.eval_samples = model, topology, samples, eval_samples
         self.sampler, self.batcher, self.tokenizer, self.device = sampler, batcher, tokenizer, device
-        self.group = topology.group(Role.ACTOR)
+        self.group = topology.group(MODEL)
         self.timer = StageTimer()
 
     def cost_mask(self, batch) -> torch.Tensor:
@@ -59,7 +63,7 @@ class SupervisedTrainer:
         group, so every rank must run the same number). Score the copies and drop their results.
         Collective over the model's group."""
         if samples is None:
-            dp, rank = self.topology.dp_size(Role.ACTOR), self.topology.dp_rank(Role.ACTOR)
+            dp, rank = self.topology.dp_size(MODEL), self.topology.dp_rank(MODEL)
             samples = [self.eval_samples[i] for i in range(rank, len(self.eval_samples), dp)]
         fixed = dataclasses.replace(self.batcher, max_tokens=None)
         batches = self.micro_batches(samples, fixed, batch_type) if samples else []
@@ -71,17 +75,17 @@ class SupervisedTrainer:
     def world_sums(self, sums: list[float]) -> list[float]:
         """`sums` added over the data-parallel replicas (the ranks of a ring hold the same samples: one counts).
         Collective over the world."""
-        t = torch.tensor(sums if self.topology.ring_rank(Role.ACTOR) == 0 else [0.0] * len(sums),
+        t = torch.tensor(sums if self.topology.ring_rank(MODEL) == 0 else [0.0] * len(sums),
                          dtype=torch.float64)
         dist.all_reduce(t)
         return t.tolist()
 
     def reduced(self, stats: dict[str, float]) -> dict[str, float]:
-        return reduce_metrics({Role.ACTOR: stats}, self.metrics, self.topology)
+        return reduce_metrics({MODEL: stats}, self.metrics, self.topology)
 
     def save_hf(self, directory: str) -> None:
         """The trained model in HF format (collective over the model's ranks)."""
-        self.model.save_hf(directory, self.tokenizer, self.topology.leads(Role.ACTOR))
+        self.model.save_hf(directory, self.tokenizer, self.topology.leads(MODEL))
 
     def checkpointed(self) -> CheckpointedState:
         return CheckpointedState(engines={"model": self.model}, components={"sampler": self.sampler},
