@@ -159,8 +159,8 @@ def deepspeed_offload():
     import torch.distributed as dist
 
     from rlhf.assets import EMBEDDED_MODEL_DIR
-    from rlhf.config.common import EngineConfig, OptimConfig
-    from rlhf.distributed.launch import init_distributed, read_launch_env
+    from rlhf.config.shared_config import EngineConfig, OptimConfig
+    from rlhf.distributed.launch_env import init_distributed, read_launch_env
     from rlhf.engines.deepspeed_engine import DeepSpeedModel
     from rlhf.models.loading import load_causal_lm
 
@@ -203,7 +203,7 @@ def liger(enabled, path):
     need("liger_kernel", "triton")
     from rlhf.assets import EMBEDDED_MODEL_DIR
     from rlhf.models.loading import apply_liger_kernel, load_causal_lm
-    from rlhf.models.logprobs import policy_forward
+    from rlhf.models.lm_logprobs import policy_forward
 
     model = load_causal_lm(EMBEDDED_MODEL_DIR, torch.bfloat16, "sdpa").cuda()
     if enabled == "1":
@@ -338,7 +338,7 @@ def nccl_gloo():
     need()
     import torch.distributed as dist
 
-    from rlhf.distributed.launch import init_distributed, read_launch_env
+    from rlhf.distributed.launch_env import init_distributed, read_launch_env
 
     device = init_distributed(read_launch_env())
     on_gpu, on_host = torch.ones(4, device=device), torch.ones(4)

@@ -315,7 +315,7 @@ def main() -> None:
 def measure(args, model_dir: str, label: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
-    from rlhf.distributed.launch import init_distributed, read_launch_env
+    from rlhf.distributed.launch_env import init_distributed, read_launch_env
     from rlhf.engines.rollout import SamplingSpec
 
     device = init_distributed(read_launch_env())  # vLLM's external launcher reuses the default group

@@ -135,7 +135,7 @@ def install_trainer_probes() -> None:
     generate call's (prompts, spec, seeds), each experience forward's (sequences, mask) and each optimizer
     step's micro-batches."""
     import rlhf.trainers.experience as experience_module
-    import rlhf.trainers.ppo as ppo_module
+    import rlhf.trainers.ppo_trainer as ppo_module
     from rlhf.engines.deepspeed_engine import DeepSpeedModel
     from rlhf.engines.hf_engine import HFGenerateEngine
     from rlhf.engines.vllm_engine import VLLMEngine

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from packing_throughput import build_model, make_lengths, timed
 
-from rlhf.config.common import EngineConfig, OptimConfig
-from rlhf.config.ppo import AlgoConfig
+from rlhf.config.ppo_config import AlgoConfig
+from rlhf.config.shared_config import EngineConfig, OptimConfig
 from rlhf.data.records import Experience
 from rlhf.engines.deepspeed_engine import DeepSpeedModel
 from rlhf.models.layout import SequenceLayout

@@ -112,8 +112,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29611"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
-    from rlhf.config.common import EngineConfig, OptimConfig
-    from rlhf.distributed.launch import init_distributed, read_launch_env
+    from rlhf.config.shared_config import EngineConfig, OptimConfig
+    from rlhf.distributed.launch_env import init_distributed, read_launch_env
     from rlhf.engines.deepspeed_engine import DeepSpeedModel
     from rlhf.engines.vllm_engine import VLLMEngine
     from rlhf.models.loading import load_causal_lm

@@ -36,8 +36,8 @@ def build_actor(zero_stage: int, lr: float, grad_accum_steps: int, layout=None, 
     import torch.distributed as dist
 
     from rlhf.assets import EMBEDDED_MODEL_DIR
-    from rlhf.config.common import EngineConfig, OptimConfig
-    from rlhf.config.ppo import AlgoConfig
+    from rlhf.config.ppo_config import AlgoConfig
+    from rlhf.config.shared_config import EngineConfig, OptimConfig
     from rlhf.engines.deepspeed_engine import DeepSpeedModel
     from rlhf.models.layout import PADDED
     from rlhf.models.loading import load_causal_lm

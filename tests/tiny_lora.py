@@ -9,7 +9,7 @@ import sys
 import torch
 
 from rlhf.assets import EMBEDDED_MODEL_DIR
-from rlhf.config.common import LoRAConfig
+from rlhf.config.shared_config import LoRAConfig
 
 LORA = LoRAConfig(lora_rank=4, lora_alpha=16)
 FP32 = torch.float32
@@ -18,7 +18,7 @@ FP32 = torch.float32
 def lora_model(kind: str, zero_stage: int, lr: float = 2e-2):
     import torch.distributed as dist
 
-    from rlhf.config.common import EngineConfig, OptimConfig
+    from rlhf.config.shared_config import EngineConfig, OptimConfig
     from rlhf.engines.deepspeed_engine import DeepSpeedModel
     from rlhf.models.loading import load_causal_lm
     from rlhf.models.lora import apply_lora
@@ -39,7 +39,7 @@ def lora_role(kind: str, zero_stage: int, lr: float = 2e-2):
     """An Actor or Critic on a LoRA DeepSpeedModel over the world (2 samples per micro-batch)."""
     import torch.distributed as dist
 
-    from rlhf.config.ppo import AlgoConfig
+    from rlhf.config.ppo_config import AlgoConfig
     from rlhf.models.layout import PADDED
     from rlhf.models.micro_batches import MicroBatcher
     from rlhf.trainers.actor import Actor

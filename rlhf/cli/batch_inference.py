@@ -19,11 +19,12 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from rlhf.cli.common import begin, check_writable, for_this_machine, main_for
-from rlhf.config.common import EngineConfig, LoggingConfig
+from rlhf.cli.entry_point import begin, check_writable, for_this_machine, main_for
 from rlhf.config.errors import UsageError
-from rlhf.config.inference import DEMO_LENGTHS, BatchInferenceConfig
-from rlhf.distributed.launch import init_distributed
+from rlhf.config.inference_config import DEMO_LENGTHS, BatchInferenceConfig
+from rlhf.config.shared_config import EngineConfig, LoggingConfig
+from rlhf.core.role_models import check_model_configs
+from rlhf.distributed.launch_env import init_distributed
 from rlhf.distributed.topology import Placement, Role, Topology, plan_ranks
 from rlhf.inference.generate import (
     ChunkGenerator,
@@ -45,7 +46,6 @@ from rlhf.inference.post_process import post_process, reward_stats
 from rlhf.inference.score import ChunkScorer, build_scorer, head_prefix, load_scoring_samples
 from rlhf.models.loading import check_local_model, load_tokenizer
 from rlhf.models.value import check_scalar_head
-from rlhf.train.build import check_model_configs
 from rlhf.utils import watchdog
 from rlhf.utils.preemption import PreemptionWatch
 from rlhf.utils.seeding import seed_everything

@@ -16,8 +16,8 @@ import os
 
 import torch
 
-from rlhf.config.common import PARAM_DTYPES
 from rlhf.config.errors import UsageError, usage_errors_exit
+from rlhf.config.shared_config import PARAM_DTYPES
 from rlhf.models.loading import check_local_model
 from rlhf.models.lora import merge_adapter, read_adapter_config
 

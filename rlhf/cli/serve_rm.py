@@ -67,9 +67,9 @@ def build_source(args: argparse.Namespace) -> tuple[RewardSource, object | None]
 def build_prm_source(args: argparse.Namespace, paths: list[str], device: torch.device,
                      dtype: torch.dtype) -> tuple[RewardSource, object]:
     """A process reward model (one causal LM from train_prm) scoring the steps marked by the placeholder."""
-    from rlhf.data.supervised import token_id
+    from rlhf.data.supervised_samples import token_id
     from rlhf.models.loading import load_causal_lm, load_tokenizer
-    from rlhf.rewards.prm import ProcessRewardSource
+    from rlhf.rewards.process_rewards import ProcessRewardSource
 
     if args.normalize_reward:
         raise ValueError("--normalize_reward applies reward-model statistics; a process reward model's step "

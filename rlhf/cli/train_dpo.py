@@ -8,8 +8,8 @@ to prefer the embedded pairs' chosen answers. The policy is written in HF format
 
 from __future__ import annotations
 
-from rlhf.cli.common import main_for
-from rlhf.cli.supervised import (
+from rlhf.cli.entry_point import main_for
+from rlhf.cli.supervised_run import (
     Built,
     SupervisedJob,
     check_frozen_model,
@@ -19,13 +19,13 @@ from rlhf.cli.supervised import (
     save_trained_model,
 )
 from rlhf.cli.train_sft import SFT_JOB
-from rlhf.config.preference import PreferenceJobConfig, TrainDPOConfig
-from rlhf.data.supervised import load_pair_samples
+from rlhf.config.preference_config import PreferenceJobConfig, TrainDPOConfig
+from rlhf.core.loop import Job
+from rlhf.data.supervised_samples import load_pair_samples
 from rlhf.distributed.topology import Role
 from rlhf.models.loading import load_causal_lm
-from rlhf.train.loop import Job
 from rlhf.trainers.frozen import padded_target_logprobs
-from rlhf.trainers.preference import DPO_METRICS, PAIR_EVAL_SUMS, REFERENCE, DPOTrainer
+from rlhf.trainers.preference_trainers import DPO_METRICS, PAIR_EVAL_SUMS, REFERENCE, DPOTrainer
 
 
 def check_reference(cfg: PreferenceJobConfig) -> None:

@@ -7,8 +7,8 @@ named). The student is written in HF format to --save_path.
 
 from __future__ import annotations
 
-from rlhf.cli.common import main_for
-from rlhf.cli.supervised import (
+from rlhf.cli.entry_point import main_for
+from rlhf.cli.supervised_run import (
     Built,
     SupervisedJob,
     check_frozen_model,
@@ -18,12 +18,12 @@ from rlhf.cli.supervised import (
     save_trained_model,
 )
 from rlhf.cli.train_sft import SFT_JOB
-from rlhf.config.supervised import TrainKDConfig
+from rlhf.config.supervised_config import TrainKDConfig
+from rlhf.core.loop import Job
 from rlhf.distributed.topology import Role
 from rlhf.models.loading import load_causal_lm
-from rlhf.train.loop import Job
 from rlhf.trainers.frozen import padded_logits
-from rlhf.trainers.kd import KD_METRICS, TEACHER, DistillationTrainer
+from rlhf.trainers.kd_trainer import KD_METRICS, TEACHER, DistillationTrainer
 
 
 def _check(cfg: TrainKDConfig) -> None:

@@ -7,14 +7,14 @@ embedded pairs, split. The policy is written in HF format to --save_path.
 
 from __future__ import annotations
 
-from rlhf.cli.common import main_for
-from rlhf.cli.supervised import Built, SupervisedJob, run_supervised, save_trained_model
+from rlhf.cli.entry_point import main_for
+from rlhf.cli.supervised_run import Built, SupervisedJob, run_supervised, save_trained_model
 from rlhf.cli.train_dpo import check_reference, reference_plan, with_reference
 from rlhf.cli.train_sft import SFT_JOB
-from rlhf.config.preference import TrainKTOConfig
-from rlhf.data.supervised import load_unpaired_samples
-from rlhf.train.loop import Job
-from rlhf.trainers.preference import KTO_EVAL_SUMS, KTO_METRICS, KTOTrainer
+from rlhf.config.preference_config import TrainKTOConfig
+from rlhf.core.loop import Job
+from rlhf.data.supervised_samples import load_unpaired_samples
+from rlhf.trainers.preference_trainers import KTO_EVAL_SUMS, KTO_METRICS, KTOTrainer
 
 
 def _samples(cfg: TrainKTOConfig, tokenizer, rows: list) -> list:

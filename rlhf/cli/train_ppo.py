@@ -17,25 +17,25 @@ import torch
 import torch.distributed as dist
 
 from rlhf.agents import load_agent
-from rlhf.cli.common import begin, check_outputs, for_this_machine, main_for, metrics_logger
+from rlhf.cli.entry_point import begin, check_outputs, for_this_machine, main_for, metrics_logger
 from rlhf.config.errors import UsageError
-from rlhf.config.ppo import TrainPPOConfig
+from rlhf.config.ppo_config import TrainPPOConfig
+from rlhf.core.checkpointer import Checkpointer
+from rlhf.core.loop import Loop
 from rlhf.data.prompts import Prompt, PromptSampler, load_prompts, single_prompt
-from rlhf.distributed.launch import init_distributed
+from rlhf.distributed.launch_env import init_distributed
 from rlhf.distributed.topology import Role, Topology, plan_ranks
 from rlhf.models.loading import check_liger_kernel, check_local_model, load_tokenizer
 from rlhf.models.value import check_scalar_head, save_scalar_head_model
 from rlhf.rewards.base import RewardSource
-from rlhf.train.checkpoint import Checkpointer
-from rlhf.train.loop import Loop
-from rlhf.trainers.build import (
+from rlhf.trainers.ppo_build import (
     build_roles,
     check_models,
     describe_algorithm,
     describe_layout,
     placement_from_config,
 )
-from rlhf.trainers.ppo import PPOTrainer, Roles, episodes_per_fit_step, total_steps
+from rlhf.trainers.ppo_trainer import PPOTrainer, Roles, episodes_per_fit_step, total_steps
 from rlhf.utils.seeding import seed_everything
 from rlhf.utils.watchdog import Watchdog
 
@@ -250,7 +250,7 @@ def build_trainer(cfg: TrainPPOConfig, topology: Topology, roles: Roles, engine,
                                            topology.rank == 0, topology.num_engines, period=fit_step))
     trainer_cls = PPOTrainer
     if rp.do_harmlessness_training:
-        from rlhf.trainers.repulse import RepulseTrainer as trainer_cls
+        from rlhf.trainers.repulse_trainer import RepulseTrainer as trainer_cls
     trainer = trainer_cls(cfg, topology, roles, engine, sampler, tokenizer, device, evaluators=evaluators)
     trainer.total_steps = steps
     return trainer, math.gcd(*(e.period for e in evaluators)) if evaluators else None

@@ -6,12 +6,12 @@ LM whose placeholder logits score steps) is written in HF format to --save_path;
 
 from __future__ import annotations
 
-from rlhf.cli.common import main_for
-from rlhf.cli.supervised import Built, SupervisedJob, run_supervised, save_trained_model
-from rlhf.config.supervised import TrainPRMConfig
-from rlhf.data.supervised import load_prm_samples, token_id
+from rlhf.cli.entry_point import main_for
+from rlhf.cli.supervised_run import Built, SupervisedJob, run_supervised, save_trained_model
+from rlhf.config.supervised_config import TrainPRMConfig
+from rlhf.data.supervised_samples import load_prm_samples, token_id
 from rlhf.models.loading import load_causal_lm
-from rlhf.trainers.prm import ProcessRewardTrainer
+from rlhf.trainers.prm_trainer import ProcessRewardTrainer
 
 
 def _samples(cfg: TrainPRMConfig, tokenizer, rows: list) -> list:

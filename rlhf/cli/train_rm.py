@@ -7,12 +7,12 @@ sequence-classification checkpoint (loads in `AutoModelForSequenceClassification
 
 from __future__ import annotations
 
-from rlhf.cli.common import main_for
-from rlhf.cli.supervised import Built, SupervisedJob, run_supervised, save_trained_model
-from rlhf.config.supervised import TrainRMConfig
-from rlhf.data.supervised import load_pair_samples
+from rlhf.cli.entry_point import main_for
+from rlhf.cli.supervised_run import Built, SupervisedJob, run_supervised, save_trained_model
+from rlhf.config.supervised_config import TrainRMConfig
+from rlhf.data.supervised_samples import load_pair_samples
 from rlhf.models.value import load_scalar_head_model
-from rlhf.trainers.rm import RewardModelTrainer
+from rlhf.trainers.rm_trainer import RewardModelTrainer
 
 
 def _samples(cfg: TrainRMConfig, tokenizer, rows: list) -> list:

@@ -5,12 +5,12 @@ embedded copy-task demonstrations. The model is written in HF format to --save_p
 
 from __future__ import annotations
 
-from rlhf.cli.common import main_for
-from rlhf.cli.supervised import Built, SupervisedJob, run_supervised, save_trained_model
-from rlhf.config.supervised import TrainSFTConfig
-from rlhf.data.supervised import load_sft_samples
+from rlhf.cli.entry_point import main_for
+from rlhf.cli.supervised_run import Built, SupervisedJob, run_supervised, save_trained_model
+from rlhf.config.supervised_config import TrainSFTConfig
+from rlhf.data.supervised_samples import load_sft_samples
 from rlhf.models.loading import load_causal_lm
-from rlhf.trainers.sft import SFTTrainer
+from rlhf.trainers.sft_trainer import SFTTrainer
 
 
 def _samples(cfg: TrainSFTConfig, tokenizer, rows: list) -> list:

@@ -7,12 +7,12 @@ embedded pairs' chosen answers. The policy is written in HF format to --save_pat
 
 from __future__ import annotations
 
-from rlhf.cli.common import main_for
-from rlhf.cli.supervised import SupervisedJob, run_supervised, save_trained_model
+from rlhf.cli.entry_point import main_for
+from rlhf.cli.supervised_run import SupervisedJob, run_supervised, save_trained_model
 from rlhf.cli.train_dpo import pair_samples
 from rlhf.cli.train_sft import SFT_JOB
-from rlhf.config.preference import TrainSimPOConfig
-from rlhf.trainers.preference import SimPOTrainer
+from rlhf.config.preference_config import TrainSimPOConfig
+from rlhf.trainers.preference_trainers import SimPOTrainer
 
 SIMPO_JOB = SupervisedJob(
     name="simpo", samples=pair_samples, load_model=SFT_JOB.load_model, save=save_trained_model,

@@ -7,8 +7,8 @@ banner would bury it. This module does not know torch.distributed; the entry poi
 engines have started.
 
 What counts as a usage error (everything else keeps its traceback and a non-zero exit):
-- a `UsageError`, wherever it is raised: the config validation (`rlhf.config.common` and the job roots) raises it,
-  and so may any check that names a flag and its fix;
+- a `UsageError`, wherever it is raised: the config validation (`rlhf.config.shared_config` and the job roots)
+  raises it, and so may any check that names a flag and its fix;
 - an argparse error (unknown or misspelt flag, bad value type), reported by `rlhf.config.flags`;
 - a plain `ValueError` raised by this package's own code (the `raise` is in an `rlhf` module) before
   the engines start: the entry point's input checks (dataset files and rows, reward function files,

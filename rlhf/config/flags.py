@@ -1,6 +1,7 @@
 """OpenRLHF-compatible flat command-line flags, parsed once into a typed config tree.
 
-The parser is generated from the field metadata of the config dataclasses (`rlhf.config.common` and the job roots).
+The parser is generated from the field metadata of the config dataclasses (`rlhf.config.shared_config` and the
+job roots).
 Flags of OpenRLHF that have no meaning here are accepted with a warning; flags of features this
 build does not have yet are refused with a message saying so; anything else unknown is an error with
 a "did you mean" hint. Flag errors are reported the `rlhf.config.errors` way: one short line per

@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf.config.ppo import DataConfig
+from rlhf.config.ppo_config import DataConfig
 from rlhf.data.sources import read_json_file
 
 

@@ -21,8 +21,8 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from rlhf.config.common import EngineConfig, OptimConfig
 from rlhf.config.errors import UsageError
+from rlhf.config.shared_config import EngineConfig, OptimConfig
 from rlhf.engines.deepspeed_compat import barriers_scoped_to, zero3_construction
 from rlhf.models import lora
 

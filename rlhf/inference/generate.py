@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from rlhf.config.errors import UsageError
-from rlhf.config.inference import BatchInferenceConfig
+from rlhf.config.inference_config import BatchInferenceConfig
 from rlhf.data.formatting import check_input_template, make_chat_template, prompt_text
 from rlhf.data.sources import Row, read_rows
-from rlhf.data.supervised import column
+from rlhf.data.supervised_samples import column
 from rlhf.engines.rollout import Generation, RolloutEngine, SamplingSpec, request_seed
 from rlhf.inference.output import gather_to_first, split_range
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlhf.config.inference import BatchInferenceConfig
+from rlhf.config.inference_config import BatchInferenceConfig
 from rlhf.data.formatting import make_chat_template, prompt_text, response_text
 from rlhf.data.sources import Row, read_rows
-from rlhf.data.supervised import SFTBatch, SFTSample, column, load_sft_samples
+from rlhf.data.supervised_samples import SFTBatch, SFTSample, column, load_sft_samples
 from rlhf.inference.output import gather_to_first, split_range
 from rlhf.models.micro_batches import MicroBatcher
 from rlhf.models.value import load_scalar_head_model, stored_reward_norm

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from rlhf.config.common import LoRAConfig
 from rlhf.config.errors import UsageError
+from rlhf.config.shared_config import LoRAConfig
 
 ADAPTER = "default"
 """peft's name of the one adapter a model carries here."""

@@ -19,13 +19,13 @@ from rlhf.algorithms.losses import (
     sequence_mean_over_global_count,
     token_sum_over_global_count,
 )
-from rlhf.config.ppo import AlgoConfig
+from rlhf.config.ppo_config import AlgoConfig
+from rlhf.core.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
 from rlhf.data.pretrain import PtxData
 from rlhf.data.records import Experience
 from rlhf.engines.deepspeed_engine import DeepSpeedModel
-from rlhf.models.logprobs import policy_forward
+from rlhf.models.lm_logprobs import policy_forward
 from rlhf.models.micro_batches import MicroBatcher, forward_in_micro_batches
-from rlhf.train.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
 
 
 def batched_logprobs(model: torch.nn.Module, sequences_BT: torch.Tensor, attention_mask_BT: torch.Tensor,

@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 
 from rlhf.algorithms.losses import token_sum_over_global_count, value_loss_BT1
+from rlhf.core.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
 from rlhf.data.records import Experience
 from rlhf.engines.deepspeed_engine import DeepSpeedModel
 from rlhf.models.micro_batches import MicroBatcher, forward_in_micro_batches
 from rlhf.models.value import token_values
-from rlhf.train.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
 
 
 class Critic:

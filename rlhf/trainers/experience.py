@@ -28,7 +28,7 @@ from rlhf.algorithms.shaping import (
     overlong_penalty,
     stop_properly_penalty,
 )
-from rlhf.config.ppo import TrainPPOConfig
+from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.data.records import Experience, Rollout
 from rlhf.distributed.collectives import assemble, broadcast_keys, shard
 from rlhf.distributed.topology import Role, Topology

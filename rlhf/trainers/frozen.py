@@ -13,13 +13,13 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from rlhf.core.metrics import Reduce, reduce_metrics
+from rlhf.core.state import CheckpointedState
 from rlhf.distributed.topology import Role, Topology
 from rlhf.engines.deepspeed_engine import DeepSpeedModel
 from rlhf.models.layout import LaidOut, SequenceLayout
-from rlhf.models.logprobs import token_logprobs
-from rlhf.train.metrics import Reduce, reduce_metrics
-from rlhf.train.state import CheckpointedState
-from rlhf.trainers.supervised import MODEL
+from rlhf.models.lm_logprobs import token_logprobs
+from rlhf.trainers.supervised_trainer import MODEL
 from rlhf.utils.timers import StageTimer
 
 Answer = Callable[[torch.nn.Module, LaidOut], torch.Tensor]

@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import torch
 
-from rlhf.config.ppo import TrainPPOConfig
+from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.distributed.collectives import all_gather_rollout
 from rlhf.engines.rollout import SamplingSpec
 from rlhf.trainers.repulse_eval import evenly_split

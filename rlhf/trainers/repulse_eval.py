@@ -13,9 +13,9 @@ import math
 
 import torch
 
-from rlhf.algorithms import repulse
+from rlhf.algorithms import repulse_losses
 from rlhf.config.errors import UsageError
-from rlhf.config.ppo import TrainPPOConfig
+from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.evaluation.bad_outputs import log_p_bad, next_token_logprobs_V, second_token_logprobs_VV
 from rlhf.rewards.base import RewardInputs, RewardSource
 
@@ -87,8 +87,8 @@ class AnalyticEvaluator:
         rp = self.cfg.repulse
         shaped = rewards
         if rp.reward_transform is not None:
-            shaped = repulse.REWARD_TRANSFORMS[rp.reward_transform](rewards, rp.transform_alpha, rp.transform_beta,
-                                                                   rp.threshold)
+            transform = repulse_losses.REWARD_TRANSFORMS[rp.reward_transform]
+            shaped = transform(rewards, rp.transform_alpha, rp.transform_beta, rp.threshold)
         probs = joint.exp()
         out["reward_mean"] = float((probs * rewards).sum())
         returns = shaped
@@ -177,7 +177,7 @@ class HeldoutEvaluator:
             batch = all_gather_rollout(local, trainer.tokenizer.pad_token_id)
             raw, old, ref = trainer.roles.experience.score(batch, with_ref=cfg.algo.needs_ref, rm_max_len=rp.rm_max_len)
             if ref is not None:
-                ret, kl = repulse.policy_returns_PK(raw, old, ref, batch.action_mask_BT1, cfg.algo.init_kl_coef)
+                ret, kl = repulse_losses.policy_returns_PK(raw, old, ref, batch.action_mask_BT1, cfg.algo.init_kl_coef)
             else:
                 ret, kl = raw.float(), torch.zeros_like(raw)
             rewards.append(raw.float())
@@ -195,5 +195,5 @@ class HeldoutEvaluator:
             with open(path, "w") as f:
                 f.writelines(json.dumps(row) + "\n" for row in rows)
         return {"heldout_reward_mean": float(r.mean()), "heldout_return_mean": float(ret.mean()),
-                "heldout_kl_mean": float(kl.mean()), "heldout_p_below": repulse.prob_below(r, rp.threshold),
-                "heldout_cvar": repulse.cvar(r, rp.heldout_cvar_fraction)}
+                "heldout_kl_mean": float(kl.mean()), "heldout_p_below": repulse_losses.prob_below(r, rp.threshold),
+                "heldout_cvar": repulse_losses.cvar(r, rp.heldout_cvar_fraction)}

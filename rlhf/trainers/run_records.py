@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from rlhf.config.ppo import TrainPPOConfig
+from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.data.records import Rollout
 
 

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
-    from rlhf.config.common import LoggingConfig
+    from rlhf.config.shared_config import LoggingConfig
 
 LIBRARIES = ("vllm", "deepspeed", "torch", "transformers", "accelerate", "huggingface_hub")
 """Packages whose output is routed to the run's log file."""

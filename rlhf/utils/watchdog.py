@@ -5,7 +5,7 @@
 A rank that is stopped (SIGSTOP) or spinning inside C code that holds the GIL cannot print; its peers,
 waiting in a collective, can, and their lines name the stage in which they wait. This module knows
 nothing about collectives or configs; `--dist_timeout` (the collectives' own limit) is applied in
-`rlhf.distributed.launch`.
+`rlhf.distributed.launch_env`.
 """
 
 from __future__ import annotations

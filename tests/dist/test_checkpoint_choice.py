@@ -3,8 +3,8 @@
 import json
 
 from rlhf.config.errors import UsageError
-from rlhf.utils import checkpoint as ckpt
-from rlhf.utils.checkpoint import (
+from rlhf.utils import checkpoint_files as ckpt
+from rlhf.utils.checkpoint_files import (
     MANIFEST,
     CheckpointWriter,
     pick_checkpoint,

@@ -39,7 +39,7 @@ def _srun_env(procid: int, nodeid: int, localid: int, **extra: str) -> dict[str,
 
 SRUN_INIT_WORKER = """
 import json, os, torch, torch.distributed as dist
-from rlhf.distributed.launch import init_distributed, read_launch_env
+from rlhf.distributed.launch_env import init_distributed, read_launch_env
 launch = read_launch_env()
 init_distributed(launch)
 print(json.dumps({"local_world_size": os.environ["LOCAL_WORLD_SIZE"], "local_rank": os.environ["LOCAL_RANK"]}))
@@ -89,7 +89,7 @@ def _offload_then_forward(cases: list[tuple[int, bool]]) -> list[dict]:
     import torch.distributed as dist
 
     from rlhf.assets import EMBEDDED_MODEL_DIR
-    from rlhf.config.common import EngineConfig, OptimConfig
+    from rlhf.config.shared_config import EngineConfig, OptimConfig
     from rlhf.engines.deepspeed_engine import DeepSpeedModel
     from rlhf.models.loading import load_causal_lm
 

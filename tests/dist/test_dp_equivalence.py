@@ -41,7 +41,7 @@ def one_critic_step(zero_stage: int) -> dict:
     import torch.distributed as dist
 
     from rlhf.assets import EMBEDDED_REWARD_MODEL_DIR
-    from rlhf.config.common import EngineConfig, OptimConfig
+    from rlhf.config.shared_config import EngineConfig, OptimConfig
     from rlhf.engines.deepspeed_engine import DeepSpeedModel
     from rlhf.models.layout import PADDED
     from rlhf.models.micro_batches import MicroBatcher

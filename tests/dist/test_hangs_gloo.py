@@ -15,7 +15,7 @@ def _one_rank_sleeps_in_a_stage(port: int) -> dict:
     """Rank 1 sleeps 8 s inside a stage; rank 0 waits for it in an all_reduce under a 4 s --dist_timeout."""
     import torch.distributed as dist
 
-    from rlhf.distributed.launch import init_distributed, read_launch_env
+    from rlhf.distributed.launch_env import init_distributed, read_launch_env
 
     dist.destroy_process_group()
     os.environ["MASTER_PORT"] = str(port)

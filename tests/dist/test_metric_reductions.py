@@ -10,8 +10,8 @@ from tests.distributed import run_on_ranks
 def reduced() -> dict:
     import torch.distributed as dist
 
+    from rlhf.core.metrics import Reduce, reduce_metrics
     from rlhf.distributed.topology import Role, Topology
-    from rlhf.train.metrics import Reduce, reduce_metrics
 
     rank = dist.get_rank()
     topology = Topology({Role.ACTOR: (0, 1, 2, 3), Role.CRITIC: (2, 3)})

@@ -12,7 +12,7 @@ def _save_on_zero3(path: str) -> dict:
     """Gather and save the embedded policy from ZeRO-3 shards; record what each rank held."""
     import torch.distributed as dist
 
-    from rlhf.config.common import EngineConfig, OptimConfig
+    from rlhf.config.shared_config import EngineConfig, OptimConfig
     from rlhf.engines.deepspeed_engine import DeepSpeedModel
     from rlhf.models.loading import load_causal_lm, load_tokenizer
 

@@ -16,8 +16,8 @@ def _actor(zero_stage: int, max_nonfinite_steps: int):
     import torch.distributed as dist
 
     from rlhf.assets import EMBEDDED_MODEL_DIR
-    from rlhf.config.common import EngineConfig, OptimConfig
-    from rlhf.config.ppo import AlgoConfig
+    from rlhf.config.ppo_config import AlgoConfig
+    from rlhf.config.shared_config import EngineConfig, OptimConfig
     from rlhf.engines.deepspeed_engine import DeepSpeedModel
     from rlhf.models.layout import PADDED
     from rlhf.models.loading import load_causal_lm
@@ -125,7 +125,7 @@ def critic_nan_step() -> dict:
     import torch.distributed as dist
 
     from rlhf.assets import EMBEDDED_REWARD_MODEL_DIR
-    from rlhf.config.common import EngineConfig, OptimConfig
+    from rlhf.config.shared_config import EngineConfig, OptimConfig
     from rlhf.engines.deepspeed_engine import DeepSpeedModel, NonFiniteError
     from rlhf.models.layout import PADDED
     from rlhf.models.micro_batches import MicroBatcher
@@ -164,7 +164,7 @@ def nan_gradient_step(zero_stage: int, bf16: bool, offload: bool) -> dict:
     import torch.distributed as dist
 
     from rlhf.assets import EMBEDDED_MODEL_DIR
-    from rlhf.config.common import EngineConfig, OptimConfig
+    from rlhf.config.shared_config import EngineConfig, OptimConfig
     from rlhf.engines.deepspeed_engine import DeepSpeedModel, NonFiniteError
     from rlhf.models.loading import load_causal_lm
 

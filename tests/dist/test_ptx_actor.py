@@ -9,7 +9,7 @@ def _train_two_steps_with_ptx() -> list[list[int]]:
     """Two actor optimizer steps (two micro-batches each) with the ptx loss on; the ptx batches drawn."""
     import torch.distributed as dist
 
-    from rlhf.config.ppo import AlgoConfig
+    from rlhf.config.ppo_config import AlgoConfig
     from tests.tiny_actor import MICRO, build_actor, synthetic_experiences
 
     dp, rank = dist.get_world_size(), dist.get_rank()

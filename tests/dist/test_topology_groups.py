@@ -44,7 +44,7 @@ def test_topology_groups_on_four_ranks():
 
 SLURM_WORKER = """
 import json, torch, torch.distributed as dist
-from rlhf.distributed.launch import init_distributed, read_launch_env
+from rlhf.distributed.launch_env import init_distributed, read_launch_env
 launch = read_launch_env()
 init_distributed(launch)
 value = torch.tensor([float(dist.get_rank() + 1)])

@@ -25,7 +25,7 @@ VARIANTS = {
 def _one_variant(name: str, zero_stage: int) -> dict:
     import torch.distributed as dist
 
-    from rlhf.config.ppo import AlgoConfig
+    from rlhf.config.ppo_config import AlgoConfig
     from rlhf.distributed.topology import Role, Topology
     from rlhf.models.layout import SequenceLayout
     from tests.tiny_actor import build_actor

@@ -10,7 +10,7 @@ from tests.distributed import run_variants_on_ranks
 
 def _build_on_halves(trainable: bool):
     from rlhf.assets import TINY_DIR
-    from rlhf.config.common import EngineConfig, OptimConfig
+    from rlhf.config.shared_config import EngineConfig, OptimConfig
     from rlhf.engines.deepspeed_compat import install_subgroup_patches
     from rlhf.engines.deepspeed_engine import DeepSpeedModel, GroupMPU
     from rlhf.models.value import last_token_values, load_scalar_head_model

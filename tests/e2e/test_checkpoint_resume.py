@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf.assets import TINY_DIR
-from rlhf.utils.checkpoint import complete_checkpoints, pick_checkpoint
+from rlhf.utils.checkpoint_files import complete_checkpoints, pick_checkpoint
 from tests.distributed import ROOT, run_torchrun
 from tests.tiny_runs import CPU
 
@@ -79,7 +79,7 @@ KILLED_WRITER = """
 import os, signal, sys
 import torch.distributed as dist
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
-from rlhf.utils.checkpoint import CheckpointWriter
+from rlhf.utils.checkpoint_files import CheckpointWriter
 for step, die in ((2, False), (4, True)):
     w = CheckpointWriter(sys.argv[1], step, is_writer=True)
     tmp = w.begin()

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from rlhf.assets import TINY_DIR
-from rlhf.utils.checkpoint import complete_checkpoints
+from rlhf.utils.checkpoint_files import complete_checkpoints
 from tests.distributed import ROOT, free_port
 from tests.tiny_runs import CPU
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf.assets import TINY_DIR, TOY_BAD_WORDS, TOY_PROMPT, TOY_REWARD
-from rlhf.utils.checkpoint import complete_checkpoints
+from rlhf.utils.checkpoint_files import complete_checkpoints
 from tests.distributed import run_torchrun
 from tests.tiny_runs import CPU
 

@@ -45,10 +45,10 @@ def test_saved_rm_loads_as_classifier_in_serve_rm_and_in_ppo_with_its_normalisat
 
     from rlhf.cli.serve_rm import build_source
     from rlhf.config.flags import parse_config
-    from rlhf.config.ppo import TrainPPOConfig
+    from rlhf.config.ppo_config import TrainPPOConfig
     from rlhf.models.value import stored_reward_norm
     from rlhf.rewards.base import RewardInputs
-    from rlhf.trainers.build import stored_reward_norms
+    from rlhf.trainers.ppo_build import stored_reward_norms
 
     out, final = runs["dp2_path"], runs["dp2"][0][-1]
     mean, std = stored_reward_norm(str(out))

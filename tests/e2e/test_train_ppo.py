@@ -63,7 +63,7 @@ def _initial_ptx_loss(world_size: int, draws_per_rank: int, micro: int, max_len:
     the pretraining micro-batches each rank draws first (the prompts file's `input` texts), averaged over
     every micro-batch of the step."""
     from rlhf.assets import EMBEDDED_MODEL_DIR, TINY_DIR
-    from rlhf.config.ppo import TrainPPOConfig
+    from rlhf.config.ppo_config import TrainPPOConfig
     from rlhf.data.pretrain import PtxData, tokenize_texts
     from rlhf.data.prompts import load_texts
     from rlhf.models.loading import load_causal_lm, load_tokenizer

@@ -7,8 +7,8 @@ import torch
 
 from rlhf.assets import EMBEDDED_MODEL_DIR
 from rlhf.models.layout import PADDED, SequenceLayout
+from rlhf.models.lm_logprobs import logprobs_entropy, policy_forward
 from rlhf.models.loading import load_causal_lm
-from rlhf.models.logprobs import logprobs_entropy, policy_forward
 
 
 def _batch(vocab: int, lengths=(37, 5, 120, 64)):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlhf.assets import EMBEDDED_MODEL_DIR
-from rlhf.config.common import LoRAConfig
+from rlhf.config.shared_config import LoRAConfig
 from tests.tiny_lora import lora_batch
 
 # ---------------------------------------------------------------- QLoRA (CUDA)
@@ -16,8 +16,8 @@ from tests.tiny_lora import lora_batch
 
 def test_qlora_trains_adapters_on_a_4bit_base_and_merges():
     pytest.importorskip("bitsandbytes")
+    from rlhf.models.lm_logprobs import sequence_logprobs
     from rlhf.models.loading import load_causal_lm
-    from rlhf.models.logprobs import sequence_logprobs
     from rlhf.models.lora import apply_lora, check_lora, is_quantized, merged_parameters
 
     cfg = LoRAConfig(lora_rank=8, lora_alpha=16, load_in_4bit=True)

@@ -242,7 +242,7 @@ def test_every_estimator_credits_every_turn(name):
 
 def test_agent_flags_parse_and_conflicts():
     from rlhf.config.flags import parse_config
-    from rlhf.config.ppo import TrainPPOConfig
+    from rlhf.config.ppo_config import TrainPPOConfig
 
     assert "agent_func_path" not in TrainPPOConfig.PENDING_FLAGS
     cfg = parse_config(TrainPPOConfig, ["--agent_func_path", "a.py", "--agent_max_turns", "3"])

@@ -206,7 +206,7 @@ def test_importance_weights_tis_and_icepop():
 
 def test_entropy_and_sequence_mean():
     from rlhf.algorithms.losses import sequence_mean_over_global_count
-    from rlhf.models.logprobs import logprobs_entropy
+    from rlhf.models.lm_logprobs import logprobs_entropy
 
     _, ent = logprobs_entropy(torch.zeros(1, 2, 4), torch.zeros(1, 2, dtype=torch.long))
     torch.testing.assert_close(ent, torch.full((1, 2), math.log(4)))

@@ -5,7 +5,7 @@ import pytest
 
 from rlhf.config.errors import UsageError
 from rlhf.config.flags import parse_config
-from rlhf.config.ppo import TrainPPOConfig
+from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.distributed.topology import Placement, Role, plan_ranks
 
 

@@ -12,7 +12,7 @@ import torch
 from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_REWARD_MODEL_DIR
 from rlhf.config.errors import UsageError
 from rlhf.config.flags import flag_specs, parse_config
-from rlhf.config.inference import BatchInferenceConfig
+from rlhf.config.inference_config import BatchInferenceConfig
 from rlhf.inference.generate import generated_text, iter_rows
 from rlhf.inference.output import ChunkedJsonlWriter, progress_path, split_range
 from rlhf.inference.post_process import conditional_sft, iterative_dpo, rejection_sampling, reward_stats

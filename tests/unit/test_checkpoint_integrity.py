@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from rlhf.config.errors import UsageError
-from rlhf.utils import checkpoint as ckpt
-from rlhf.utils.checkpoint import (
+from rlhf.utils import checkpoint_files as ckpt
+from rlhf.utils.checkpoint_files import (
     MANIFEST,
     CheckpointWriteError,
     CheckpointWriter,

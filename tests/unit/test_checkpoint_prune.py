@@ -2,7 +2,7 @@
 
 
 
-from rlhf.utils.checkpoint import complete_checkpoints, prune
+from rlhf.utils.checkpoint_files import complete_checkpoints, prune
 
 
 def test_prune_keeps_the_newest(tmp_path):

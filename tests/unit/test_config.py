@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlhf.config.flags import IGNORED_FLAGS, flag_specs, parse_config
-from rlhf.config.ppo import TrainPPOConfig
+from rlhf.config.ppo_config import TrainPPOConfig
 
 
 def parse(*argv):
@@ -170,7 +170,7 @@ def test_dynamic_batch_needs_packing_and_a_budget_that_holds_one_sample():
 
 def test_ring_head_stride_must_divide_the_kv_heads():
     from rlhf.assets import EMBEDDED_MODEL_DIR
-    from rlhf.trainers.build import check_models
+    from rlhf.trainers.ppo_build import check_models
 
     short = ("--prompt_max_len", "16", "--generate_max_len", "16")
     check_models(parse(*short, "--packing_samples", "--ring_attn_size", "2", "--ring_head_stride", "2")
@@ -260,7 +260,7 @@ def test_reward_pretrain_with_remote_rm_url_follows_openrlhf():
 
 
 def test_flash_attention_without_cuda_warns_and_uses_sdpa():
-    from rlhf.cli.common import for_this_machine
+    from rlhf.cli.entry_point import for_this_machine
 
     if torch.cuda.is_available():
         pytest.skip("this machine can run flash-attn; the fallback is for CPU machines")
@@ -275,7 +275,7 @@ def test_flash_attention_without_cuda_warns_and_uses_sdpa():
 
 def test_prompt_and_generation_lengths_must_fit_the_model():
     from rlhf.assets import EMBEDDED_MODEL_DIR
-    from rlhf.trainers.build import check_models
+    from rlhf.trainers.ppo_build import check_models
 
     limit = json.load(open(os.path.join(EMBEDDED_MODEL_DIR, "config.json")))["max_position_embeddings"]
     check_models(parse("--prompt_max_len", "16", "--generate_max_len", str(limit - 16)).with_demo_defaults())

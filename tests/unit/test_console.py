@@ -13,9 +13,9 @@ import torch
 import rlhf
 import rlhf.cli.train_ppo as train_ppo
 from rlhf.config import errors
-from rlhf.config.common import LoggingConfig
 from rlhf.config.errors import UsageError, usage_errors_exit
-from rlhf.distributed.launch import read_launch_env
+from rlhf.config.shared_config import LoggingConfig
+from rlhf.distributed.launch_env import read_launch_env
 from rlhf.utils.console import route_library_output
 
 TORCH_FILE = os.path.join(os.path.dirname(torch.__file__), "fake_module.py")

@@ -4,7 +4,7 @@ sizes, device indices, offload lists, sleep requirements, the weight-push path, 
 import pytest
 import torch
 
-from rlhf.distributed.launch import cuda_device_index, read_launch_env, slurm_local_world_size
+from rlhf.distributed.launch_env import cuda_device_index, read_launch_env, slurm_local_world_size
 
 
 def _srun_env(procid: int, nodeid: int, localid: int, **extra: str) -> dict[str, str]:
@@ -171,7 +171,7 @@ def test_is_correction_with_top_p_below_one_warns():
     import warnings
 
     from rlhf.config.flags import parse_config
-    from rlhf.config.ppo import TrainPPOConfig
+    from rlhf.config.ppo_config import TrainPPOConfig
 
     with pytest.warns(UserWarning, match="--enable_vllm_is_correction with --top_p 0.9"):
         parse_config(TrainPPOConfig, ["--enable_vllm_is_correction", "--top_p", "0.9"])

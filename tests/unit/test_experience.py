@@ -10,7 +10,7 @@ import torch
 from rlhf.algorithms.advantages import ESTIMATORS
 from rlhf.algorithms.kl import KLController
 from rlhf.config.flags import parse_config
-from rlhf.config.ppo import TrainPPOConfig
+from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.data.records import Rollout
 from rlhf.trainers.experience import ExperienceMaker
 
@@ -66,9 +66,9 @@ def test_rollout_mismatch_and_correction_statistics():
 
 
 def test_a_metric_without_a_declared_reduction_is_an_error():
+    from rlhf.core.metrics import reduce_metrics
     from rlhf.distributed.topology import Role
-    from rlhf.train.metrics import reduce_metrics
-    from rlhf.trainers.ppo import TRAIN_METRICS
+    from rlhf.trainers.ppo_trainer import TRAIN_METRICS
 
     with pytest.raises(RuntimeError, match=r"actor produced metrics \['new_metric'\] with no declared reduction"):
         reduce_metrics({Role.ACTOR: {"policy_loss": 1.0, "new_metric": 2.0}}, TRAIN_METRICS, topology=None)

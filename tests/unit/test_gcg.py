@@ -17,7 +17,7 @@ from rlhf.assets import EMBEDDED_MODEL_DIR
 from rlhf.cli.evaluate_gcg import load_goals, main, policy_weights_dir
 from rlhf.config.errors import UsageError
 from rlhf.config.flags import flag_specs, parse_config
-from rlhf.config.gcg import EMBEDDED_GCG_GOALS, EvaluateGCGConfig, GCGDataConfig, GCGSearchConfig
+from rlhf.config.gcg_config import EMBEDDED_GCG_GOALS, EvaluateGCGConfig, GCGDataConfig, GCGSearchConfig
 from rlhf.evaluation.gcg import (
     AttackPrompt,
     disallowed_token_ids,

@@ -1,6 +1,7 @@
 """The import graph of `rlhf/` (every `import`, at module level or inside a function, read with `ast`): no
-package imports a package of a higher layer, and no module circle exists, within a package or across.
-`python tests/unit/test_import_layers.py` prints the package graph."""
+package imports a package of a higher layer, and no module circle exists, within a package or across; and no
+two modules of `rlhf/` and `kernels/` share a file name (a grep for a module's name lands in one place).
+`PYTHONPATH=. python tests/unit/test_import_layers.py` prints the package graph."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ LAYERS = [
     {"engines", "evaluation"},  # DeepSpeed and rollout engines; evaluation helpers
     {"rewards"},
     {"agents", "inference"},
-    {"train"},  # the job-agnostic core: loop, checkpoints, metrics, optimizer step, builders
+    {"core"},  # the job-agnostic core: loop, checkpoints, metrics, optimizer step, builders
     {"trainers"},  # each job's step
     {"cli"},  # one thin module per job
 ]
@@ -97,6 +98,18 @@ def test_no_package_imports_a_higher_layer_and_no_circles():
     assert circle(packages) is None, f"a circle of packages: {circle(packages)}"
     modules = {m: {t for t in targets if t in graph and t != "rlhf"} for m, targets in graph.items()}
     assert circle(modules) is None, f"a circle of modules: {circle(modules)}"
+
+
+def test_no_two_modules_share_a_file_name():
+    seen: dict[str, list[str]] = {}
+    for top in ("rlhf", "kernels"):
+        for directory, _, files in os.walk(os.path.join(ROOT, top)):
+            if os.path.relpath(directory, ROOT).startswith(os.path.join("rlhf", "assets")):
+                continue  # the embedded demo's reward functions are data files loaded by path
+            for name in files:
+                if name.endswith(".py") and name != "__init__.py":
+                    seen.setdefault(name, []).append(os.path.relpath(os.path.join(directory, name), ROOT))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
 
 
 def test_the_checks_find_a_circle_and_an_upward_import():

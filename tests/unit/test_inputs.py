@@ -11,7 +11,7 @@ from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_PROMPTS, EMBEDDED_REWARD, E
 from rlhf.cli.train_ppo import check_before_engines, run
 from rlhf.config.errors import UsageError
 from rlhf.config.flags import parse_config
-from rlhf.config.ppo import DataConfig, TrainPPOConfig
+from rlhf.config.ppo_config import DataConfig, TrainPPOConfig
 from rlhf.data.prompts import PromptSampler, load_prompts
 from rlhf.models.loading import load_tokenizer
 from rlhf.models.value import check_scalar_head, load_scalar_head_model

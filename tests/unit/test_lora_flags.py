@@ -18,8 +18,8 @@ from tests.tiny_lora import FP32, LORA, lora_batch
 
 def test_flags_have_openrlhf_defaults_and_reach_every_job():
     from rlhf.config.flags import parse_config
-    from rlhf.config.ppo import TrainPPOConfig
-    from rlhf.config.supervised import TrainKDConfig, TrainPRMConfig, TrainRMConfig, TrainSFTConfig
+    from rlhf.config.ppo_config import TrainPPOConfig
+    from rlhf.config.supervised_config import TrainKDConfig, TrainPRMConfig, TrainRMConfig, TrainSFTConfig
 
     for root in (TrainPPOConfig, TrainSFTConfig, TrainRMConfig, TrainPRMConfig, TrainKDConfig):
         lora = parse_config(root, []).model.lora
@@ -43,7 +43,7 @@ def test_flags_have_openrlhf_defaults_and_reach_every_job():
 def test_bad_lora_values_name_the_flag(argv, message):
     from rlhf.config.errors import UsageError
     from rlhf.config.flags import parse_config
-    from rlhf.config.supervised import TrainSFTConfig
+    from rlhf.config.supervised_config import TrainSFTConfig
 
     with pytest.raises(UsageError, match=message.replace("[", r"\[").replace(")", r"\)")):
         parse_config(TrainSFTConfig, argv)
@@ -91,7 +91,7 @@ def test_combiner_writes_a_plain_causal_lm(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from rlhf.cli.lora_combiner import main
-    from rlhf.models.logprobs import sequence_logprobs
+    from rlhf.models.lm_logprobs import sequence_logprobs
 
     adapted = _adapter("actor", tmp_path / "adapter")
     main(["--model_path", EMBEDDED_MODEL_DIR, "--lora_path", str(tmp_path / "adapter"), "--output_path",

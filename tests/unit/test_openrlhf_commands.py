@@ -5,7 +5,7 @@ the config each script means."""
 import pytest
 
 from rlhf.config.flags import parse_config
-from rlhf.config.ppo import TrainPPOConfig
+from rlhf.config.ppo_config import TrainPPOConfig
 from tests.openrlhf_commands import DAPO, PPO_HYBRID_ENGINE, PPO_WITH_REWARD_FN, at_tiny_scale
 
 

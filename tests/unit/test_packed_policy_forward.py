@@ -11,8 +11,8 @@ import torch
 def test_packed_policy_forward_matches_padded_with_and_without_checkpointing(checkpointing):
     from rlhf.assets import EMBEDDED_MODEL_DIR
     from rlhf.models.layout import PADDED, SequenceLayout
+    from rlhf.models.lm_logprobs import policy_forward
     from rlhf.models.loading import load_causal_lm
-    from rlhf.models.logprobs import policy_forward
 
     g = torch.Generator().manual_seed(0)
     lengths, T = torch.tensor([5, 9, 3]), 9

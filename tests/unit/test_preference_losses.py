@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rlhf.algorithms.preference import (
+from rlhf.algorithms.preference_losses import (
     dpo_losses_B,
     kto_losses_B,
     kto_reference_point,
@@ -83,7 +83,7 @@ def test_response_mask_skips_the_prompt_and_padding():
 def test_kto_loader_splits_pairs_and_reads_labels(tmp_path):
     from rlhf.assets import EMBEDDED_MODEL_DIR
     from rlhf.data.sources import Row
-    from rlhf.data.supervised import load_unpaired_samples, mismatched
+    from rlhf.data.supervised_samples import load_unpaired_samples, mismatched
     from rlhf.models.loading import load_tokenizer
 
     tok = load_tokenizer(EMBEDDED_MODEL_DIR)
@@ -105,7 +105,7 @@ def test_kto_loader_splits_pairs_and_reads_labels(tmp_path):
 
 def test_defaults_are_openrlhf_v095():
     from rlhf.config.flags import parse_config
-    from rlhf.config.preference import TrainDPOConfig, TrainKTOConfig
+    from rlhf.config.preference_config import TrainDPOConfig, TrainKTOConfig
 
     dpo = parse_config(TrainDPOConfig, [])
     assert (dpo.beta, dpo.optim.learning_rate, dpo.data.max_len, dpo.data.eval_split, dpo.batch.max_epochs,
@@ -124,7 +124,7 @@ def test_reference_free_jobs_defaults_and_no_reference_flags(capsys):
     """SimPO's and ORPO's defaults (their papers'), and no reference flag: one would do nothing."""
     from rlhf.config.errors import UsageError
     from rlhf.config.flags import parse_config
-    from rlhf.config.preference import TrainORPOConfig, TrainSimPOConfig
+    from rlhf.config.preference_config import TrainORPOConfig, TrainSimPOConfig
 
     simpo, orpo = parse_config(TrainSimPOConfig, []), parse_config(TrainORPOConfig, [])
     assert (simpo.beta, simpo.simpo_gamma, simpo.optim.learning_rate, simpo.data.max_len) == (2.0, 1.0, 1e-5, 512)
@@ -144,7 +144,7 @@ def test_pair_trainers_terms_by_hand():
     the average log-probs (sum / count)."""
     from types import SimpleNamespace
 
-    from rlhf.trainers.preference import DPOTrainer, ORPOTrainer, SimPOTrainer
+    from rlhf.trainers.preference_trainers import DPOTrainer, ORPOTrainer, SimPOTrainer
 
     # two pairs: chosen sums -6 over 3 tokens and -2 over 4; rejected -9 over 3 and -5 over 5
     logps = lambda batch: (torch.tensor([-6.0, -2.0, -9.0, -5.0]), torch.tensor([3.0, 4.0, 3.0, 5.0]))  # noqa: E731

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlhf.algorithms import repulse
+from rlhf.algorithms import repulse_losses
 
 
 def _softmax(xs):
@@ -18,7 +18,8 @@ def _softmax(xs):
 
 def test_snis_weights_by_hand():
     # beta = -1, r = (1, 0): logits (-1 - 1 + 1.5, -2 + 0 + 1) = (-0.5, -1)
-    w = repulse.snis_weights_PK(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.0, 0.0]]), torch.tensor([[-1.5, -1.0]]))
+    w = repulse_losses.snis_weights_PK(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.0, 0.0]]),
+                                       torch.tensor([[-1.5, -1.0]]))
     assert w[0].tolist() == pytest.approx([1 / (1 + math.exp(-0.5)), 1 - 1 / (1 + math.exp(-0.5))], abs=1e-6)
 
 
@@ -28,7 +29,7 @@ def test_ctl_loss_weights_and_gradient_by_hand():
     logq_old = torch.tensor([[[-0.8, -1.1], [-1.9, -0.4]]])
     mask = torch.ones(1, 2, 2)
     beta_r = torch.tensor([[0.4, -1.0]])
-    loss, w_sigma, w_pi = repulse.ctl_loss(logq, logp, logq_old, mask, beta_r)
+    loss, w_sigma, w_pi = repulse_losses.ctl_loss(logq, logp, logq_old, mask, beta_r)
 
     lq, lp, lo, br = logq.detach()[0].tolist(), logp[0].tolist(), logq_old[0].tolist(), beta_r[0].tolist()
     sigma = _softmax([sum(lp[i]) + br[i] - sum(lo[i]) for i in range(2)])
@@ -49,7 +50,7 @@ def test_dpg_loss_and_gradient_by_hand():
     logq_old = torch.tensor([[[-0.8, -1.1], [-1.9, -0.4]]])
     mask = torch.tensor([[[1.0, 1.0], [1.0, 0.0]]])
     beta_r = torch.tensor([[0.4, -1.0]])
-    loss, w = repulse.PROPOSAL_LOSSES["dpg"](logq, logp, logq_old, mask, beta_r)
+    loss, w = repulse_losses.PROPOSAL_LOSSES["dpg"](logq, logp, logq_old, mask, beta_r)
     lq, lp, lo = logq.detach()[0].tolist(), logp[0].tolist(), logq_old[0].tolist()
     sigma = _softmax([lp[0][0] + lp[0][1] + 0.4 - lo[0][0] - lo[0][1], lp[1][0] - 1.0 - lo[1][0]])
     expected = -(sigma[0] * ((lq[0][0] - lp[0][0]) + (lq[0][1] - lp[0][1])) / 2 + sigma[1] * (lq[1][0] - lp[1][0])) / 2
@@ -65,24 +66,25 @@ def test_ctl_loss_ignores_positions_after_the_response():
     mask = torch.tensor([[[1.0, 0.0], [1.0, 1.0]]])
     changed = logq.clone()
     changed[0, 0, 1] = -50.0  # a padded position of sample 0
-    a = repulse.ctl_loss(logq, logp, logq, mask, torch.zeros(1, 2))
-    b = repulse.ctl_loss(changed, logp, changed, mask, torch.zeros(1, 2))
+    a = repulse_losses.ctl_loss(logq, logp, logq, mask, torch.zeros(1, 2))
+    b = repulse_losses.ctl_loss(changed, logp, changed, mask, torch.zeros(1, 2))
     assert float(a[0]) == pytest.approx(float(b[0]), abs=1e-7)
     assert torch.equal(a[1], b[1])
 
 
 def test_rloo_baseline_and_reinforce_by_hand():
-    assert repulse.rloo_baseline_PK(torch.tensor([[1.0, 2.0, 6.0]])).tolist() == [[4.0, 3.5, 1.5]]
+    assert repulse_losses.rloo_baseline_PK(torch.tensor([[1.0, 2.0, 6.0]])).tolist() == [[4.0, 3.5, 1.5]]
     # returns (1, 3): baselines (3, 1), advantages (-2, 2); mean log-probs (-1, -2): -mean(2, -4) = 1
-    assert float(repulse.reinforce_loss(torch.tensor([[-1.0, -2.0]]), torch.tensor([[1.0, 3.0]]))) == pytest.approx(1.0)
+    loss = repulse_losses.reinforce_loss(torch.tensor([[-1.0, -2.0]]), torch.tensor([[1.0, 3.0]]))
+    assert float(loss) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="--duplicate_rollout_batch_by"):
-        repulse.rloo_baseline_PK(torch.tensor([[1.0]]))
+        repulse_losses.rloo_baseline_PK(torch.tensor([[1.0]]))
 
 
 def test_neg_training_loss_alpha_over_k():
     mean_logp, returns = torch.tensor([[-1.0, -2.0]]), torch.tensor([[1.0, 3.0]])
     w, neg_logp = torch.tensor([[0.25, 0.75]]), torch.tensor([[-3.0, -1.0]])
-    loss, negative = repulse.neg_training_loss(mean_logp, returns, neg_logp, w, alpha=0.5)
+    loss, negative = repulse_losses.neg_training_loss(mean_logp, returns, neg_logp, w, alpha=0.5)
     # the negative term is a mean over P·K = 2 of w·l: (0.25·-3 + 0.75·-1) / 2 = -0.75, i.e. (alpha / K)·sum w·l
     assert float(negative) == pytest.approx(-0.75)
     assert float(loss) == pytest.approx(1.0 + 0.5 * -0.75)
@@ -91,11 +93,11 @@ def test_neg_training_loss_alpha_over_k():
 
 def test_reward_transforms_and_base_as_proposal_weights():
     r = torch.tensor([-1.0, 0.0, 2.0])
-    got = repulse.REWARD_TRANSFORMS["minus_alpha_exp_beta_r"](r, 0.5, -1.0, 0.0)
+    got = repulse_losses.REWARD_TRANSFORMS["minus_alpha_exp_beta_r"](r, 0.5, -1.0, 0.0)
     assert got.tolist() == pytest.approx([-1 - 0.5 * math.e, -0.5, 2 - 0.5 * math.exp(-2)], abs=1e-6)
-    got = repulse.REWARD_TRANSFORMS["minus_alpha_ind"](r, 0.5, -1.0, 0.5)
+    got = repulse_losses.REWARD_TRANSFORMS["minus_alpha_ind"](r, 0.5, -1.0, 0.5)
     assert got.tolist() == pytest.approx([-1.5, -0.5, 2.0])
-    w = repulse.base_as_proposal_weights_PK(torch.tensor([[0.0, math.log(3.0)]]))
+    w = repulse_losses.base_as_proposal_weights_PK(torch.tensor([[0.0, math.log(3.0)]]))
     assert w[0].tolist() == pytest.approx([0.25, 0.75], abs=1e-6)
 
 
@@ -103,18 +105,18 @@ def test_policy_returns_k1_kl():
     logp_old = torch.tensor([[[-1.0, -2.0], [-0.5, -0.5]]])
     ref = torch.tensor([[[-1.5, -1.0], [-0.5, -9.0]]])
     mask = torch.tensor([[[1.0, 1.0], [1.0, 0.0]]])
-    returns, kl = repulse.policy_returns_PK(torch.tensor([[1.0, 2.0]]), logp_old, ref, mask, kl_coef=0.1)
+    returns, kl = repulse_losses.policy_returns_PK(torch.tensor([[1.0, 2.0]]), logp_old, ref, mask, kl_coef=0.1)
     assert kl[0].tolist() == pytest.approx([0.5 - 1.0, 0.0])
     assert returns[0].tolist() == pytest.approx([1.0 + 0.05, 2.0])
 
 
 def test_risk_statistics():
     r = torch.tensor([3.0, -2.0, 0.5, -4.0, 1.0])
-    assert repulse.prob_below(r, 0.0) == pytest.approx(0.4)
-    assert repulse.cvar(r, 0.4) == pytest.approx(-3.0)  # the worst 2 of 5
-    assert repulse.cvar(r, 0.1) == pytest.approx(-4.0)  # at least one sample
+    assert repulse_losses.prob_below(r, 0.0) == pytest.approx(0.4)
+    assert repulse_losses.cvar(r, 0.4) == pytest.approx(-3.0)  # the worst 2 of 5
+    assert repulse_losses.cvar(r, 0.1) == pytest.approx(-4.0)  # at least one sample
     with pytest.raises(ValueError, match="CVaR"):
-        repulse.cvar(r, 0.0)
+        repulse_losses.cvar(r, 0.0)
 
 
 # ---- analytic P(bad) ------------------------------------------------------------------------------

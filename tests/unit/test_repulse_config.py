@@ -7,8 +7,8 @@ from rlhf.config.errors import UsageError
 
 
 def test_repulse_config_checks():
-    from rlhf.config.ppo import BatchConfig, TrainPPOConfig
-    from rlhf.config.repulse import RepulseConfig
+    from rlhf.config.ppo_config import BatchConfig, TrainPPOConfig
+    from rlhf.config.repulse_config import RepulseConfig
 
     repulse_flags = dict(harmlessness_training_loss_type="neg_training", reinforce_baseline_type="expectation",
                          actor_loss_type="ctl", parameterization="policy_psi_q_p_s_t", target_dist_beta=-1.0)
@@ -36,7 +36,7 @@ def test_repulse_config_checks():
         RepulseConfig(do_harmlessness_training=True, **{**repulse_flags, "target_dist_beta": None})
     with pytest.raises(UsageError, match="exists only with --do_harmlessness_training"):
         RepulseConfig(actor_loss_type="ctl", parameterization="policy_psi_q_p_s_t")
-    from rlhf.config.ppo import AlgoConfig, PPOOptimConfig
+    from rlhf.config.ppo_config import AlgoConfig, PPOOptimConfig
 
     with pytest.raises(UsageError, match="does not use --use_kl_loss .*, --dynamic_filtering: drop them"):
         TrainPPOConfig(

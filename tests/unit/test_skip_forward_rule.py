@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlhf.config.ppo import TrainPPOConfig
+from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.trainers.experience import actor_forward_skippable
 from tests.tiny_runs import SMALL
 

@@ -19,7 +19,7 @@ from rlhf.assets import (
     EMBEDDED_SFT_EVAL,
 )
 from rlhf.data.sources import Row, read_rows
-from rlhf.data.supervised import (
+from rlhf.data.supervised_samples import (
     IGNORE_INDEX,
     PairBatch,
     PRMBatch,

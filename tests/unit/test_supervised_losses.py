@@ -13,7 +13,7 @@ from rlhf.algorithms.reward_model import (
     prm_token_losses_N,
     sigmoid_pairwise_loss_B,
 )
-from rlhf.algorithms.sft import assistant_loss_mask_T1, nll_over_global_count
+from rlhf.algorithms.sft_loss import assistant_loss_mask_T1, nll_over_global_count
 
 LN2, LN3 = math.log(2.0), math.log(3.0)
 

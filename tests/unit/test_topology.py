@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlhf.distributed.launch import _first_host, read_launch_env
+from rlhf.distributed.launch_env import _first_host, read_launch_env
 from rlhf.distributed.topology import Placement, Role, plan_ranks
 
 

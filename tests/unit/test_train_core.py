@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from rlhf.core.loop import Loop
+from rlhf.core.state import CheckpointedState
 from rlhf.engines.deepspeed_engine import NonFiniteError
-from rlhf.train.loop import Loop
-from rlhf.train.state import CheckpointedState
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.timers import StageTimer
 

@@ -4,10 +4,10 @@
     torchrun --nproc_per_node N tests/workers/full_experience_forward.py TRAIN_PPO_FLAGS...
 """
 
-import rlhf.trainers.build
+import rlhf.trainers.ppo_build
 from rlhf.cli.train_ppo import main
 
-rlhf.trainers.build.actor_forward_skippable = lambda cfg: False
+rlhf.trainers.ppo_build.actor_forward_skippable = lambda cfg: False
 
 if __name__ == "__main__":
     main()

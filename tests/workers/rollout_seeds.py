@@ -14,15 +14,15 @@ import torch.distributed as dist
 from rlhf.assets import EMBEDDED_MODEL_DIR
 from rlhf.cli.train_ppo import build_rollout_engine, for_this_machine
 from rlhf.config.flags import parse_config
-from rlhf.config.ppo import TrainPPOConfig
+from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.data.prompts import Prompt, PromptSampler
 from rlhf.distributed.collectives import all_gather_rollout
-from rlhf.distributed.launch import init_distributed, read_launch_env
+from rlhf.distributed.launch_env import init_distributed, read_launch_env
 from rlhf.distributed.topology import Topology, plan_ranks
 from rlhf.engines.rollout import SamplingSpec, request_seed
 from rlhf.models.loading import load_tokenizer
-from rlhf.trainers.build import placement_from_config
-from rlhf.trainers.ppo import PPOTrainer
+from rlhf.trainers.ppo_build import placement_from_config
+from rlhf.trainers.ppo_trainer import PPOTrainer
 
 # the same prompt in several rows of one step's batch (and on different engines with 2 engines)
 BATCH_TEXTS = [":", "a b copy 7 :", ":", "x copy 1 :", ":", "a b copy 7 :", "copy 3 :", ":"]

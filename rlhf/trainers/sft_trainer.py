@@ -2,7 +2,7 @@
 cut into micro-batches, next-token NLL summed over target tokens and divided by the target count of the
 whole global batch (OpenRLHF's token-level mean), one optimizer step. Also the held-out NLL.
 
-A `rlhf.train.loop.Job`: the loop, checkpoints and metric reductions are the core's. Knows the model
+A `rlhf.core.loop.Job`: the loop, checkpoints and metric reductions are the core's. Knows the model
 wrapper, the sampler and the batch record; nothing about launchers or flags.
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rlhf.algorithms.sft import nll_over_global_count
-from rlhf.data.supervised import SFTBatch
-from rlhf.models.logprobs import policy_forward
-from rlhf.train.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
-from rlhf.train.metrics import Reduce
-from rlhf.trainers.supervised import MODEL, SupervisedTrainer
+from rlhf.algorithms.sft_loss import nll_over_global_count
+from rlhf.core.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
+from rlhf.core.metrics import Reduce
+from rlhf.data.supervised_samples import SFTBatch
+from rlhf.models.lm_logprobs import policy_forward
+from rlhf.trainers.supervised_trainer import MODEL, SupervisedTrainer
 
 SFT_METRICS = {"gpt_loss": Reduce.SHARE, "aux_loss": Reduce.SHARE, "grad_norm": Reduce.LEAD, "lr": Reduce.LEAD,
                "nonfinite_skipped": Reduce.LEAD}

@@ -5,22 +5,22 @@ token sums over the target tokens divided by their count in the whole global bat
 chunked kernel (`rlhf.kernels.kd_loss_chunked`), so the float32 softmaxes of both models over B x T x V are
 never held at once. The teacher is a colocated frozen role, optionally offloaded outside its forward.
 
-A `rlhf.train.loop.Job`; knows the two model wrappers, the sampler and the SFT record.
+A `rlhf.core.loop.Job`; knows the two model wrappers, the sampler and the SFT record.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rlhf.algorithms.sft import nll_over_global_count
-from rlhf.data.supervised import SFTBatch
+from rlhf.algorithms.sft_loss import nll_over_global_count
+from rlhf.core.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
+from rlhf.core.metrics import Reduce
+from rlhf.data.supervised_samples import SFTBatch
 from rlhf.distributed.topology import Role
 from rlhf.kernels import kd_loss_chunked
-from rlhf.models.logprobs import logprobs_entropy
-from rlhf.train.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
-from rlhf.train.metrics import Reduce
+from rlhf.models.lm_logprobs import logprobs_entropy
 from rlhf.trainers.frozen import Frozen
-from rlhf.trainers.supervised import SupervisedTrainer
+from rlhf.trainers.supervised_trainer import SupervisedTrainer
 
 TEACHER = Role.define("teacher")
 

@@ -13,8 +13,8 @@ from typing import ClassVar
 import torch
 
 from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_REWARD_MODEL_DIR, TINY_DIR
-from rlhf.config.common import PARAM_DTYPES, opt, require
-from rlhf.config.ppo import RewardConfig
+from rlhf.config.ppo_config import RewardConfig
+from rlhf.config.shared_config import PARAM_DTYPES, opt, require
 
 EMBEDDED_GCG_GOALS = str(TINY_DIR / "gcg_goals.csv")
 """Goals and targets in the embedded tiny vocabulary (copy-task prompts whose target is another digit)."""

@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from rlhf.config.ppo import TrainPPOConfig
+from rlhf.config.ppo_config import TrainPPOConfig
+from rlhf.core.role_models import check_model_configs, micro_batcher, model_builder, role_model
 from rlhf.data.pretrain import PtxData, tokenize_texts
 from rlhf.data.prompts import load_texts
 from rlhf.distributed.topology import Placement, Role, Topology
@@ -27,11 +28,10 @@ from rlhf.models.micro_batches import MicroBatcher
 from rlhf.models.value import load_scalar_head_model, stored_reward_norm
 from rlhf.rewards.base import RewardSource
 from rlhf.rewards.models import RewardModelEnsemble
-from rlhf.train.build import check_model_configs, micro_batcher, model_builder, role_model
 from rlhf.trainers.actor import Actor
 from rlhf.trainers.critic import Critic
 from rlhf.trainers.experience import ExperienceMaker, actor_forward_skippable
-from rlhf.trainers.ppo import Roles
+from rlhf.trainers.ppo_trainer import Roles
 
 
 def roles_needed(cfg: TrainPPOConfig) -> tuple[Role, ...]:

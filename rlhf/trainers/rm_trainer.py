@@ -3,7 +3,7 @@ the scalar head read at each sequence's last token, the pairwise loss summed ove
 pairs of the whole global batch. Evaluation gives held-out accuracy and the reward mean/std that the saved
 model stores in its config (OpenRLHF's normalisation, applied with --normalize_reward where it is loaded).
 
-A `rlhf.train.loop.Job`; knows the model wrapper, the sampler and the pair record, not launchers or flags.
+A `rlhf.core.loop.Job`; knows the model wrapper, the sampler and the pair record, not launchers or flags.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import math
 import torch
 
 from rlhf.algorithms.reward_model import PAIRWISE_LOSSES
-from rlhf.data.supervised import PairBatch
+from rlhf.core.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
+from rlhf.core.metrics import Reduce
+from rlhf.core.state import CheckpointedState
+from rlhf.data.supervised_samples import PairBatch
 from rlhf.models.value import last_token_values, save_scalar_head_model, token_values
-from rlhf.train.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
-from rlhf.train.metrics import Reduce
-from rlhf.train.state import CheckpointedState
-from rlhf.trainers.supervised import MODEL, SupervisedTrainer
+from rlhf.trainers.supervised_trainer import MODEL, SupervisedTrainer
 
 RM_METRICS = {**dict.fromkeys(("loss", "acc", "chosen_reward", "reject_reward"), Reduce.SHARE),
               **dict.fromkeys(("grad_norm", "lr", "nonfinite_skipped"), Reduce.LEAD)}

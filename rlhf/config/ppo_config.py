@@ -1,4 +1,4 @@
-"""The config tree of `train_ppo`: the shared sub-configs of `rlhf.config.common` (PPO's variants of
+"""The config tree of `train_ppo`: the shared sub-configs of `rlhf.config.shared_config` (PPO's variants of
 model, optimizer and engine) and the RL ones (rollout, prompts, algorithm, batch, reward, placement).
 
 Each field's metadata names the OpenRLHF flag that sets it (`flag`) and a one-line help text; the
@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_PROMPTS, EMBEDDED_REWARD
-from rlhf.config.common import (
+from rlhf.config.repulse_config import RepulseConfig
+from rlhf.config.shared_config import (
     CheckpointConfig,
     EngineConfig,
     JobConfig,
@@ -26,7 +27,6 @@ from rlhf.config.common import (
     require,
     role_placement,
 )
-from rlhf.config.repulse import RepulseConfig
 
 ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")

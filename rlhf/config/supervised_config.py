@@ -1,5 +1,5 @@
 """The config roots of the supervised jobs (`train_sft`, `train_rm`, `train_prm`, `train_kd`): the shared
-sub-configs of `rlhf.config.common`, a learning rate, a global batch, and each job's dataset columns, with
+sub-configs of `rlhf.config.shared_config`, a learning rate, a global batch, and each job's dataset columns, with
 OpenRLHF v0.9.5's flag names and per-job defaults. Knows nothing of argparse or of training.
 """
 
@@ -20,7 +20,7 @@ from rlhf.assets import (
     EMBEDDED_SFT,
     EMBEDDED_SFT_EVAL,
 )
-from rlhf.config.common import (
+from rlhf.config.shared_config import (
     CheckpointConfig,
     EngineConfig,
     JobConfig,

@@ -16,13 +16,13 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from rlhf.config.common import CheckpointConfig, LoggingConfig, replace_quietly
 from rlhf.config.errors import UsageError, usage_errors_exit
 from rlhf.config.flags import parse_config
-from rlhf.distributed.launch import LaunchEnv, read_launch_env
+from rlhf.config.shared_config import CheckpointConfig, LoggingConfig, replace_quietly
+from rlhf.core.checkpointer import restarted_by_launcher
+from rlhf.distributed.launch_env import LaunchEnv, read_launch_env
 from rlhf.models.loading import resolve_attention
-from rlhf.train.checkpoint import restarted_by_launcher
-from rlhf.utils.checkpoint import check_resume_path
+from rlhf.utils.checkpoint_files import check_resume_path
 from rlhf.utils.console import route_library_output
 from rlhf.utils.logging import MetricsLogger, WandbSettings, check_no_earlier_run
 from rlhf.utils.preemption import PreemptionWatch

@@ -16,7 +16,9 @@ import torch
 
 from rlhf.agents import Agent, TurnLimits, run_episodes
 from rlhf.algorithms.shaping import group_filter
-from rlhf.config.ppo import TrainPPOConfig
+from rlhf.config.ppo_config import TrainPPOConfig
+from rlhf.core.metrics import Reduce, add_update, per_update_means, reduce_metrics
+from rlhf.core.state import CheckpointedState
 from rlhf.data.pretrain import PtxData
 from rlhf.data.prompts import Prompt, PromptSampler
 from rlhf.data.records import Experience, Rollout
@@ -32,8 +34,6 @@ from rlhf.engines.deepspeed_engine import DeepSpeedModel
 from rlhf.engines.rollout import RolloutEngine, SamplingSpec, request_seed, to_rollout
 from rlhf.engines.weight_sync import ParamSpec, broadcast_parameters
 from rlhf.models.micro_batches import MicroBatcher
-from rlhf.train.metrics import Reduce, add_update, per_update_means, reduce_metrics
-from rlhf.train.state import CheckpointedState
 from rlhf.trainers.actor import Actor
 from rlhf.trainers.critic import Critic
 from rlhf.trainers.experience import ExperienceMaker
@@ -85,7 +85,7 @@ class Roles:
 
 
 class PPOTrainer:
-    """One RL step (a `rlhf.train.loop.Job`). Construct on every rank with the same config. `evaluators`:
+    """One RL step (a `rlhf.core.loop.Job`). Construct on every rank with the same config. `evaluators`:
     callables of the trainer run after every fit step (the RePULSe fork's evaluations), each returning
     metrics."""
 

@@ -1,6 +1,6 @@
 """Sub-configs every job shares (model, optimizer, DeepSpeed engine and layout, logging, checkpoints) and
 the field helper `opt`. Frozen keyword-only dataclasses validated on construction; each field's metadata
-names its OpenRLHF flag. A job's root config (`rlhf.config.ppo`, `rlhf.config.supervised`) holds these
+names its OpenRLHF flag. A job's root config (`rlhf.config.ppo_config`, `rlhf.config.supervised_config`) holds these
 next to its own sub-configs, and may give a field another default by passing an instance as the field
 default (e.g. the checkpoint directory per job): the flag parser reads defaults from the root's instances.
 This module knows nothing of argparse or of any job.

@@ -1,5 +1,5 @@
 """Save and resume a job's registered state (`CheckpointedState`) with the file-level machinery of
-`rlhf.utils.checkpoint` (atomic rename, manifest, fallback to the newest intact checkpoint, pruning,
+`rlhf.utils.checkpoint_files` (atomic rename, manifest, fallback to the newest intact checkpoint, pruning,
 metrics truncation). Knows nothing about any job: engines and components arrive by name.
 """
 
@@ -9,9 +9,9 @@ import os
 
 import torch.distributed as dist
 
-from rlhf.config.common import CheckpointConfig
-from rlhf.train.state import CheckpointedState
-from rlhf.utils.checkpoint import (
+from rlhf.config.shared_config import CheckpointConfig
+from rlhf.core.state import CheckpointedState
+from rlhf.utils.checkpoint_files import (
     CheckpointWriter,
     decided_by_rank0,
     load_rank_state,

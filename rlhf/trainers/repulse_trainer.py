@@ -7,7 +7,7 @@ p's are pushed back after the update (one engine, weights swapped: see README "R
 actor's ranks, or on ranks of its own (--proposal_num_gpus_per_node), where its update runs beside p's.
 The baselines are switches of the same step: `--harmlessness_training_loss_type reinforce` (no q),
 `--use_base_as_proposal` (p's own samples are the negatives), `--reward_transform`.
-Per-role math lives in `rlhf.algorithms.repulse`; this module only orders the stages and shards groups.
+Per-role math lives in `rlhf.algorithms.repulse_losses`; this module only orders the stages and shards groups.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf.algorithms import repulse
+from rlhf.algorithms import repulse_losses
+from rlhf.core.accumulate import MicroLoss, optimizer_step, step_metrics
+from rlhf.core.metrics import Reduce, add_update, per_update_means, reduce_metrics
+from rlhf.core.state import CheckpointedState
 from rlhf.data.records import Rollout, TokenBatch
 from rlhf.distributed.collectives import all_gather_rollout, shard
 from rlhf.distributed.topology import Role
-from rlhf.models.logprobs import policy_forward
-from rlhf.train.accumulate import MicroLoss, optimizer_step, step_metrics
-from rlhf.train.metrics import Reduce, add_update, per_update_means, reduce_metrics
-from rlhf.train.state import CheckpointedState
+from rlhf.models.lm_logprobs import policy_forward
 from rlhf.trainers.actor import Actor
-from rlhf.trainers.ppo import PPOTrainer
+from rlhf.trainers.ppo_trainer import PPOTrainer
 
 REPULSE_METRICS = {
     **dict.fromkeys(("ctl_loss", "dpg_loss", "policy_loss", "neg_term"), Reduce.SHARE),
@@ -53,7 +53,7 @@ class GroupSamples(TokenBatch):
 
 
 class RepulseTrainer(PPOTrainer):
-    """One RePULSe step (a `rlhf.train.loop.Job`); construct on every rank with the same config."""
+    """One RePULSe step (a `rlhf.core.loop.Job`); construct on every rank with the same config."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -121,16 +121,16 @@ class RepulseTrainer(PPOTrainer):
         self.records.keep_negatives(batch, raw, "policy", step)
         rewards = raw
         if rp.reward_transform is not None:
-            rewards = repulse.REWARD_TRANSFORMS[rp.reward_transform](raw, rp.transform_alpha, rp.transform_beta,
-                                                                    rp.threshold)
+            transform = repulse_losses.REWARD_TRANSFORMS[rp.reward_transform]
+            rewards = transform(raw, rp.transform_alpha, rp.transform_beta, rp.threshold)
         action = batch.action_mask_BT1
         kl_coef = self.cfg.algo.init_kl_coef
         if ref is not None:
-            returns, kl = repulse.policy_returns_PK(rewards, old, ref, action, kl_coef)
+            returns, kl = repulse_losses.policy_returns_PK(rewards, old, ref, action, kl_coef)
         else:
             returns, kl = rewards.float(), torch.zeros_like(rewards)
         returns_PK = returns.reshape(-1, self.k)
-        advantages = (returns_PK - repulse.rloo_baseline_PK(returns_PK)).reshape(-1)
+        advantages = (returns_PK - repulse_losses.rloo_baseline_PK(returns_PK)).reshape(-1)
         zeros = torch.zeros_like(old)
         beta = rp.target_dist_beta if rp.target_dist_beta is not None else 0.0  # None: no negatives use it
         samples = GroupSamples(batch.sequences_BT, batch.attention_mask_BT, action, advantages, zeros, old,
@@ -150,16 +150,16 @@ class RepulseTrainer(PPOTrainer):
         logq = exp.gather(Role.PROPOSAL, lambda w: self.proposal.logprobs(seq[w], mask[w]), (B, T - 1))
         action = batch.action_mask_BT1
         beta_r = self.rp.target_dist_beta * raw.float()
-        weights = repulse.snis_weights_PK(repulse.masked_sum_PK(logp, action).reshape(-1, self.k),
-                                          beta_r.reshape(-1, self.k),
-                                          repulse.masked_sum_PK(logq, action).reshape(-1, self.k))
+        weights = repulse_losses.snis_weights_PK(repulse_losses.masked_sum_PK(logp, action).reshape(-1, self.k),
+                                                 beta_r.reshape(-1, self.k),
+                                                 repulse_losses.masked_sum_PK(logq, action).reshape(-1, self.k))
         samples = GroupSamples(seq, mask, action, weights.reshape(-1), logq, logp, beta_r)
         ess = 1.0 / float((weights ** 2).sum(-1).mean())  # effective sample size of a group's weights
         return samples, {"q_reward_mean": float(raw.mean()), "q_weights_ess": ess}
 
     def _base_negatives(self, positives: GroupSamples) -> GroupSamples:
         """--use_base_as_proposal: p's samples weighted by softmax over the group of beta·r."""
-        weights = repulse.base_as_proposal_weights_PK(positives.beta_r_B.reshape(-1, self.k)).reshape(-1)
+        weights = repulse_losses.base_as_proposal_weights_PK(positives.beta_r_B.reshape(-1, self.k)).reshape(-1)
         return GroupSamples(positives.sequences_BT, positives.attention_mask_BT, positives.action_mask_BT1, weights,
                             positives.logp_BT1, positives.logp_BT1, positives.beta_r_B)
 
@@ -192,7 +192,7 @@ class RepulseTrainer(PPOTrainer):
             logq, mask = self._mean_logprobs(q, micro)
             P = micro.num_samples // self.k
             shape = (P, self.k, -1)
-            loss = repulse.PROPOSAL_LOSSES[self.rp.actor_loss_type](
+            loss = repulse_losses.PROPOSAL_LOSSES[self.rp.actor_loss_type](
                 logq.reshape(shape), micro.logp_BT1.to(dev).reshape(shape), micro.logq_old_BT1.to(dev).reshape(shape),
                 mask.reshape(shape), micro.beta_r_B.to(dev).reshape(P, self.k))[0]
             share = loss * (micro.num_samples / total)
@@ -216,12 +216,12 @@ class RepulseTrainer(PPOTrainer):
         def micro_loss(item: tuple[str, GroupSamples]) -> MicroLoss:
             kind, micro = item
             logp, mask = self._mean_logprobs(actor, micro)
-            mean_logp = repulse.masked_mean_PK(logp, mask)
+            mean_logp = repulse_losses.masked_mean_PK(logp, mask)
             weights = micro.weights_B.to(self.device)
             if kind == "policy":
-                term = repulse.policy_gradient_terms(mean_logp, weights).sum() / total
+                term = repulse_losses.policy_gradient_terms(mean_logp, weights).sum() / total
                 return MicroLoss(term, {"policy_loss": term})
-            term = repulse.negative_terms(mean_logp, weights).sum() / total
+            term = repulse_losses.negative_terms(mean_logp, weights).sum() / total
             return MicroLoss(alpha * term, {"neg_term": term})
 
         stats: dict[str, float] = {}

@@ -14,23 +14,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlhf.cli.common import begin, check_outputs, for_this_machine, metrics_logger
+from rlhf.cli.entry_point import begin, check_outputs, for_this_machine, metrics_logger
 from rlhf.config.errors import UsageError
+from rlhf.core.checkpointer import Checkpointer
+from rlhf.core.loop import Job, Loop
+from rlhf.core.metrics import Reduce
+from rlhf.core.role_models import check_model_configs, micro_batcher, model_builder, role_model
 from rlhf.data.sampler import DistributedBatchSampler
 from rlhf.data.sources import read_rows
-from rlhf.distributed.launch import init_distributed
+from rlhf.distributed.launch_env import init_distributed
 from rlhf.distributed.topology import Role, Topology
 from rlhf.engines.deepspeed_compat import install_subgroup_patches
 from rlhf.engines.deepspeed_engine import DeepSpeedModel
 from rlhf.models.layout import SequenceLayout
 from rlhf.models.loading import check_liger_kernel, check_local_model, load_tokenizer
 from rlhf.models.micro_batches import MicroBatcher
-from rlhf.train.build import check_model_configs, micro_batcher, model_builder, role_model
-from rlhf.train.checkpoint import Checkpointer
-from rlhf.train.loop import Job, Loop
-from rlhf.train.metrics import Reduce
 from rlhf.trainers.frozen import Answer, Frozen, FrozenLink, FrozenModel, FrozenService, server_rank_of
-from rlhf.trainers.supervised import MODEL
+from rlhf.trainers.supervised_trainer import MODEL
 from rlhf.utils.seeding import seed_everything
 from rlhf.utils.watchdog import Watchdog
 

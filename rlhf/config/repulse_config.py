@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlhf.config.common import opt, require
+from rlhf.config.shared_config import opt, require
 
 LOSS_TYPES = ("neg_training", "reinforce")
 REWARD_TRANSFORMS = ("minus_alpha_exp_beta_r", "minus_alpha_ind")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from rlhf.assets import EMBEDDED_PAIRS, EMBEDDED_PAIRS_EVAL
-from rlhf.config.common import (
+from rlhf.config.shared_config import (
     CheckpointConfig,
     EngineConfig,
     JobConfig,
@@ -22,7 +22,7 @@ from rlhf.config.common import (
     require,
     role_placement,
 )
-from rlhf.config.supervised import (
+from rlhf.config.supervised_config import (
     SUPERVISED_PENDING_FLAGS,
     FormattedDataConfig,
     LearningRateConfig,

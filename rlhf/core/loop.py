@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from rlhf.core.checkpointer import Checkpointer
+from rlhf.core.state import CheckpointedState
 from rlhf.engines.deepspeed_engine import NonFiniteError
-from rlhf.train.checkpoint import Checkpointer
-from rlhf.train.state import CheckpointedState
 from rlhf.utils import watchdog
 from rlhf.utils.logging import MetricsLogger
 from rlhf.utils.preemption import PreemptionWatch

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_PROMPTS, EMBEDDED_REWARD_MODEL_DIR, EMBEDDED_SFT_EVAL
-from rlhf.config.common import JobConfig, opt, require
-from rlhf.config.supervised import DEMO_TEMPLATE, ScalarHeadModelConfig
+from rlhf.config.shared_config import JobConfig, opt, require
+from rlhf.config.supervised_config import DEMO_TEMPLATE, ScalarHeadModelConfig
 
 EVAL_TASKS = ("generate_vllm", "generate", "rm")
 POST_PROCESSORS = ("rs", "csft", "iter_dpo")

@@ -5,7 +5,7 @@ reference's come from a `Frozen` role (colocated, or on its own ranks) in one ph
 policy's forward/backward passes. Every loss and metric is a sum over samples divided by the
 count of the whole global batch, so DP ranks x micro-batches give the global mean whatever the split.
 
-`rlhf.train.loop.Job`s; they know the model wrappers, the sampler and the batch records, not flags.
+`rlhf.core.loop.Job`s; they know the model wrappers, the sampler and the batch records, not flags.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlhf.algorithms.preference import (
+from rlhf.algorithms.preference_losses import (
     dpo_losses_B,
     kto_losses_B,
     kto_reference_point,
@@ -24,13 +24,13 @@ from rlhf.algorithms.preference import (
     response_mask_BT1,
     simpo_losses_B,
 )
-from rlhf.data.supervised import PairBatch, SFTBatch, UnpairedBatch, mismatched
+from rlhf.core.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
+from rlhf.core.metrics import Reduce
+from rlhf.data.supervised_samples import PairBatch, SFTBatch, UnpairedBatch, mismatched
 from rlhf.distributed.topology import Role
-from rlhf.models.logprobs import policy_forward
-from rlhf.train.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
-from rlhf.train.metrics import Reduce
+from rlhf.models.lm_logprobs import policy_forward
 from rlhf.trainers.frozen import Frozen
-from rlhf.trainers.supervised import MODEL, SupervisedTrainer
+from rlhf.trainers.supervised_trainer import MODEL, SupervisedTrainer
 
 REFERENCE = Role.REF
 

@@ -12,12 +12,12 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from rlhf.core.metrics import Reduce, reduce_metrics
+from rlhf.core.state import CheckpointedState
 from rlhf.data.sampler import DistributedBatchSampler
 from rlhf.distributed.topology import Role, Topology
 from rlhf.engines.deepspeed_engine import DeepSpeedModel
 from rlhf.models.micro_batches import MicroBatcher
-from rlhf.train.metrics import Reduce, reduce_metrics
-from rlhf.train.state import CheckpointedState
 from rlhf.utils.timers import StageTimer
 
 MODEL = Role.define("model")

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlhf.config.common import EngineConfig, ModelConfig, OptimConfig
+from rlhf.config.shared_config import EngineConfig, ModelConfig, OptimConfig
 from rlhf.distributed.topology import Role, Topology
 from rlhf.engines.deepspeed_engine import DeepSpeedModel, GroupMPU
 from rlhf.models.layout import SequenceLayout

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from rlhf.algorithms.sft import assistant_loss_mask_T1
+from rlhf.algorithms.sft_loss import assistant_loss_mask_T1
 from rlhf.data.formatting import (
     ChatTemplate,
     as_messages,

@@ -3,7 +3,7 @@
 soft), summed over placeholders and divided by the placeholder count of the whole global batch. Evaluation
 gives held-out loss and step accuracy.
 
-A `rlhf.train.loop.Job`; knows the model wrapper, the sampler and the PRM record, not launchers or flags.
+A `rlhf.core.loop.Job`; knows the model wrapper, the sampler and the PRM record, not launchers or flags.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from rlhf.algorithms.reward_model import IGNORE_INDEX, prm_token_losses_N
-from rlhf.data.supervised import PRMBatch
-from rlhf.train.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
-from rlhf.train.metrics import Reduce
-from rlhf.trainers.supervised import SupervisedTrainer
+from rlhf.core.accumulate import MicroLoss, global_counts, optimizer_step, step_metrics
+from rlhf.core.metrics import Reduce
+from rlhf.data.supervised_samples import PRMBatch
+from rlhf.trainers.supervised_trainer import SupervisedTrainer
 
 PRM_METRICS = {**dict.fromkeys(("prm_loss", "acc"), Reduce.SHARE),
                **dict.fromkeys(("grad_norm", "lr", "nonfinite_skipped"), Reduce.LEAD)}
