@@ -67,19 +67,15 @@ class DistillationTrainer(SupervisedTrainer):
             self.teacher.end()
         return self.reduced(stats)
 
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Held-out token-mean NLL and KD of the student. Collective over the world."""
-        if not self.eval_samples:
-            return {}
-        self.model.eval()
-        batches, counted = self.eval_micro_batches()
-        self.teacher.begin(len(batches))
-        sums = [0.0, 0.0, 0.0]  # NLL sum, KD sum, tokens
-        for b, batch in enumerate(batches):
+    def eval_scores(self, items: list):
+        """NLL sum, KD sum and target tokens of each micro-batch, the teacher answering in one phase."""
+        self.teacher.begin(len(items))
+        for batch in items:
             nll, kd = self._terms(batch, 1.0)  # sums over the micro-batch's targets
-            for i, v in enumerate((float(nll), float(kd), float(batch.loss_mask_BT1.sum())) if b < counted else ()):
-                sums[i] += v
+            yield nll, kd, batch.loss_mask_BT1.sum()
         self.teacher.end()
-        nll, kd, tokens = self.world_sums(sums)
+
+    def eval_metrics(self, totals: list[float]) -> dict[str, float]:
+        """Held-out token-mean NLL and KD of the student."""
+        nll, kd, tokens = totals
         return {"eval_gpt_loss": nll / max(tokens, 1.0), "eval_distil_loss": kd / max(tokens, 1.0)}

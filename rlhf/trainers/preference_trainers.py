@@ -138,24 +138,20 @@ class PairTrainer(PreferenceTrainer):
             stats = step_metrics(self.model, optimizer_step(self.model, list(zip(micro_batches, refs)), micro_loss))
         return self.reduced(stats)
 
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Held-out loss, accuracy (chosen reward > rejected reward), margin and mean rewards. Collective over
-        the world."""
-        if not self.eval_samples:
-            return {}
-        self.model.eval()
+    def eval_batches(self) -> tuple[list, int]:
         batches, counted = self.eval_micro_batches()
-        refs = self._reference(batches)
-        sums = [0.0] * PAIR_EVAL_SUMS[0]  # pairs, loss, correct, margin, chosen reward, rejected reward
-        for b, (batch, ref) in enumerate(zip(batches, refs)):
+        return list(zip(batches, self._reference(batches))), counted
+
+    def eval_scores(self, items: list):
+        """Pairs, loss sum, correct pairs, margin sum, chosen and rejected reward sums of each micro-batch."""
+        for batch, ref in items:
             t = self.pair_terms(batch, ref)
-            if b >= counted:
-                continue
-            for i, v in enumerate((batch.num_samples, t.logged_B["loss"].sum(), (t.chosen_B > t.rejected_B).sum(),
-                                   (t.chosen_B - t.rejected_B).sum(), t.chosen_B.sum(), t.rejected_B.sum())):
-                sums[i] += float(v)
-        pairs, loss, correct, margin, chosen, rejected = self.world_sums(sums)
+            yield (batch.num_samples, t.logged_B["loss"].sum(), (t.chosen_B > t.rejected_B).sum(),
+                   (t.chosen_B - t.rejected_B).sum(), t.chosen_B.sum(), t.rejected_B.sum())
+
+    def eval_metrics(self, totals: list[float]) -> dict[str, float]:
+        """Held-out loss, accuracy (chosen reward > rejected reward), margin and mean rewards."""
+        pairs, loss, correct, margin, chosen, rejected = totals
         pairs = max(pairs, 1.0)
         return {"eval_loss": loss / pairs, "eval_acc": correct / pairs, "eval_margin": margin / pairs,
                 "eval_chosen_reward": chosen / pairs, "eval_reject_reward": rejected / pairs}
@@ -319,33 +315,33 @@ class KTOTrainer(PreferenceTrainer):
                 units.append([s])
         return [s for unit in units[rank::dp] for s in unit]
 
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Held-out KTO loss (with the held-out reference point), mean rewards of desirable and undesirable
-        samples, and, for samples that came from preference pairs, the pair accuracy (the chosen response's
-        reward above the rejected one's). Collective over the world."""
-        if not self.eval_samples:
-            return {}
-        self.model.eval()
-        batches, counted, refs, z0 = self._phase(self._eval_share(), evaluation=True)
-        sums = [0.0] * 8  # samples, loss, desirable, their reward, undesirable, their reward, pairs, correct
-        chosen, rejected = {}, {}  # pair -> reward (a pair may straddle micro-batches)
-        for b, (batch, ref) in enumerate(zip(batches, refs)):
-            loss_B, reward_B = self._terms(batch, ref, z0)
-            if b >= counted:
-                continue
+    def eval_batches(self) -> tuple[list, int]:
+        batches, counted, refs, self._eval_z0 = self._phase(self._eval_share(), evaluation=True)
+        return list(zip(batches, refs)), counted
+
+    def eval_scores(self, items: list):
+        """Samples, loss sum, desirable samples and their reward sum, undesirable ones and theirs, and the
+        preference pairs completed by the micro-batch (a pair may straddle micro-batches) with how many of
+        them rank the chosen response's reward above the rejected one's."""
+        halves: dict[int, dict[bool, float]] = {}  # pair -> desirable? -> reward
+        for batch, ref in items:
+            loss_B, reward_B = self._terms(batch, ref, self._eval_z0)
             d = batch.desirable_B.to(reward_B.device)
+            pairs = correct = 0
             for pair, good, r in zip(batch.pair_B.tolist(), d.tolist(), reward_B.tolist()):
                 if pair >= 0:
-                    (chosen if good else rejected)[pair] = r
-            for i, v in enumerate((batch.num_samples, loss_B.sum(), d.sum(), torch.where(d, reward_B, 0.0).sum(),
-                                   (~d).sum(), torch.where(d, 0.0, reward_B).sum())):
-                sums[i] += float(v)
-        both = chosen.keys() & rejected.keys()
-        sums[6], sums[7] = len(both), sum(chosen[p] > rejected[p] for p in both)
-        n, loss, n_d, r_d, n_u, r_u, pairs, correct = self.world_sums(sums)
-        out = {"eval_loss": loss / max(n, 1.0), "eval_kl": float(z0), "eval_chosen_reward": r_d / max(n_d, 1.0),
-               "eval_reject_reward": r_u / max(n_u, 1.0)}
+                    halves.setdefault(pair, {})[good] = r
+                    if len(halves[pair]) == 2:
+                        pairs, correct = pairs + 1, correct + (halves[pair][True] > halves[pair][False])
+            yield (batch.num_samples, loss_B.sum(), d.sum(), torch.where(d, reward_B, 0.0).sum(), (~d).sum(),
+                   torch.where(d, 0.0, reward_B).sum(), pairs, correct)
+
+    def eval_metrics(self, totals: list[float]) -> dict[str, float]:
+        """Held-out KTO loss (with the held-out reference point), mean rewards of desirable and undesirable
+        samples, and, for samples that came from preference pairs, the pair accuracy."""
+        n, loss, n_d, r_d, n_u, r_u, pairs, correct = totals
+        out = {"eval_loss": loss / max(n, 1.0), "eval_kl": float(self._eval_z0),
+               "eval_chosen_reward": r_d / max(n_d, 1.0), "eval_reject_reward": r_u / max(n_u, 1.0)}
         if pairs:
             out["eval_acc"] = correct / pairs
         return out

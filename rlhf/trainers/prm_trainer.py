@@ -64,17 +64,13 @@ class ProcessRewardTrainer(SupervisedTrainer):
             stats = step_metrics(self.model, optimizer_step(self.model, micro_batches, micro_loss))
         return self.reduced(stats)
 
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Held-out loss and accuracy per labelled placeholder. Collective over the world."""
-        if not self.eval_samples:
-            return {}
-        self.model.eval()
-        sums = [0.0, 0.0, 0.0]  # loss, correct, counted
-        batches, counted = self.eval_micro_batches()
-        for b, batch in enumerate(batches):
+    def eval_scores(self, items: list):
+        """Loss sum, correct and labelled placeholders of each micro-batch."""
+        for batch in items:
             loss_N, counted_N, correct_N = self._losses(batch)
-            for i, v in enumerate((loss_N.sum(), correct_N.sum(), counted_N.sum()) if b < counted else ()):
-                sums[i] += float(v)
-        loss, correct, counted = self.world_sums(sums)
+            yield loss_N.sum(), correct_N.sum(), counted_N.sum()
+
+    def eval_metrics(self, totals: list[float]) -> dict[str, float]:
+        """Held-out loss and accuracy per labelled placeholder."""
+        loss, correct, counted = totals
         return {"eval_prm_loss": loss / max(counted, 1.0), "eval_acc": correct / max(counted, 1.0)}

@@ -78,24 +78,18 @@ class RewardModelTrainer(SupervisedTrainer):
             stats = step_metrics(self.model, optimizer_step(self.model, micro_batches, micro_loss))
         return self.reduced(stats)
 
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Held-out loss, accuracy and reward mean/std (over chosen and rejected rewards, as OpenRLHF; the std
-        with Bessel's correction). Collective over the world."""
-        if not self.eval_samples:
-            return {}
-        self.model.eval()
-        sums = [0.0] * 5  # pairs, loss, correct, reward sum, reward square sum
-        batches, counted = self.eval_micro_batches()
-        for b, batch in enumerate(batches):
+    def eval_scores(self, items: list):
+        """Pairs, loss sum, correct pairs, and the sum and square sum of the chosen and rejected rewards."""
+        for batch in items:
             chosen, rejected, margin = self._rewards(batch)
-            if b >= counted:
-                continue
             both = torch.cat([chosen, rejected]).double()
-            for i, v in enumerate((batch.num_samples, float(self.loss_fn(chosen, rejected, margin).sum()),
-                                   float((chosen > rejected).sum()), float(both.sum()), float((both * both).sum()))):
-                sums[i] += v
-        pairs, loss, correct, total, squares = self.world_sums(sums)
+            yield (batch.num_samples, self.loss_fn(chosen, rejected, margin).sum(), (chosen > rejected).sum(),
+                   both.sum(), (both * both).sum())
+
+    def eval_metrics(self, totals: list[float]) -> dict[str, float]:
+        """Held-out loss, accuracy and reward mean/std (over chosen and rejected rewards, as OpenRLHF; the std
+        with Bessel's correction), which the saved model keeps."""
+        pairs, loss, correct, total, squares = totals
         n = 2 * pairs
         mean = total / n
         std = max(math.sqrt(max(squares - n * mean * mean, 0.0) / max(n - 1, 1)), 1e-8)

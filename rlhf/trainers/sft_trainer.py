@@ -8,7 +8,6 @@ wrapper, the sampler and the batch record; nothing about launchers or flags.
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from rlhf.algorithms.sft_loss import nll_over_global_count
@@ -54,20 +53,15 @@ class SFTTrainer(SupervisedTrainer):
             stats = step_metrics(self.model, optimizer_step(self.model, micro_batches, micro_loss))
         return self.reduced(stats)
 
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Token-mean NLL of the held-out samples (each DP replica scores its share). Collective over the world."""
-        if not self.eval_samples:
-            return {}
-        self.model.eval()
-        nll_sum = count = 0.0
-        batches, counted = self.eval_micro_batches()
-        for i, micro in enumerate(batches):
+    def eval_scores(self, items: list[SFTBatch]):
+        """Held-out NLL sum and target-token count of each micro-batch."""
+        for micro in items:
             out = policy_forward(self.model.engine, micro.input_ids_BT.to(self.device),
                                  micro.attention_mask_BT.to(self.device), layout=self.batcher.layout)
             mask = micro.loss_mask_BT1.to(self.device)
-            if i < counted:
-                nll_sum += float(-(out.logprobs_BT1 * mask).sum())
-                count += float(mask.sum())
-        nll_sum, count = self.world_sums([nll_sum, count])
+            yield -(out.logprobs_BT1 * mask).sum(), mask.sum()
+
+    def eval_metrics(self, totals: list[float]) -> dict[str, float]:
+        """Token-mean NLL of the held-out samples."""
+        nll_sum, count = totals
         return {"eval_gpt_loss": nll_sum / max(count, 1.0)}

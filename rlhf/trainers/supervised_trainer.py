@@ -1,12 +1,14 @@
 """What the supervised steps (SFT, reward model, process reward model, distillation) share: this rank's
 micro-batches of the sampler's next global batch, its share of the held-out samples, sums over the world
 for evaluation, the declared metric reduction and the checkpointed state (model, sampler, HF export).
-A subclass supplies the batch record, the metric table, `step` and `evaluate`.
+the held-out evaluation loop. A subclass supplies the batch record, the metric table, `step`, and for the
+evaluation how one micro-batch is scored (`eval_scores`) and what the world's sums mean (`eval_metrics`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
 import torch
@@ -71,6 +73,37 @@ class SupervisedTrainer:
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
         filler = batches[-1] if batches else self.micro_batches(fallback or self.eval_samples[:1], fixed, batch_type)[0]
         return batches + [filler] * (int(most) - len(batches)), len(batches)
+
+    def eval_batches(self) -> tuple[list, int]:
+        """(items, how many of them count) for `eval_scores`: this replica's held-out micro-batches padded to the
+        most any replica has (`eval_micro_batches`); a job whose scoring needs more per micro-batch (a frozen
+        model's log-probs) pairs them here."""
+        return self.eval_micro_batches()
+
+    def eval_scores(self, items: list) -> Iterator[Sequence[float | torch.Tensor]]:
+        """One tuple of sums per item, in order, for every item (at ZeRO-3 each forward is a collective, so
+        the padding items run too; the loop drops their sums)."""
+        raise NotImplementedError
+
+    def eval_metrics(self, totals: list[float]) -> dict[str, float]:
+        """The held-out metrics from `eval_scores`' sums added over the data-parallel replicas."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """The held-out evaluation of every supervised and preference job: each replica scores its share,
+        the sums of the items that count are added over the world, `eval_metrics` reads them. Collective over
+        the world."""
+        if not self.eval_samples:
+            return {}
+        self.model.eval()
+        items, counted = self.eval_batches()
+        totals: list[float] = []
+        for i, scores in enumerate(self.eval_scores(items)):
+            totals = totals or [0.0] * len(scores)
+            if i < counted:
+                totals = [total + float(v) for total, v in zip(totals, scores)]
+        return self.eval_metrics(self.world_sums(totals))
 
     def world_sums(self, sums: list[float]) -> list[float]:
         """`sums` added over the data-parallel replicas (the ranks of a ring hold the same samples: one counts).
