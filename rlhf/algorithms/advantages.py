@@ -46,10 +46,6 @@ class Estimator:
     needs_critic: bool = False
     gamma_one: bool = True
 
-    @property
-    def needs_groups(self) -> bool:
-        return self.group_step is not None
-
 
 ESTIMATORS: dict[str, Estimator] = {
     "gae": Estimator(None, whiten=True, needs_critic=True, gamma_one=False),

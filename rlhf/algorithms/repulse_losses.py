@@ -94,17 +94,6 @@ def reinforce_loss(mean_logp_PK: torch.Tensor, returns_PK: torch.Tensor) -> torc
     return policy_gradient_terms(mean_logp_PK, returns_PK - rloo_baseline_PK(returns_PK)).mean()
 
 
-def neg_training_loss(mean_logp_PK: torch.Tensor, returns_PK: torch.Tensor, neg_mean_logp_PK: torch.Tensor,
-                      neg_weights_PK: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The policy's update (`--harmlessness_training_loss_type neg_training`): REINFORCE with the RLOO
-    baseline on p-samples plus alpha · mean over P·K of [w · mean_t log p(s~)] on the proposal's samples
-    s~ (pushing down the likelihood of what sigma weights). The mean over P·K of SNIS weights that sum to 1
-    per prompt gives that term an effective weight alpha / K; kept so the published alpha values carry over.
-    Returns (loss, the negative term alone)."""
-    negative = negative_terms(neg_mean_logp_PK, neg_weights_PK).mean()
-    return reinforce_loss(mean_logp_PK, returns_PK) + alpha * negative, negative.detach()
-
-
 def base_as_proposal_weights_PK(beta_r_PK: torch.Tensor) -> torch.Tensor:
     """`--use_base_as_proposal`: the p-samples are the negatives, weighted by softmax over K of beta·r
     (q = p, so the importance ratio p/q is 1)."""

@@ -47,9 +47,6 @@ class DistributedBatchSampler:
         """Samples of each global batch on one rank."""
         return self.global_batch_size // self.dp_size
 
-    def epoch_of(self, step: int) -> int:
-        return step // self.steps_per_epoch
-
     def _permutation(self, epoch: int) -> list[int]:
         if self._order is None or self._order[0] != epoch:
             if self.shuffle:

@@ -115,10 +115,6 @@ class LoadReport:
     def skip(self, reason: str, where: str) -> None:
         self.skipped.setdefault(reason, []).append(where)
 
-    @property
-    def num_skipped(self) -> int:
-        return sum(len(w) for w in self.skipped.values())
-
     def summary(self) -> str:
         text = f"{self.num_samples} {self.what} from {self.num_rows} rows"
         if self.num_truncated:

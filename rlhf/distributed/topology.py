@@ -159,8 +159,6 @@ class Topology:
         for role in Role:
             if role in self.plan:
                 self._groups[role] = dist.new_group(list(self.plan[role]))
-        self._engine_groups = [dist.new_group(list(range(s, s + rollout_tp)))
-                               for s in range(0, self.world_size, rollout_tp)]
         # --async_train: the ranks that train (every role but ROLLOUT) collect experience among themselves
         generating = self.plan.get(Role.ROLLOUT, tuple(range(self.world_size)))
         self.training_ranks = tuple(r for r in range(self.world_size) if r not in generating) or generating
@@ -244,7 +242,3 @@ class Topology:
     def engine_rank(self) -> int:
         """This rank's position inside its rollout engine's TP group."""
         return self.rank % self.rollout_tp
-
-    @property
-    def engine_group(self) -> dist.ProcessGroup:
-        return self._engine_groups[self.engine_index]

@@ -55,11 +55,3 @@ def log_p_bad(first_V: torch.Tensor, second_VV: torch.Tensor, bad_ids: Sequence[
         terms.append(first_V[continues] + torch.logsumexp(second_VV[continues][:, bad], dim=-1))
     return torch.logsumexp(torch.cat(terms), dim=0)
 
-
-def analytic_log_p_bad(model: torch.nn.Module, prompt_ids: Sequence[int], bad_ids: Sequence[int],
-                       eos_token_id: int | None = None, temperature: float = 1.0, layout=None) -> float:
-    """Exact log P(bad) of the model's 2-token responses to one prompt (see the module docstring)."""
-    device = next(model.parameters()).device
-    first = next_token_logprobs_V(model, torch.tensor([list(prompt_ids)], device=device), temperature, layout)[0]
-    second = second_token_logprobs_VV(model, prompt_ids, first.shape[0], temperature, layout=layout)
-    return float(log_p_bad(first, second, bad_ids, eos_token_id))

@@ -51,9 +51,3 @@ def policy_forward(model: torch.nn.Module, sequences_BT: torch.Tensor, attention
     else:
         logprobs = token_logprobs(logits, laid.targets)
     return PolicyOutput(laid.to_padded(logprobs)[:, :-1], entropy_BT1, getattr(out, "aux_loss", None))
-
-
-def sequence_logprobs(model: torch.nn.Module, sequences_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
-                      temperature: float = 1.0) -> torch.Tensor:
-    """float32 [B, T-1]: log p(sequences[:, t+1] | sequences[:, :t+1]) under logits / temperature."""
-    return policy_forward(model, sequences_BT, attention_mask_BT, temperature).logprobs_BT1

@@ -15,9 +15,9 @@ from tests.tiny_lora import FP32, lora_role
 
 def _merged_log_probs_and_values(merged_actor: dict, merged_critic: dict, exp) -> tuple[torch.Tensor, torch.Tensor]:
     """What plain (unadapted) models loaded with the merged weights give on the experience's sequences."""
-    from rlhf.models.lm_logprobs import sequence_logprobs
     from rlhf.models.loading import load_causal_lm
     from rlhf.models.value import load_scalar_head_model, token_values
+    from tests.references import sequence_logprobs
 
     lm = load_causal_lm(EMBEDDED_MODEL_DIR, FP32, "sdpa")
     lm.load_state_dict(merged_actor, strict=True)
@@ -87,8 +87,8 @@ def test_merged_weights_checkpoints_and_resume_on_zero3(tmp_path):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from rlhf.cli.lora_combiner import main
-    from rlhf.models.lm_logprobs import sequence_logprobs
     from rlhf.models.value import last_token_values
+    from tests.references import sequence_logprobs
 
     results = run_on_ranks(2, engine_round_trip, str(tmp_path))
     r = results[0]

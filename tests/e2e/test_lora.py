@@ -36,7 +36,7 @@ def test_sft_with_lora_learns_and_saves_adapters(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from rlhf.cli.lora_combiner import main
-    from rlhf.models.lm_logprobs import sequence_logprobs
+    from tests.references import sequence_logprobs
 
     ckpt = tmp_path / "ckpt"
     rows, _ = _sft(tmp_path / "straight", "--save_steps", "16", "--ckpt_path", str(ckpt))

@@ -16,9 +16,9 @@ from tests.tiny_lora import lora_batch
 
 def test_qlora_trains_adapters_on_a_4bit_base_and_merges():
     pytest.importorskip("bitsandbytes")
-    from rlhf.models.lm_logprobs import sequence_logprobs
     from rlhf.models.loading import load_causal_lm
     from rlhf.models.lora import apply_lora, check_lora, is_quantized, merged_parameters
+    from tests.references import sequence_logprobs
 
     cfg = LoRAConfig(lora_rank=8, lora_alpha=16, load_in_4bit=True)
     check_lora(cfg)

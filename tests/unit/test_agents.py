@@ -224,7 +224,7 @@ def test_every_estimator_credits_every_turn(name):
         for a, b in spans:
             mask[row, a:b] = 1
     scores = torch.tensor([1.0, 0.0, 0.5, 2.0])
-    if est.needs_groups:
+    if est.group_step is not None:
         scores = est.group_step(scores.reshape(2, 2)).reshape(-1)
     gamma = 1.0 if est.gamma_one else 0.9
     values = torch.randn(4, 12)

@@ -91,7 +91,7 @@ def test_combiner_writes_a_plain_causal_lm(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from rlhf.cli.lora_combiner import main
-    from rlhf.models.lm_logprobs import sequence_logprobs
+    from tests.references import sequence_logprobs
 
     adapted = _adapter("actor", tmp_path / "adapter")
     main(["--model_path", EMBEDDED_MODEL_DIR, "--lora_path", str(tmp_path / "adapter"), "--output_path",

@@ -84,7 +84,9 @@ def test_rloo_baseline_and_reinforce_by_hand():
 def test_neg_training_loss_alpha_over_k():
     mean_logp, returns = torch.tensor([[-1.0, -2.0]]), torch.tensor([[1.0, 3.0]])
     w, neg_logp = torch.tensor([[0.25, 0.75]]), torch.tensor([[-3.0, -1.0]])
-    loss, negative = repulse_losses.neg_training_loss(mean_logp, returns, neg_logp, w, alpha=0.5)
+    # the policy's update under --harmlessness_training_loss_type neg_training, as the trainer sums it
+    negative = repulse_losses.negative_terms(neg_logp, w).sum() / w.numel()
+    loss = repulse_losses.reinforce_loss(mean_logp, returns) + 0.5 * negative
     # the negative term is a mean over P·K = 2 of w·l: (0.25·-3 + 0.75·-1) / 2 = -0.75, i.e. (alpha / K)·sum w·l
     assert float(negative) == pytest.approx(-0.75)
     assert float(loss) == pytest.approx(1.0 + 0.5 * -0.75)
@@ -136,17 +138,17 @@ def test_analytic_p_bad_matches_monte_carlo():
     """100k ancestral samples of 2-token responses from the embedded tiny policy: the Monte-Carlo fraction
     with a bad token lies within 4 standard errors (sqrt(p(1-p)/n) ~ 1e-3) of the exact value."""
     from rlhf.assets import EMBEDDED_MODEL_DIR
-    from rlhf.evaluation.bad_outputs import analytic_log_p_bad, next_token_logprobs_V, second_token_logprobs_VV
+    from rlhf.evaluation.bad_outputs import log_p_bad, next_token_logprobs_V, second_token_logprobs_VV
     from rlhf.models.loading import load_causal_lm
 
     model = load_causal_lm(EMBEDDED_MODEL_DIR, torch.float32, "sdpa").eval()
     prompt, bad, eos, temperature = [2, 35, 4, 14, 5], [41, 42, 43], 3, 1.5
-    exact = math.exp(analytic_log_p_bad(model, prompt, bad, eos_token_id=eos, temperature=temperature))
+    first_V = next_token_logprobs_V(model, torch.tensor([prompt]), temperature)[0]
+    second_VV = second_token_logprobs_VV(model, prompt, first_V.shape[0], temperature)
+    exact = math.exp(float(log_p_bad(first_V, second_VV, bad, eos_token_id=eos)))
 
     n = 100_000
     g = torch.Generator().manual_seed(0)
-    first_V = next_token_logprobs_V(model, torch.tensor([prompt]), temperature)[0]
-    second_VV = second_token_logprobs_VV(model, prompt, first_V.shape[0], temperature)
     a = torch.multinomial(first_V.exp(), n, replacement=True, generator=g)
     b = torch.multinomial(second_VV.exp()[a], 1, generator=g)[:, 0]
     bad_t = torch.tensor(bad)

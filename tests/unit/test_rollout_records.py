@@ -6,8 +6,8 @@ import torch
 from rlhf.assets import EMBEDDED_MODEL_DIR
 from rlhf.engines.hf_engine import HFGenerateEngine
 from rlhf.engines.rollout import Generation, SamplingSpec, to_rollout
-from rlhf.models.lm_logprobs import sequence_logprobs
 from rlhf.models.loading import load_causal_lm, load_tokenizer
+from tests.references import sequence_logprobs
 
 
 class _Tok:

@@ -31,7 +31,6 @@ def test_shares_are_disjoint_equal_and_make_the_global_batch(num_samples, global
 def test_epochs_reshuffle_deterministically():
     sampler = DistributedBatchSampler(12, 4, 2, 0, seed=3)
     assert sampler.steps_per_epoch == 3
-    assert [sampler.epoch_of(s) for s in (0, 2, 3, 5, 6)] == [0, 0, 1, 1, 2]
     epoch0 = sum((sampler.global_batch(s) for s in range(3)), [])
     epoch1 = sum((sampler.global_batch(s) for s in range(3, 6)), [])
     assert sorted(epoch0) == sorted(epoch1) == list(range(12)) and epoch0 != epoch1

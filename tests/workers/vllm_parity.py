@@ -17,8 +17,8 @@ from rlhf.assets import EMBEDDED_MODEL_DIR, TINY_DIR
 from rlhf.distributed.launch_env import init_distributed, read_launch_env
 from rlhf.engines.rollout import SamplingSpec, to_rollout
 from rlhf.engines.vllm_engine import VLLMEngine
-from rlhf.models.lm_logprobs import sequence_logprobs
 from rlhf.models.loading import load_causal_lm, load_tokenizer
+from tests.references import sequence_logprobs
 from tests.tiny_actor import build_actor, synthetic_experiences
 
 
