@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.agents import load_agent
+from rlhf.agents.interface import Agent
 from rlhf.cli.entry_point import begin, check_outputs, for_this_machine, main_for, metrics_logger
 from rlhf.config.errors import UsageError
 from rlhf.config.ppo_config import TrainPPOConfig
@@ -174,8 +175,7 @@ def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ())
     log = cfg.logging
     logger = metrics_logger(cfg, steps, is_writer, "rl steps", {"reward": "reward_mean"})
     trainer, eval_every = build_trainer(cfg, topology, roles, engine, sampler, tokenizer, device, steps,
-                                        eval_prompts)
-    trainer.agent = agent
+                                        eval_prompts, agent)
     checkpointer = Checkpointer(cfg.checkpoint, default_ckpt_path=TrainPPOConfig().checkpoint.ckpt_path,
                                 rank=launch.rank, world_size=launch.world_size, logger=logger)
     loop = Loop(steps, log.logging_steps, cfg.save_steps, eval_every, logger, checkpointer, launch.rank)
@@ -222,7 +222,7 @@ def load_eval_prompts(cfg: TrainPPOConfig, tokenizer) -> dict[str, list[Prompt]]
 
 
 def build_trainer(cfg: TrainPPOConfig, topology: Topology, roles: Roles, engine, sampler: PromptSampler, tokenizer,
-                  device: torch.device, steps: int, eval_prompts: dict[str, list[Prompt]]
+                  device: torch.device, steps: int, eval_prompts: dict[str, list[Prompt]], agent: Agent | None
                   ) -> tuple[PPOTrainer, int | None]:
     """PPO's trainer, or RePULSe's, with its evaluators (--eval_dataset every --eval_steps; the RePULSe fork's
     after every fit step); and how often the loop asks it to evaluate (None: never)."""
@@ -251,8 +251,8 @@ def build_trainer(cfg: TrainPPOConfig, topology: Topology, roles: Roles, engine,
     trainer_cls = PPOTrainer
     if rp.do_harmlessness_training:
         from rlhf.trainers.repulse_trainer import RepulseTrainer as trainer_cls
-    trainer = trainer_cls(cfg, topology, roles, engine, sampler, tokenizer, device, evaluators=evaluators)
-    trainer.total_steps = steps
+    trainer = trainer_cls(cfg, topology, roles, engine, sampler, tokenizer, device, evaluators=evaluators,
+                          agent=agent)
     return trainer, math.gcd(*(e.period for e in evaluators)) if evaluators else None
 
 

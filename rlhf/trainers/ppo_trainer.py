@@ -90,7 +90,8 @@ class PPOTrainer:
     metrics."""
 
     def __init__(self, cfg: TrainPPOConfig, topology: Topology, roles: Roles, engine: RolloutEngine,
-                 sampler: PromptSampler, tokenizer, device: torch.device, evaluators=()) -> None:
+                 sampler: PromptSampler, tokenizer, device: torch.device, evaluators=(),
+                 agent: Agent | None = None) -> None:
         self.cfg, self.topology, self.roles, self.engine = cfg, topology, roles, engine
         self.sampler, self.tokenizer, self.device = sampler, tokenizer, device
         self.timer = StageTimer()
@@ -98,8 +99,8 @@ class PPOTrainer:
         self.records = RunRecords(cfg, topology.rank == 0)
         self.rm_max_len = cfg.repulse.rm_max_len
         self.steps_done = 0  # steps finished when `evaluate` runs
-        self.agent: Agent | None = None  # --agent_func_path: samples are multi-turn episodes (set by the CLI)
-        self.total_steps: int | None = None  # set by the CLI: the last step evaluates every evaluator
+        self.agent = agent  # --agent_func_path: samples are multi-turn episodes
+        self.total_steps = total_steps(cfg, sampler)  # the last step evaluates every evaluator
         self._queue: collections.deque[Rollout] = collections.deque()  # --async_train: batches ahead of training
         self._next_generated: int | None = None  # --async_train: the step whose batch is generated next
 
@@ -176,7 +177,7 @@ class PPOTrainer:
         correction: --enable_vllm_is_correction). A started or resumed run first fills the queue with batches of
         the current weights. Collective over the world."""
         self.steps_done = step + 1
-        ahead, last = self.cfg.rollout.async_queue_size, self.total_steps or 1 << 62
+        ahead, last = self.cfg.rollout.async_queue_size, self.total_steps
         if self._next_generated is None:
             self._next_generated = step
         while self._next_generated < min(step + ahead, last):  # filling the queue: nothing to overlap with yet
