@@ -251,6 +251,8 @@ def build_trainer(cfg: TrainPPOConfig, topology: Topology, roles: Roles, engine,
     trainer_cls = PPOTrainer
     if rp.do_harmlessness_training:
         from rlhf.trainers.repulse_trainer import RepulseTrainer as trainer_cls
+    elif cfg.rollout.async_train:  # refused together with RePULSe (TrainPPOConfig._check_async)
+        from rlhf.trainers.async_ppo_trainer import AsyncPPOTrainer as trainer_cls
     trainer = trainer_cls(cfg, topology, roles, engine, sampler, tokenizer, device, evaluators=evaluators,
                           agent=agent)
     return trainer, math.gcd(*(e.period for e in evaluators)) if evaluators else None

@@ -24,7 +24,6 @@ from rlhf.data.prompts import Prompt, PromptSampler
 from rlhf.data.records import Experience, Rollout
 from rlhf.distributed.collectives import (
     all_gather_rollout,
-    broadcast_rollout,
     concat_rollouts,
     select_rollout,
     shard,
@@ -101,8 +100,6 @@ class PPOTrainer:
         self.steps_done = 0  # steps finished when `evaluate` runs
         self.agent = agent  # --agent_func_path: samples are multi-turn episodes
         self.total_steps = total_steps(cfg, sampler)  # the last step evaluates every evaluator
-        self._queue: collections.deque[Rollout] = collections.deque()  # --async_train: batches ahead of training
-        self._next_generated: int | None = None  # --async_train: the step whose batch is generated next
 
     @property
     def samples_drawn(self) -> int:
@@ -140,8 +137,6 @@ class PPOTrainer:
 
     def step(self, step: int) -> dict[str, float]:
         """One RL step. Hybrid-engine transitions (sleep/offload) all happen here, around the stages."""
-        if self.cfg.rollout.async_train:
-            return self._async_step(step)
         self.steps_done = step + 1
         pad = self.tokenizer.pad_token_id
         with self.timer.stage("generation"):
@@ -169,43 +164,6 @@ class PPOTrainer:
             metrics["samples_drawn"] = float(self.samples_drawn)
         return metrics
 
-    def _async_step(self, step: int) -> dict[str, float]:
-        """--async_train: the generation ranks sample the batch of step + --async_queue_size with the weights their
-        engines hold while the training ranks make experience from the oldest queued batch (this step's) and
-        train on it. At the end of the step the new batch joins the queue and the new weights reach the
-        generation ranks, so a batch is trained on up to --async_queue_size updates after its weights (the
-        correction: --enable_vllm_is_correction). A started or resumed run first fills the queue with batches of
-        the current weights. Collective over the world."""
-        self.steps_done = step + 1
-        ahead, last = self.cfg.rollout.async_queue_size, self.total_steps
-        if self._next_generated is None:
-            self._next_generated = step
-        while self._next_generated < min(step + ahead, last):  # filling the queue: nothing to overlap with yet
-            with self.timer.stage("generation"):
-                self._enqueue(self.generate(self._next_generated) if self.topology.generates else None)
-        overlapped = step + ahead < last
-        metrics: dict[str, float] = {}
-        if self.topology.generates:  # the engine samples ahead while the other ranks train
-            with self.timer.stage("generation"):
-                local = self.generate(step + ahead) if overlapped else None
-            metrics.update(self.train(None, step, False))  # the training ranks' metric reduction (world)
-        else:
-            batch = self._queue.popleft()
-            with self.timer.stage("experience"):
-                experience, metrics = self._experience(batch)
-            self.records.samples_drawn += batch.num_samples
-            with self.timer.stage("train"):
-                metrics.update(self._train_stage(experience, step, step >= self.cfg.algo.freezing_actor_steps))
-            local = None
-        with self.timer.stage("wait_rollout"):  # training ranks: how long the generation ranks kept them waiting
-            if overlapped:
-                self._enqueue(local)
-        with self.timer.stage("weight_sync"):
-            if step >= self.cfg.algo.freezing_actor_steps:
-                self.sync_weights()
-        metrics["async_queue"] = float(len(self._queue)) if not self.topology.generates else 0.0
-        return metrics
-
     def _experience(self, batch: Rollout) -> tuple[Experience, dict[str, float]]:
         """The global batch's experience and metrics; with --ref_reward_offload the frozen models are on the
         device only meanwhile."""
@@ -223,16 +181,6 @@ class PPOTrainer:
         metrics = self.train(experience, step, train_actor)
         self._move(self.roles.trainable, to_host=True, enabled=sleep)
         return metrics
-
-    def _enqueue(self, local: Rollout | None) -> None:
-        """The generation ranks' new batch (their `local` shares; None elsewhere) joins the queue of every training
-        rank. Collective over the world."""
-        rollout_group = self.topology.group(Role.ROLLOUT) if self.topology.generates else None
-        gathered = all_gather_rollout(local, self.tokenizer.pad_token_id, rollout_group) if local is not None else None
-        batch = broadcast_rollout(gathered, src=self.topology.ranks(Role.ROLLOUT)[0])
-        self._next_generated += 1
-        if not self.topology.generates:
-            self._queue.append(batch)
 
     def _informative_groups(self, step: int, first: Rollout) -> tuple[Rollout, dict[str, float], int]:
         """--dynamic_filtering: the step's --rollout_batch_size prompt groups, informative ones first (mean score
