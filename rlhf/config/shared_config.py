@@ -170,7 +170,8 @@ class EngineConfig:
     use_dynamic_batch: bool = opt(False, "cut micro-batches by token budget instead of sample count")
     train_max_tokens_per_gpu: int = opt(16192, "token budget of a training micro-batch per rank "
                                         "(--use_dynamic_batch)")
-    ring_attn_size: int = opt(1, "ranks per ring-attention (sequence-parallel) group; > 1 needs --packing_samples")
+    ring_attn_size: int = opt(1, "ranks per ring-attention (sequence-parallel) group; > 1 packs the samples (as "
+                              "--use_dynamic_batch does)")
     ring_head_stride: int = opt(1, "kv heads per ring pass (more heads per pass: fewer, larger messages)")
     use_liger_kernel: bool = opt(False, "patch models with Liger's fused kernels (RMSNorm, RoPE, SwiGLU; CUDA only)")
 
@@ -178,11 +179,12 @@ class EngineConfig:
         require(self.zero_stage in (0, 1, 2, 3), f"--zero_stage {self.zero_stage}: choose 0, 1, 2 or 3")
         require(self.ring_attn_size >= 1, "--ring_attn_size must be >= 1")
         require(self.ring_head_stride >= 1, "--ring_head_stride must be >= 1")
-        require(self.ring_attn_size == 1 or self.packing_samples,
-                 "--ring_attn_size > 1 shards packed sequences: add --packing_samples")
-        require(not self.use_dynamic_batch or self.packing_samples,
-                 "--use_dynamic_batch budgets packed tokens: add --packing_samples (padded rows would cost "
-                 "rows x longest row, not the budget)")
+        needs_packing = [flag for flag, on in (("--ring_attn_size > 1", self.ring_attn_size > 1),
+                                               ("--use_dynamic_batch", self.use_dynamic_batch)) if on]
+        if needs_packing and not self.packing_samples:  # as OpenRLHF v0.9.5: packing on, with a warning
+            warnings.warn(f"{' and '.join(needs_packing)} work on packed sequences: turning on --packing_samples",
+                          stacklevel=2)
+            object.__setattr__(self, "packing_samples", True)
         require(self.train_max_tokens_per_gpu >= 1, "--train_max_tokens_per_gpu must be >= 1")
 
 

@@ -139,8 +139,9 @@ def test_role_sizes_must_split_the_batch():
 
 
 def test_ring_attention_flags():
-    with pytest.raises(ValueError, match="--ring_attn_size > 1 shards packed sequences: add --packing_samples"):
-        parse("--ring_attn_size", "2")
+    with pytest.warns(UserWarning, match=r"^--ring_attn_size > 1 work on packed sequences: turning on "
+                                         r"--packing_samples$"):
+        assert parse("--ring_attn_size", "2").engine.packing_samples
     cfg = parse("--rollout_batch_size", "4", "--n_samples_per_prompt", "2", "--train_batch_size", "8",
                 "--micro_train_batch_size", "2", "--packing_samples", "--ring_attn_size", "2")
     # 8 ranks in rings of 2: 4 data-parallel replicas of 2 samples each
@@ -153,9 +154,10 @@ def test_ring_attention_flags():
         parse("--ring_attn_size", "0", "--packing_samples")
 
 
-def test_dynamic_batch_needs_packing_and_a_budget_that_holds_one_sample():
-    with pytest.raises(ValueError, match="--use_dynamic_batch budgets packed tokens: add --packing_samples"):
-        parse("--use_dynamic_batch")
+def test_dynamic_batch_turns_packing_on_and_needs_a_budget_that_holds_one_sample():
+    with pytest.warns(UserWarning, match=r"^--ring_attn_size > 1 and --use_dynamic_batch work on packed sequences: "
+                                         r"turning on --packing_samples$"):
+        assert parse("--use_dynamic_batch", "--ring_attn_size", "2").engine.packing_samples
     short = ("--prompt_max_len", "100", "--generate_max_len", "60", "--packing_samples", "--use_dynamic_batch")
     with pytest.raises(ValueError, match="--train_max_tokens_per_gpu 150 cannot hold one sample of up to 160 tokens"):
         parse(*short, "--train_max_tokens_per_gpu", "150")
