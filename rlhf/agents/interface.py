@@ -22,6 +22,7 @@ This module knows nothing about engines or tokens.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import inspect
 import os
@@ -87,7 +88,7 @@ class Agent:
 class _Episode:
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
-        self.instance = agent.instance_cls() if agent.instance_cls is not None else None
+        self.instance = _instantiate(agent.instance_cls) if agent.instance_cls is not None else None
 
     def reset(self, observation: str, label: Any):
         """The instance's reset (None for the function form); its observation must be the prompt."""
@@ -100,6 +101,16 @@ class _Episode:
             return self.agent.step_func(observation, action, label, turn=turn)
         return self.instance.step({"observation_text": observation, "action_text": action, "label": label,
                                    "sampling_params": None})
+
+
+def _instantiate(cls: type):
+    """`cls()`, awaiting its `__init__` where that is `async def` (as in OpenRLHF's own agent example, which a
+    plain call would reject: __init__ must return None)."""
+    if not inspect.iscoroutinefunction(cls.__init__):
+        return cls()
+    instance = cls.__new__(cls)
+    asyncio.run(instance.__init__())
+    return instance
 
 
 def load_agent(path: str) -> Agent:

@@ -138,13 +138,14 @@ def test_episodes_do_not_depend_on_the_other_prompts(tmp_path, tokenizer):
     assert [g.token_ids for g in together[1]] == [g.token_ids for g in alone[0]]
 
 
-def test_openrlhf_agent_instance_file_loads_and_runs(tmp_path, tokenizer):
+@pytest.mark.parametrize("init", ["def", "async def"])  # OpenRLHF's own example has `async def __init__`
+def test_openrlhf_agent_instance_file_loads_and_runs(tmp_path, tokenizer, init):
     body = """
         import torch
         from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
 
         class AgentInstance(AgentInstanceBase):
-            def __init__(self, *args, **kwargs):
+            INIT __init__(self, *args, **kwargs):
                 self.step_idx = 0
 
             async def reset(self, states: dict, **kwargs):
@@ -162,7 +163,7 @@ def test_openrlhf_agent_instance_file_loads_and_runs(tmp_path, tokenizer):
             def __init__(self):
                 super().__init__(AgentInstance)
     """
-    agent = _agent(tmp_path, body)
+    agent = _agent(tmp_path, body.replace("INIT", init))
     (gens,), outcomes = _run(ScriptedEngine(), agent, tokenizer, [[2, 19]], ["4"], n=2)
     assert [o.turns for o in outcomes] == [2, 2] and [o.reward for o in outcomes] == [1.5, 1.5]
     assert outcomes[0].extra_logs == {"x": 2.0} and gens[0].action_mask == [1, 1, 1, 0, 0, 0, 1, 1, 1]
