@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Sequence
@@ -38,9 +39,16 @@ def begin(logging: LoggingConfig, parse_warnings: Sequence[warnings.WarningMessa
     launch = read_launch_env()
     route_library_output(logging, launch.rank)
     preemption = PreemptionWatch()
-    for w in parse_warnings:
-        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    show_parse_warnings(parse_warnings, launch.rank)
     return launch, preemption
+
+
+def show_parse_warnings(parse_warnings: Sequence[warnings.WarningMessage], rank: int) -> None:
+    """The notes of the flags and the config's validation: once, from rank 0 (every rank parses the same
+    flags), as `Category: message` (their location would be the config's generated `__init__`)."""
+    if rank == 0:
+        for w in parse_warnings:
+            print(f"{w.category.__name__}: {w.message}", file=sys.stderr, flush=True)
 
 
 def for_this_machine(cfg: C) -> C:

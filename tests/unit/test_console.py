@@ -12,8 +12,11 @@ import torch
 
 import rlhf
 import rlhf.cli.train_ppo as train_ppo
+from rlhf.cli.entry_point import show_parse_warnings
 from rlhf.config import errors
 from rlhf.config.errors import UsageError, usage_errors_exit
+from rlhf.config.flags import parse_config
+from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.config.shared_config import LoggingConfig
 from rlhf.distributed.launch_env import read_launch_env
 from rlhf.utils.console import route_library_output
@@ -188,6 +191,17 @@ def test_library_warning_does_not_land_inside_a_progress_bar(tmp_path, capsys, l
     finally:
         routing.uninstall()
     assert capsys.readouterr().err.startswith("\rrl steps:  50%|#####\n[accelerate] WARNING: mid-step noise (")
+
+
+def test_config_notes_are_shown_once_from_rank0_without_a_location(capsys):
+    with warnings.catch_warnings(record=True) as parse_warnings:
+        warnings.simplefilter("default")
+        parse_config(TrainPPOConfig, ["--use_dynamic_batch"])
+    show_parse_warnings(parse_warnings, rank=1)
+    assert capsys.readouterr().err == ""
+    show_parse_warnings(parse_warnings, rank=0)
+    assert capsys.readouterr().err == ("UserWarning: --use_dynamic_batch work on packed sequences: turning on "
+                                       "--packing_samples\n")
 
 
 def test_other_ranks_show_no_library_output(tmp_path, capsys, library_logger):
