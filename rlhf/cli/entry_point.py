@@ -7,6 +7,7 @@ Knows config roots only through their shared sub-configs.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import sys
 import tempfile
@@ -69,7 +70,10 @@ def for_this_machine(cfg: C) -> C:
 
 def check_outputs(logging: LoggingConfig, checkpoint: CheckpointConfig, default_ckpt_path: str) -> None:
     """--save_path (and --ckpt_path when checkpoints are written) are writable; --load_checkpoint finds its
-    directory; a fresh run refuses a --save_path holding an earlier run's metrics. Every rank calls it."""
+    directory; a fresh run refuses a --save_path holding an earlier run's metrics; --use_wandb finds its package.
+    Every rank calls it."""
+    if logging.use_wandb and importlib.util.find_spec("wandb") is None:
+        raise UsageError("--use_wandb needs the wandb package: pip install wandb (or log with --use_tensorboard DIR)")
     check_writable("--save_path", logging.save_path)
     restarted = restarted_by_launcher()
     if checkpoint.load_checkpoint:

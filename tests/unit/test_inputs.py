@@ -250,3 +250,19 @@ def test_serve_rm_refuses_a_reward_model_without_head(capsys):
     assert exc.value.code == 2
     assert "has no value head 'value_head.weight' (--value_head_prefix value_head); keys outside the base " \
            "model: score.weight" in capsys.readouterr().err
+
+
+def test_use_wandb_without_its_package_fails_before_any_engine(tmp_path, monkeypatch):
+    import importlib.util
+
+    from rlhf.cli import entry_point
+    from rlhf.config.shared_config import CheckpointConfig, LoggingConfig
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(entry_point.importlib.util, "find_spec", lambda name: None if name == "wandb" else
+                        find_spec(name))
+    logging = LoggingConfig(save_path=str(tmp_path / "out"), use_wandb="True")
+    with pytest.raises(UsageError, match=r"^--use_wandb needs the wandb package: pip install wandb"):
+        entry_point.check_outputs(logging, CheckpointConfig(), CheckpointConfig().ckpt_path)
+    entry_point.check_outputs(LoggingConfig(save_path=str(tmp_path / "out")), CheckpointConfig(),
+                              CheckpointConfig().ckpt_path)
