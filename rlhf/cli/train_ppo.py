@@ -30,11 +30,13 @@ from rlhf.models.loading import check_liger_kernel, check_local_model, load_toke
 from rlhf.models.value import check_scalar_head, save_scalar_head_model
 from rlhf.rewards.base import RewardSource
 from rlhf.trainers.ppo_build import (
+    NO_VLLM,
     build_roles,
     check_models,
     describe_algorithm,
     describe_layout,
     placement_from_config,
+    rollout_engine_choice,
 )
 from rlhf.trainers.ppo_trainer import PPOTrainer, Roles, episodes_per_fit_step, total_steps
 from rlhf.utils.seeding import seed_everything
@@ -42,14 +44,15 @@ from rlhf.utils.watchdog import Watchdog
 
 
 def build_rollout_engine(cfg: TrainPPOConfig, device: torch.device, tokenizer, num_engines: int = 0):
-    """vLLM in-process when installed (or asked for), else the HF-generate fallback with a warning. num_engines:
-    the engines sharing a step's samples (0: unknown; sizes the KV-cache check on CPU)."""
-    from rlhf.engines.vllm_engine import VLLMEngine, vllm_available
+    """vLLM in-process or transformers' generate, as `rollout_engine_choice` says (a warning where vLLM is
+    missing and nothing chose). num_engines: the engines sharing a step's samples (0: unknown; sizes the KV-cache
+    check on CPU)."""
+    from rlhf.engines.vllm_engine import VLLMEngine
 
     r, m = cfg.rollout, cfg.model
     dtype = m.dtype
-    use_vllm = r.rollout_engine == "vllm" or (r.rollout_engine == "auto" and vllm_available())
-    if use_vllm:
+    kind, why = rollout_engine_choice(cfg)
+    if kind == "vllm":
         return VLLMEngine(m.pretrain, dtype=dtype, tp_size=r.vllm_tensor_parallel_size, seed=cfg.seed,
                           max_model_len=cfg.data.prompt_max_len + r.generate_max_len,
                           kv_cache_bytes=r.vllm_kv_cache_bytes, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
@@ -57,7 +60,7 @@ def build_rollout_engine(cfg: TrainPPOConfig, device: torch.device, tokenizer, n
                           enable_sleep=r.vllm_enable_sleep, trust_remote_code=m.trust_remote_code,
                           sequences_per_call=(cfg.batch.rollout_batch_size * cfg.samples_per_prompt // num_engines
                                               if num_engines else 0))
-    if r.rollout_engine == "auto":
+    if why == NO_VLLM:
         warnings.warn("vLLM is not installed: generating with transformers (slower); install the cpu or gpu "
                       "extra for vLLM", stacklevel=2)
     if r.vllm_tensor_parallel_size > 1:

@@ -101,7 +101,8 @@ class RolloutConfig:
                                    "staleness in steps)")
     vllm_num_engines: int | None = opt(None, "with --async_train: rollout engines on the world's last N x "
                                              "--vllm_tensor_parallel_size ranks (without it every rank hosts an "
-                                             "engine and the count is world size / TP)")
+                                             "engine and the count is world size / TP); 0: no vLLM, every rank "
+                                             "generates with transformers (as --rollout_engine hf)")
 
     @property
     def rollout_ranks(self) -> int:
@@ -116,6 +117,9 @@ class RolloutConfig:
                     "--vllm_tensor_parallel_size ranks generate, the others train)")
             require(not self.vllm_enable_sleep, "--async_train keeps the engines generating while training runs: "
                                                 "drop --vllm_enable_sleep (as OpenRLHF)")
+        elif self.vllm_num_engines == 0:  # OpenRLHF: no vLLM engines, generate with the training model's library
+            require(self.rollout_engine != "vllm", "--vllm_num_engines 0 means no vLLM engine, and --rollout_engine "
+                                                   "vllm asks for one: drop one of them")
         elif self.vllm_num_engines is not None:
             warnings.warn("--vllm_num_engines is ignored: every rank hosts an engine; the count is world size / "
                           "--vllm_tensor_parallel_size (engines on ranks of their own: --async_train)", stacklevel=2)

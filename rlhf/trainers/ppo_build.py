@@ -107,12 +107,33 @@ def check_models(cfg: TrainPPOConfig) -> None:
                                      f"{cfg.rollout.generate_max_len}")
 
 
+NO_VLLM = "vLLM is not installed"
+
+
+def rollout_engine_choice(cfg: TrainPPOConfig) -> tuple[str, str]:
+    """("vllm" or "hf", why): --vllm_num_engines 0 or --rollout_engine hf choose transformers' generate,
+    --rollout_engine vllm vLLM, and auto vLLM where it is installed."""
+    from rlhf.engines.vllm_engine import vllm_available
+
+    r = cfg.rollout
+    if r.vllm_num_engines == 0 and not r.async_train:
+        return "hf", "--vllm_num_engines 0"
+    if r.rollout_engine != "auto":
+        return r.rollout_engine, f"--rollout_engine {r.rollout_engine}"
+    return ("vllm", "installed") if vllm_available() else ("hf", NO_VLLM)
+
+
+def describe_generation(cfg: TrainPPOConfig) -> str:
+    kind, why = rollout_engine_choice(cfg)
+    return f"generation: {'vLLM' if kind == 'vllm' else 'transformers generate'} ({why})"
+
+
 def describe_algorithm(cfg: TrainPPOConfig, topology: Topology) -> str:
     """One line saying which algorithm runs: estimator, group size, KL and where it enters, the models
     that exist, and the active corrections."""
     a, n = cfg.algo, cfg.samples_per_prompt
     if cfg.repulse.do_harmlessness_training:
-        return describe_repulse(cfg)
+        return f"{describe_repulse(cfg)}, {describe_generation(cfg)}"
     parts = [f"--advantage_estimator {a.advantage_estimator}", f"{n} sample{'s' if n > 1 else ''} per prompt"]
     if not a.needs_ref:
         parts.append("no KL term")
@@ -136,6 +157,7 @@ def describe_algorithm(cfg: TrainPPOConfig, topology: Topology) -> str:
         parts.append(f"rollout correction {kind} in [{low}, {high}]")
     if actor_forward_skippable(cfg):
         parts.append("one actor update per batch (old log-probs from the training forward, no experience forward)")
+    parts.append(describe_generation(cfg))
     return "algorithm: " + ", ".join(parts)
 
 

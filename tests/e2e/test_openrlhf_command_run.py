@@ -17,6 +17,7 @@ def test_openrlhf_hybrid_engine_ppo_command_trains_at_tiny_scale(tmp_path):
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "algorithm: --advantage_estimator gae, 1 sample per prompt, KL k1 x 0.01 (fixed) in the reward" \
         in proc.stdout
+    assert ", generation: vLLM (installed)\n" in proc.stdout
     rows = read_metrics(tmp_path / "save")
     assert [r["step"] for r in rows] == [1, 2]
     # before the first update the policy is its reference, and --normalize_reward's running moments hold only

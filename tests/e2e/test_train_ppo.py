@@ -51,10 +51,12 @@ def test_two_rank_vllm_zero3_reinforce_baseline(tmp_path):
 
 
 def test_hf_fallback_engine_single_rank(tmp_path):
+    """--vllm_num_engines 0 (OpenRLHF: no vLLM) generates with transformers, as the algorithm line says."""
     out = tmp_path / "run"
-    proc = run_torchrun(1, "-m rlhf.cli.train_ppo", *SMALL, "--rollout_engine", "hf", "--save_path", str(out),
+    proc = run_torchrun(1, "-m rlhf.cli.train_ppo", *SMALL, "--vllm_num_engines", "0", "--save_path", str(out),
                         "--zero_stage", "0")
     assert proc.returncode == 0, proc.stderr[-6000:]
+    assert ", generation: transformers generate (--vllm_num_engines 0)\n" in proc.stdout
     check_outputs(out, 3)
 
 

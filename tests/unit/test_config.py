@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -321,3 +322,18 @@ def test_readme_lists_exactly_the_refused_flags_of_every_job(monkeypatch):
             listed[job] = set(re.findall(r"`(--\w+)`", flags))
     assert listed == {job: flags for job, flags in refused.items() if flags}
     assert {"train_ppo", "train_sft", "train_simpo", "batch_inference", "evaluate_gcg"} <= refused.keys()
+
+
+def test_vllm_num_engines_0_generates_with_transformers():
+    from rlhf.trainers.ppo_build import describe_generation, rollout_engine_choice
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # honoured, not "ignored"
+        cfg = parse("--vllm_num_engines", "0")
+    assert rollout_engine_choice(cfg) == ("hf", "--vllm_num_engines 0")
+    assert describe_generation(cfg) == "generation: transformers generate (--vllm_num_engines 0)"
+    assert rollout_engine_choice(parse("--rollout_engine", "vllm")) == ("vllm", "--rollout_engine vllm")
+    with pytest.raises(ValueError, match="--vllm_num_engines 0 means no vLLM engine, and --rollout_engine vllm"):
+        parse("--vllm_num_engines", "0", "--rollout_engine", "vllm")
+    with pytest.raises(ValueError, match="--async_train generates on ranks of their own: give --vllm_num_engines N"):
+        parse("--vllm_num_engines", "0", "--async_train")
