@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import torch
 
+LOG_RATIO_LIMIT = 20.0
+"""log(pi / pi_old) is clamped to +-20 before exp (as OpenRLHF after v0.9.5): a token whose log-prob moved that
+far (a stale batch, a diverged step) gives a ratio of at most e^20 instead of overflowing the loss."""
+
 
 def ppo_clip_loss_BT1(logprobs_BT1: torch.Tensor, old_logprobs_BT1: torch.Tensor, advantages_BT1: torch.Tensor,
                       clip_low: float, clip_high: float,
@@ -17,7 +21,7 @@ def ppo_clip_loss_BT1(logprobs_BT1: torch.Tensor, old_logprobs_BT1: torch.Tensor
 
     With `dual_clip` c > 1, tokens with A < 0 have their loss capped at -c*A.
     """
-    ratio = torch.exp(logprobs_BT1 - old_logprobs_BT1)
+    ratio = torch.exp((logprobs_BT1 - old_logprobs_BT1).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     unclipped = ratio * advantages_BT1
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages_BT1
     loss = -torch.minimum(unclipped, clipped)
@@ -37,6 +41,7 @@ def gspo_loss_BT1(logprobs_BT1: torch.Tensor, old_logprobs_BT1: torch.Tensor, ad
     """
     count = action_mask_BT1.sum(-1, keepdim=True).clamp(min=1)
     seq_log_ratio = ((logprobs_BT1 - old_logprobs_BT1) * action_mask_BT1).sum(-1, keepdim=True) / count
+    seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = torch.exp(seq_log_ratio.detach() + logprobs_BT1 - logprobs_BT1.detach())
     unclipped = ratio * advantages_BT1
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages_BT1
@@ -89,3 +94,29 @@ def sequence_mean_over_global_count(values_BT1: torch.Tensor, mask_BT1: torch.Te
     """Sum over sequences of each sequence's token mean, divided by the global sequence count."""
     per_seq = (values_BT1 * mask_BT1).sum(-1) / mask_BT1.sum(-1).clamp(min=1)
     return per_seq.sum() / global_num_sequences
+
+
+def policy_token_loss_BT1(logprobs_BT1: torch.Tensor, old_logprobs_BT1: torch.Tensor,
+                          rollout_logprobs_BT1: torch.Tensor | None, advantages_BT1: torch.Tensor,
+                          action_mask_BT1: torch.Tensor, *, loss_type: str, clip_low: float, clip_high: float,
+                          dual_clip: float | None, is_correction: tuple[float, float, bool] | None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The actor's per-token loss (OpenRLHF v0.9.5's `PolicyLoss`), its 0/1 clipped indicator and a 0/1 indicator
+    of tokens whose log-ratio was clamped (`LOG_RATIO_LIMIT`). PPO: the clipped ratio against the old policy,
+    times the rollout correction's weights (`is_correction`: (low, high, icepop)). GSPO: one ratio per sequence,
+    against the rollout engine's log-probs when the correction is on (and no token weights), else the old
+    policy's."""
+    if loss_type == "gspo":
+        base = rollout_logprobs_BT1 if is_correction is not None else old_logprobs_BT1
+        token_loss, clipped = gspo_loss_BT1(logprobs_BT1, base, advantages_BT1, action_mask_BT1, clip_low, clip_high)
+        count = action_mask_BT1.sum(-1, keepdim=True).clamp(min=1)
+        seq_log_ratio = ((logprobs_BT1 - base) * action_mask_BT1).sum(-1, keepdim=True) / count
+        clamped = (seq_log_ratio.abs() > LOG_RATIO_LIMIT).expand_as(logprobs_BT1)
+        return token_loss, clipped, clamped.float().detach()
+    token_loss, clipped = ppo_clip_loss_BT1(logprobs_BT1, old_logprobs_BT1, advantages_BT1, clip_low, clip_high,
+                                            dual_clip)
+    if is_correction is not None:
+        low, high, icepop = is_correction
+        token_loss = token_loss * importance_weights_BT1(old_logprobs_BT1, rollout_logprobs_BT1, low, high, icepop)
+    clamped = ((logprobs_BT1 - old_logprobs_BT1).abs() > LOG_RATIO_LIMIT).float().detach()
+    return token_loss, clipped, clamped

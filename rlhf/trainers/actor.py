@@ -12,9 +12,7 @@ import torch.distributed as dist
 
 from rlhf.algorithms.kl import kl_estimate
 from rlhf.algorithms.losses import (
-    gspo_loss_BT1,
-    importance_weights_BT1,
-    ppo_clip_loss_BT1,
+    policy_token_loss_BT1,
     rollout_mismatch_BT1,
     sequence_mean_over_global_count,
     token_sum_over_global_count,
@@ -61,22 +59,17 @@ class Actor:
                                 self.temperature, self.device)
 
     def _policy_term(self, exp: Experience, logprobs: torch.Tensor, action: torch.Tensor, num_tokens: float,
-                     num_seqs: float) -> tuple[torch.Tensor, torch.Tensor]:
-        adv = exp.advantages_BT1.to(self.device)
+                     num_seqs: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # no experience-time forward (one update per batch): the old log-probs are these, detached
         old = logprobs.detach() if exp.old_logprobs_BT1 is None else exp.old_logprobs_BT1.to(self.device)
+        rollout = exp.rollout_logprobs_BT1.to(self.device) if exp.rollout_logprobs_BT1 is not None else None
+        token_loss, clipped, clamped = policy_token_loss_BT1(
+            logprobs, old, rollout, exp.advantages_BT1.to(self.device), action,
+            loss_type=self.algo.policy_loss_type, clip_low=self.clip_low, clip_high=self.clip_high,
+            dual_clip=self.algo.dual_clip, is_correction=self.algo.is_correction)
         if self.algo.policy_loss_type == "gspo":
-            token_loss, clipped = gspo_loss_BT1(logprobs, old, adv, action, self.clip_low, self.clip_high)
-        else:
-            token_loss, clipped = ppo_clip_loss_BT1(logprobs, old, adv, self.clip_low, self.clip_high,
-                                                    self.algo.dual_clip)
-        if self.algo.is_correction is not None:
-            low, high, icepop = self.algo.is_correction
-            token_loss = token_loss * importance_weights_BT1(old, exp.rollout_logprobs_BT1.to(self.device), low,
-                                                             high, icepop)
-        if self.algo.policy_loss_type == "gspo":
-            return sequence_mean_over_global_count(token_loss, action, num_seqs), clipped
-        return token_sum_over_global_count(token_loss, action, num_tokens), clipped
+            return sequence_mean_over_global_count(token_loss, action, num_seqs), clipped, clamped
+        return token_sum_over_global_count(token_loss, action, num_tokens), clipped, clamped
 
     def train_batch(self, micro_batches: list[Experience], kl_coef: float,
                     ptx: PtxData | None = None) -> dict[str, float]:
@@ -95,9 +88,10 @@ class Actor:
             out = policy_forward(self.model.engine, exp.sequences_BT.to(self.device),
                                  exp.attention_mask_BT.to(self.device), self.temperature,
                                  with_entropy=self.algo.entropy_loss_coef is not None, layout=self.layout)
-            policy_loss, clipped = self._policy_term(exp, out.logprobs_BT1, action, num_tokens, num_seqs)
+            policy_loss, clipped, clamped = self._policy_term(exp, out.logprobs_BT1, action, num_tokens, num_seqs)
             loss = policy_loss
-            terms = {"policy_loss": policy_loss, "clip_frac": token_sum_over_global_count(clipped, action, num_tokens)}
+            terms = {"policy_loss": policy_loss, "clip_frac": token_sum_over_global_count(clipped, action, num_tokens),
+                     "log_ratio_clamp_frac": token_sum_over_global_count(clamped, action, num_tokens)}
             if exp.old_logprobs_BT1 is None:  # the experience step had no actor forward to measure them with
                 rollout = exp.rollout_logprobs_BT1.to(self.device)
                 terms.update({name: token_sum_over_global_count(v, action, num_tokens) for name, v in

@@ -40,7 +40,8 @@ from rlhf.trainers.run_records import RunRecords
 from rlhf.utils.timers import StageTimer
 
 TRAIN_METRICS = {
-    **dict.fromkeys(("policy_loss", "clip_frac", "train_kl", "entropy", "ptx_loss", "value_loss"), Reduce.SHARE),
+    **dict.fromkeys(("policy_loss", "clip_frac", "log_ratio_clamp_frac", "train_kl", "entropy", "ptx_loss",
+                     "value_loss"), Reduce.SHARE),
     # measured by the training forward when the experience step skips the actor's (actor_forward_skippable)
     **dict.fromkeys(("rollout/logprob_abs_diff", "rollout/is_weight_mean", "rollout/is_clipped_frac"), Reduce.SHARE),
     **dict.fromkeys(("grad_norm", "lr", "critic_grad_norm", "nonfinite_skipped", "critic_nonfinite_skipped"),

@@ -182,6 +182,35 @@ def test_gspo_uses_one_ratio_per_sequence():
     torch.testing.assert_close(loss * mask, -mask)  # mean log-ratio 0 -> ratio 1 on both tokens
 
 
+def test_log_ratio_is_clamped_before_exp():
+    """Log-ratios (25, -25, 3, 21) with A = -1: per-token loss max(r, clip(r)); unclamped the mean is 1.8e10,
+    clamped to +-20 it is (2 e^20 + 0.8 + e^3) / 4, and three of the four tokens count as clamped."""
+    from rlhf.algorithms.losses import policy_token_loss_BT1
+
+    logp, old, adv = torch.tensor([[25.0, -25.0, 3.0, 21.0]]), torch.zeros(1, 4), -torch.ones(1, 4)
+    loss, _, clamped = policy_token_loss_BT1(logp, old, old, adv, torch.ones(1, 4), loss_type="ppo", clip_low=0.2,
+                                             clip_high=0.2, dual_clip=None, is_correction=None)
+    e20 = math.exp(20)
+    torch.testing.assert_close(loss, torch.tensor([[e20, 0.8, math.exp(3), e20]]))
+    assert float(loss.mean()) == pytest.approx((2 * e20 + 0.8 + math.exp(3)) / 4, rel=1e-6)
+    assert clamped.tolist() == [[1.0, 1.0, 0.0, 1.0]]
+
+
+def test_gspo_with_rollout_correction_takes_the_ratio_against_the_rollout_engine():
+    """As OpenRLHF v0.9.5: with --enable_vllm_is_correction GSPO's sequence ratio is exp(mean(logp - logp_rollout))
+    and no token weights apply. logp -1, rollout -1.1, old -1.5, A = 1: ratio e^0.1 = 1.10517 inside the clip, loss
+    -1.10517 on both tokens (against the old policy with TIS weights it would be -1.2 x e^-0.4 = -0.804)."""
+    from rlhf.algorithms.losses import policy_token_loss_BT1
+
+    logp, old, rollout = torch.full((1, 2), -1.0), torch.full((1, 2), -1.5), torch.full((1, 2), -1.1)
+    loss, _, _ = policy_token_loss_BT1(logp, old, rollout, torch.ones(1, 2), torch.ones(1, 2), loss_type="gspo",
+                                       clip_low=0.2, clip_high=0.2, dual_clip=None, is_correction=(0.5, 5.0, False))
+    torch.testing.assert_close(loss, torch.full((1, 2), -math.exp(0.1)))
+    ppo, _, _ = policy_token_loss_BT1(logp, old, rollout, torch.ones(1, 2), torch.ones(1, 2), loss_type="ppo",
+                                      clip_low=0.2, clip_high=0.2, dual_clip=None, is_correction=(0.5, 5.0, False))
+    torch.testing.assert_close(ppo, torch.full((1, 2), -1.2 * math.exp(-0.4)))  # PPO keeps its TIS weights
+
+
 def test_value_loss_hand_values():
     from rlhf.algorithms.losses import value_loss_BT1
 
