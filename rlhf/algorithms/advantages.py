@@ -13,22 +13,29 @@ from dataclasses import dataclass
 import torch
 
 
+def _zero_where_constant(rewards_PN: torch.Tensor, advantages_PN: torch.Tensor) -> torch.Tensor:
+    """Exactly 0 for a group whose rewards are all equal: its mean carries float rounding (8 x 0.7 in float32
+    averages to 0.7 - 6e-8), which a division by the group's std, or later whitening, would blow up to O(1)."""
+    constant = (rewards_PN == rewards_PN[..., :1]).all(-1, keepdim=True)
+    return torch.where(constant, torch.zeros_like(advantages_PN), advantages_PN)
+
+
 def group_norm(rewards_PN: torch.Tensor) -> torch.Tensor:
-    """GRPO: (R - mean_group) / (std_group + 1e-9); std is the unbiased sample std (n - 1)."""
+    """GRPO: (R - mean_group) / (std_group + 1e-9); std is the unbiased sample std (n - 1); 0 for a constant group."""
     mean = rewards_PN.mean(-1, keepdim=True)
     std = rewards_PN.std(-1, keepdim=True)
-    return (rewards_PN - mean) / (std + 1e-9)
+    return _zero_where_constant(rewards_PN, (rewards_PN - mean) / (std + 1e-9))
 
 
 def group_baseline(rewards_PN: torch.Tensor) -> torch.Tensor:
-    """REINFORCE++-baseline and Dr.GRPO: R - mean_group(R)."""
-    return rewards_PN - rewards_PN.mean(-1, keepdim=True)
+    """REINFORCE++-baseline and Dr.GRPO: R - mean_group(R); 0 for a constant group."""
+    return _zero_where_constant(rewards_PN, rewards_PN - rewards_PN.mean(-1, keepdim=True))
 
 
 def leave_one_out(rewards_PN: torch.Tensor) -> torch.Tensor:
-    """RLOO: R - (sum_group R - R) / (n - 1)."""
+    """RLOO: R - (sum_group R - R) / (n - 1); 0 for a constant group."""
     n = rewards_PN.shape[-1]
-    return rewards_PN - (rewards_PN.sum(-1, keepdim=True) - rewards_PN) / (n - 1)
+    return _zero_where_constant(rewards_PN, rewards_PN - (rewards_PN.sum(-1, keepdim=True) - rewards_PN) / (n - 1))
 
 
 @dataclass(frozen=True)
@@ -116,15 +123,17 @@ def masked_moments(x_BT1: torch.Tensor, mask_BT1: torch.Tensor) -> torch.Tensor:
 
 
 def whiten(x_BT1: torch.Tensor, mask_BT1: torch.Tensor, moments: torch.Tensor, divide_std: bool = True,
-           eps: float = 1e-8) -> torch.Tensor:
+           min_var: float = 1e-8) -> torch.Tensor:
     """Whiten masked values with global `moments` ([sum, sumsq, count] over every rank).
 
-    Uses the biased (population) variance of all action tokens. Values outside the mask are 0.
+    Uses the biased (population) variance of all action tokens, floored at `min_var` (OpenRLHF's
+    (x - mean) / sqrt(max(var, 1e-8)): a near-constant batch keeps its tiny spread instead of being scaled up
+    to +-1). Values outside the mask are 0.
     """
     total, total_sq, count = moments.tolist()
     mean = total / max(count, 1.0)
     out = x_BT1 - mean
     if divide_std:
-        var = max(total_sq / max(count, 1.0) - mean * mean, 0.0)
-        out = out / (var**0.5 + eps)
+        var = max(total_sq / max(count, 1.0) - mean * mean, min_var)
+        out = out / var**0.5
     return out * mask_BT1

@@ -49,6 +49,26 @@ def test_whiten_uses_global_moments_of_masked_tokens():
     torch.testing.assert_close(centred, torch.tensor([[0.0, -2.0, 0.0], [2.0, 0.0, 0.0]]))
 
 
+def test_constant_groups_give_exactly_zero_advantages():
+    """8 float32 rewards all 0.7 average to 0.7 - 6e-8: divided by their ~6e-8 std that residue was +0.921 (0.1:
+    -0.831); every group estimator now gives exactly 0 for a constant group and leaves the others as they were."""
+    from rlhf.algorithms.advantages import group_baseline, group_norm, leave_one_out
+
+    rewards = torch.tensor([[0.7] * 8, [0.1] * 8, [0.0, 1.0] * 4])
+    for estimator in (group_norm, group_baseline, leave_one_out):
+        out = estimator(rewards)
+        assert out[:2].abs().max().item() == 0.0, estimator.__name__
+        assert out[2].abs().min().item() > 0.4, estimator.__name__  # the varied group keeps its advantages
+    torch.testing.assert_close(group_norm(rewards)[2], torch.tensor([-1.0, 1.0] * 4) / (8 / 7) ** 0.5)
+
+
+def test_whiten_floors_the_variance_of_a_near_constant_batch():
+    """Float residue of +-6e-8 has variance 3.6e-15: (x - mean) / (std + 1e-8) made it +-0.86; OpenRLHF's
+    (x - mean) / sqrt(max(var, 1e-8)) keeps it at +-6e-4."""
+    x, mask = torch.tensor([[6e-8, -6e-8]]), torch.ones(1, 2)
+    torch.testing.assert_close(whiten(x, mask, masked_moments(x, mask)), torch.tensor([[6e-4, -6e-4]]))
+
+
 def test_whiten_split_moments_equal_whole():
     g = torch.Generator().manual_seed(0)
     x, mask = torch.randn(6, 5, generator=g), (torch.rand(6, 5, generator=g) > 0.3).float()
