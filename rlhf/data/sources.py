@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf.config.errors import UsageError
+
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 _SPLIT_NAMES = ("train", "test", "validation", "valid", "val", "dev", "eval")
 
@@ -49,16 +51,32 @@ def _json_lines(path: str, lines) -> list:
     return rows
 
 
+def _utf8_text(path: str) -> str:
+    """The text of the file at `path`, decoded as UTF-8. Bytes that are not UTF-8 are a UsageError naming the
+    file, the line and the byte offset of the first bad one (Python's UnicodeDecodeError names neither the file
+    nor the line, and every rank would print it)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise UsageError(f"{path}, line {line}: not UTF-8 text (byte 0x{data[err.start]:02x} at byte offset "
+                         f"{err.start}: {err.reason}); re-encode the file as UTF-8 from the encoding it was "
+                         f"written in (e.g. `iconv -f latin1 -t utf-8 {path}`)") from err
+
+
 def read_json_file(path: str) -> list:
     """The rows of a `.jsonl` file (one JSON value a line) or a `.json` file (a list, or an object whose
-    "data" member is the list). Bad JSON is a ValueError naming the file and line."""
-    with open(path, encoding="utf-8") as f:
-        if path.endswith(".jsonl"):
-            return _json_lines(path, f)
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from err
+    "data" member is the list). Bad JSON is a ValueError naming the file and line; bytes that are not UTF-8
+    a UsageError naming the file, line and byte offset (`_utf8_text`)."""
+    text = _utf8_text(path)
+    if path.endswith(".jsonl"):
+        return _json_lines(path, text.split("\n"))
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from err
     if isinstance(data, dict) and "data" in data:
         data = data["data"]
     if not isinstance(data, list):
@@ -75,8 +93,7 @@ def _read_json_rows(path: str) -> list:
         cause = err.__cause__
         if not (path.endswith(".json") and isinstance(cause, json.JSONDecodeError) and cause.msg == "Extra data"):
             raise
-    with open(path, encoding="utf-8") as f:
-        return _json_lines(path, f)
+    return _json_lines(path, _utf8_text(path).split("\n"))
 
 
 def _read_parquet_rows(path: str) -> list:

@@ -210,3 +210,28 @@ def test_probs_errors_name_both_flags_and_the_fix(tmp_path):
         read(f"{a},{b}", probs="a,b")
     with pytest.raises(ValueError, match=r"--dataset .*: empty source name"):
         read(f"{a},,{b}")
+
+
+def test_bytes_that_are_not_utf8_name_the_file_line_and_byte_offset(tmp_path, capsys):
+    from rlhf.config.errors import UsageError, usage_errors_exit
+
+    good = '{"id": "caf\u00e9 \u2028 ok"}\n'.encode()  # non-ASCII UTF-8, and a line separator JSON allows in strings
+    bad = '{"id": "caf\u00e9"}\n'.encode("latin-1")  # é as the single byte 0xe9
+    (tmp_path / "good.jsonl").write_bytes(good + good)
+    assert ids(read(str(tmp_path / "good.jsonl"))) == ["caf\u00e9 \u2028 ok"] * 2
+    lines = tmp_path / "d.jsonl"
+    lines.write_bytes(good + good + bad)
+    offset = 2 * len(good) + bad.index(b"\xe9")
+    with pytest.raises(UsageError, match=rf"d.jsonl, line 3: not UTF-8 text \(byte 0xe9 at byte offset {offset}: "):
+        read(str(lines))
+    listed = tmp_path / "d.json"
+    listed.write_bytes(b'[\n  {"id": 1},\n  {"id": "\xff"}\n]\n')
+    with pytest.raises(UsageError, match=r"d.json, line 3: not UTF-8 text \(byte 0xff at byte offset 25: "):
+        read(str(listed))
+    with pytest.raises(SystemExit) as exit_info, usage_errors_exit():
+        read(str(lines))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {lines}, line 3: not UTF-8 text (byte 0xe9 at byte offset {offset}: invalid continuation " \
+        f"byte); re-encode the file as UTF-8 from the encoding it was written in (e.g. `iconv -f latin1 -t utf-8 " \
+        f"{lines}`)\n"
