@@ -28,12 +28,40 @@ def check_local_model(path: str, flag: str = "--pretrain") -> None:
                      "downloaded at run time")
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    """Tokenizer with a pad token (EOS when the model has none) and right padding."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json + merges.txt")
+"""The vocabulary files of the common tokenizers (fast, sentencepiece, byte-level BPE), named in errors."""
+
+
+def _looks_like_vocabulary(name: str) -> bool:
+    """Whether a file in a model directory may hold a tokenizer's vocabulary (any tokenizer, remote code too)."""
+    stem, ext = os.path.splitext(name)
+    return name != "tokenizer_config.json" and ("tokenizer" in stem or "vocab" in stem or "merges" in stem
+                                                or ext in (".model", ".tiktoken"))
+
+
+def read_tokenizer(path: str, trust_remote_code: bool = False, flag: str = "--pretrain"):
+    """The tokenizer saved in `path`, as saved. A directory with no tokenizer files at all is a UsageError
+    naming the directory and the files it lacks (transformers would blame a missing sentencepiece or tiktoken
+    package instead); any other failure keeps transformers' error."""
     from transformers import AutoTokenizer
 
-    check_local_model(path)
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+    check_local_model(path, flag)
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+    except (OSError, ValueError, TypeError) as err:
+        if any(_looks_like_vocabulary(name) for name in os.listdir(path)):
+            raise
+        config = "" if os.path.isfile(os.path.join(path, "tokenizer_config.json")) else \
+            "; no tokenizer_config.json either"
+        raise UsageError(f"{flag} {path}: this directory holds no tokenizer files (none of "
+                         f"{', '.join(TOKENIZER_FILES)}{config}); copy the tokenizer files of the model it was made "
+                         f"from into {path}") from err
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False, flag: str = "--pretrain"):
+    """Tokenizer with a pad token (EOS when the model has none) and right padding (`read_tokenizer`, whose
+    errors name `flag`)."""
+    tok = read_tokenizer(path, trust_remote_code, flag)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "right"
