@@ -19,12 +19,13 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from rlhf.cli.entry_point import begin, check_writable, for_this_machine, main_for
+from rlhf.cli.entry_point import main_for
 from rlhf.config.errors import UsageError
 from rlhf.config.inference_config import DEMO_LENGTHS, BatchInferenceConfig
 from rlhf.config.shared_config import EngineConfig, LoggingConfig
 from rlhf.core.role_models import check_model_configs
-from rlhf.distributed.launch_env import init_distributed
+from rlhf.core.run import RunParts, check_writable, start
+from rlhf.distributed.launch_env import LaunchEnv
 from rlhf.distributed.topology import Placement, Role, Topology, plan_ranks
 from rlhf.inference.generate import (
     ChunkGenerator,
@@ -49,7 +50,6 @@ from rlhf.models.value import check_scalar_head
 from rlhf.utils import watchdog
 from rlhf.utils.preemption import PreemptionWatch
 from rlhf.utils.seeding import seed_everything
-from rlhf.utils.watchdog import Watchdog
 
 PREEMPTED_EXIT_CODE = 75
 """Exit status after a stop at a chunk boundary (EX_TEMPFAIL): the output is incomplete, rerun to continue.
@@ -162,23 +162,34 @@ def finish(cfg: BatchInferenceConfig, writer: ChunkedJsonlWriter) -> None:
     print(f"wrote {len(rows)} rows to {out}", flush=True)
 
 
+class InferenceRun(RunParts):
+    """The core run's start for batch inference (checks, inputs, the output file, the rank plan); the chunks
+    follow in `run`."""
+
+    def prepare(self, cfg: BatchInferenceConfig, launch: LaunchEnv) -> dict[Role, tuple[int, ...]]:
+        self.demo_line = _demo_line(cfg)
+        self.tp_size = check_before_engines(cfg, launch.world_size)
+        self.tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code)
+        self.role = Role.REWARD if cfg.eval_task == "rm" else Role.ROLLOUT
+        self.items = (load_scoring_samples(cfg, self.tokenizer) if self.role is Role.REWARD
+                      else load_generation_prompts(cfg, self.tokenizer))
+        self.writer, self.complete = (open_output(cfg, len(self.items), self.tp_size) if launch.rank == 0
+                                      else (None, False))
+        return plan_ranks(Placement({self.role: 0}), launch.world_size)
+
+    def topology(self, cfg: BatchInferenceConfig, plan: dict[Role, tuple[int, ...]]) -> Topology:
+        return Topology(plan, rollout_tp=self.tp_size)
+
+
 def run(cfg: BatchInferenceConfig, parse_warnings: Sequence[warnings.WarningMessage] = ()) -> None:
     """Generate or score on every rank; global rank 0 writes."""
     log_dir = os.path.dirname(os.path.abspath(cfg.data.output_path))
-    launch, preemption = begin(LoggingConfig(save_path=log_dir, verbose=cfg.verbose), parse_warnings)
-    demo = cfg.model.pretrain is None
-    cfg = for_this_machine(cfg.with_demo_defaults())
-    tp_size = check_before_engines(cfg, launch.world_size)
-    tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code)
-    role = Role.REWARD if cfg.eval_task == "rm" else Role.ROLLOUT
-    items = load_scoring_samples(cfg, tokenizer) if role is Role.REWARD else load_generation_prompts(cfg, tokenizer)
-    is_writer = launch.rank == 0
-    writer, complete = open_output(cfg, len(items), tp_size) if is_writer else (None, False)
-    device = init_distributed(launch, cfg.dist_timeout)
-    Watchdog(launch.rank, cfg.watchdog_interval).start()
-    topology = Topology(plan_ranks(Placement({role: 0}), launch.world_size), rollout_tp=tp_size)
-    group = topology.group(role)
-    agreed = [complete]
+    parts = InferenceRun()
+    started = start(parts, cfg, parse_warnings, logging=LoggingConfig(save_path=log_dir, verbose=cfg.verbose),
+                    trains=False)
+    cfg, topology, is_writer = started.cfg, started.topology, started.is_writer
+    group = topology.group(parts.role)
+    agreed = [parts.complete]
     dist.broadcast_object_list(agreed, src=0, group=group)
     if agreed[0]:
         if is_writer:
@@ -186,12 +197,12 @@ def run(cfg: BatchInferenceConfig, parse_warnings: Sequence[warnings.WarningMess
                   "it to write it again", flush=True)
         return
     if is_writer:
-        if demo:
-            print(_demo_line(cfg), flush=True)
-        print(_describe(cfg, len(items), topology), flush=True)
-    compute = _chunk_fn(cfg, items, topology, device, tokenizer)
-    seed_everything(cfg.seed + launch.rank, cfg.full_determinism)  # vLLM re-seeds globally (samples: per-prompt seeds)
-    finished = process(cfg, len(items), writer, compute, preemption, group)
+        if started.demo:
+            print(parts.demo_line, flush=True)
+        print(_describe(cfg, len(parts.items), topology), flush=True)
+    compute = _chunk_fn(cfg, parts.items, topology, started.device, parts.tokenizer)
+    seed_everything(cfg.seed + started.launch.rank, cfg.full_determinism)  # vLLM re-seeds globally (samples: own seeds)
+    finished = process(cfg, len(parts.items), parts.writer, compute, started.preemption, group)
     dist.barrier(group=group)
     if not finished:
         raise SystemExit(PREEMPTED_EXIT_CODE)

@@ -47,9 +47,10 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf.cli.entry_point import check_writable, main_for
+from rlhf.cli.entry_point import main_for
 from rlhf.config.errors import UsageError
 from rlhf.config.gcg_config import DEMO_SETTINGS, EvaluateGCGConfig, GCGDataConfig
+from rlhf.core.run import check_writable
 from rlhf.data.formatting import make_chat_template
 from rlhf.evaluation.gcg import (
     AttackPrompt,

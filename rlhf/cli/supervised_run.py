@@ -1,6 +1,7 @@
-"""The run of every supervised job (SFT, reward model, process reward model, distillation): checks before
-any engine, data, topology, sampler, model, the core loop and the final HF model. A job's CLI module gives
-a `SupervisedJob` (its samples, its model, its step and its saved model) and nothing else.
+"""The parts every supervised job (SFT, reward model, process reward model, distillation, preference) gives the
+core run (`rlhf.core.run.run_job`): checks before any engine, samples, the rank plan, the sampler, the model and
+the final HF model. A job's CLI module gives a `SupervisedJob` (its samples, its model, its step and its saved
+model) and nothing else.
 """
 
 from __future__ import annotations
@@ -12,27 +13,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from rlhf.cli.entry_point import begin, check_outputs, for_this_machine, metrics_logger
 from rlhf.config.errors import UsageError
-from rlhf.core.checkpointer import Checkpointer
-from rlhf.core.loop import Job, Loop
+from rlhf.core.loop import Job
 from rlhf.core.metrics import Reduce
 from rlhf.core.role_models import check_model_configs, micro_batcher, model_builder, role_model
+from rlhf.core.run import Assembled, JobParts, Started, run_job
 from rlhf.data.sampler import DistributedBatchSampler
 from rlhf.data.sources import read_rows
-from rlhf.distributed.launch_env import init_distributed
+from rlhf.distributed.launch_env import LaunchEnv
 from rlhf.distributed.topology import Role, Topology
-from rlhf.engines.deepspeed_compat import install_subgroup_patches
 from rlhf.engines.deepspeed_engine import DeepSpeedModel
 from rlhf.models.layout import SequenceLayout
 from rlhf.models.loading import check_liger_kernel, check_local_model, load_tokenizer
 from rlhf.models.micro_batches import MicroBatcher
 from rlhf.trainers.frozen import Answer, Frozen, FrozenLink, FrozenModel, FrozenService, server_rank_of
 from rlhf.trainers.supervised_trainer import MODEL
-from rlhf.utils.seeding import seed_everything
-from rlhf.utils.watchdog import Watchdog
 
 
 @dataclass(frozen=True)
@@ -130,9 +126,8 @@ def frozen_role(cfg, built: Built, role: Role, load: Callable[[str], torch.nn.Mo
     return make_trainer(FrozenModel(model, layout, answer, built.device, offload))
 
 
-def check_before_engines(cfg, num_ranks: int, default_ckpt_path: str) -> None:
-    """Flags, model files and outputs, before any engine or process group starts (`num_ranks`: the trained
-    model's)."""
+def check_before_engines(cfg, num_ranks: int) -> None:
+    """Flags and model files, before any engine or process group starts (`num_ranks`: the trained model's)."""
     e, b, d = cfg.engine, cfg.batch, cfg.data
     if num_ranks % e.ring_attn_size:
         raise UsageError(f"the {num_ranks} ranks do not split into rings of --ring_attn_size {e.ring_attn_size}")
@@ -152,7 +147,6 @@ def check_before_engines(cfg, num_ranks: int, default_ckpt_path: str) -> None:
     check_local_model(cfg.model.pretrain, "--pretrain")
     check_model_configs([("--pretrain", cfg.model.pretrain)], cfg.model, e, longest=d.max_len,
                         length_flags=f"--max_len {d.max_len}")
-    check_outputs(cfg.logging, cfg.checkpoint, default_ckpt_path)
 
 
 def read_samples(job: SupervisedJob, cfg, tokenizer, dataset: str, split: str, probs: str | None, flag: str) -> list:
@@ -160,70 +154,79 @@ def read_samples(job: SupervisedJob, cfg, tokenizer, dataset: str, split: str, p
     return job.samples(cfg, tokenizer, rows)
 
 
+class SupervisedRun(JobParts):
+    """The core run's parts of a supervised job: its checks, samples and rank plan; its sampler, model and
+    step."""
+
+    def __init__(self, job: SupervisedJob):
+        self.job = job
+        self.name, self.bar, self.demo_line = job.name, job.bar, job.demo_line
+
+    def prepare(self, cfg, launch: LaunchEnv) -> dict[Role, tuple[int, ...]]:
+        job, everyone = self.job, tuple(range(launch.world_size))
+        plan = (job.plan(cfg, launch.world_size) if job.plan is not None
+                else {role: everyone for role in (MODEL, *job.colocated_roles)})
+        check_before_engines(cfg, len(plan[MODEL]))
+        if job.check is not None:
+            job.check(cfg)
+        d, b = cfg.data, cfg.batch
+        self.tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code)
+        self.samples = read_samples(job, cfg, self.tokenizer, d.dataset, d.dataset_split, d.dataset_probs,
+                                    "--dataset")
+        self.eval_samples = (read_samples(job, cfg, self.tokenizer, d.eval_dataset, d.eval_split, None,
+                                          "--eval_dataset") if d.eval_dataset else [])
+        if len(self.samples) < b.train_batch_size:
+            raise UsageError(f"--dataset {d.dataset}: {len(self.samples)} usable samples, fewer than one "
+                             f"--train_batch_size {b.train_batch_size}; lower it or add data")
+        return plan
+
+    def _schedule(self, run: Started) -> tuple[DistributedBatchSampler, int, int | None]:
+        """The sampler of this rank, the number of steps and the evaluation interval."""
+        cfg, topology, b = run.cfg, run.topology, run.cfg.batch
+        student = topology.hosts(MODEL)
+        sampler = DistributedBatchSampler(len(self.samples), b.train_batch_size, topology.dp_size(MODEL),
+                                          topology.dp_rank(MODEL) if student else 0, cfg.seed)
+        steps = sampler.steps_per_epoch * b.max_epochs
+        steps = min(steps, b.max_steps) if b.max_steps else steps
+        eval_every = None
+        if self.eval_samples:
+            eval_every = cfg.logging.eval_steps if cfg.logging.eval_steps > 0 else sampler.steps_per_epoch
+        return sampler, steps, eval_every
+
+    def describe(self, run: Started) -> list[str]:
+        topology, b = run.topology, run.cfg.batch
+        sampler, steps, eval_every = self._schedule(run)
+        everyone = tuple(range(topology.world_size))
+        return [f"{self.name}: {len(self.samples)} samples, {b.max_epochs} epoch(s) of {sampler.steps_per_epoch} "
+                f"steps of {b.train_batch_size} samples ({steps} steps); {topology.dp_size(MODEL)} data-parallel "
+                "replica(s)"
+                + "".join(f"; {role.value} on ranks {ranks[0]}-{ranks[-1]}" for role, ranks in topology.plan.items()
+                          if role is not MODEL and ranks != everyone)
+                + (f"; held-out metrics of {len(self.eval_samples)} samples every {eval_every} steps"
+                   if eval_every else "")]
+
+    def build(self, run: Started) -> Assembled:
+        cfg, topology = run.cfg, run.topology
+        m, e, b = cfg.model, cfg.engine, cfg.batch
+        sampler, steps, eval_every = self._schedule(run)
+        if not self.eval_samples and cfg.logging.eval_steps > 0:
+            warnings.warn(f"--eval_steps {cfg.logging.eval_steps} has no effect without --eval_dataset",
+                          stacklevel=2)
+        dp = topology.dp_size(MODEL)
+        batcher = micro_batcher(e, b.micro_train_batch_size, topology, MODEL)
+        model = role_model(model_builder(m, e, batcher.layout, lambda attn: self.job.load_model(cfg, attn)), m, e,
+                           cfg.optim, topology, MODEL, run.device, trainable=True,
+                           micro_batch_size=b.micro_train_batch_size,
+                           grad_accum_steps=b.train_batch_size // (b.micro_train_batch_size * dp),
+                           num_optimizer_steps=steps, learning_rate=cfg.optim.learning_rate,
+                           name="model") if topology.hosts(MODEL) else None
+        built = Built(model, topology, self.samples, self.eval_samples, sampler, batcher, self.tokenizer,
+                      run.device)
+        trainer = self.job.make_trainer(cfg, built)
+        return Assembled(trainer, steps, eval_every, cfg.checkpoint.save_steps,
+                         save=lambda: self.job.save(cfg, trainer, built))
+
+
 def run_supervised(job: SupervisedJob, cfg, parse_warnings: Sequence[warnings.WarningMessage] = ()) -> None:
     """Train `job` with `cfg` (a supervised root config) on every rank."""
-    launch, preemption = begin(cfg.logging, parse_warnings)
-    demo = cfg.model.pretrain is None
-    default_ckpt_path = type(cfg)().checkpoint.ckpt_path
-    cfg = for_this_machine(cfg.with_demo_defaults())
-    everyone = tuple(range(launch.world_size))
-    plan = (job.plan(cfg, launch.world_size) if job.plan is not None
-            else {role: everyone for role in (MODEL, *job.colocated_roles)})
-    check_before_engines(cfg, len(plan[MODEL]), default_ckpt_path)
-    if job.check is not None:
-        job.check(cfg)
-    m, e, b, d = cfg.model, cfg.engine, cfg.batch, cfg.data
-    tokenizer = load_tokenizer(m.pretrain, m.trust_remote_code)
-    samples = read_samples(job, cfg, tokenizer, d.dataset, d.dataset_split, d.dataset_probs, "--dataset")
-    eval_samples = (read_samples(job, cfg, tokenizer, d.eval_dataset, d.eval_split, None, "--eval_dataset")
-                    if d.eval_dataset else [])
-    if len(samples) < b.train_batch_size:
-        raise UsageError(f"--dataset {d.dataset}: {len(samples)} usable samples, fewer than one --train_batch_size "
-                         f"{b.train_batch_size}; lower it or add data")
-    device = init_distributed(launch, cfg.dist_timeout)
-    Watchdog(launch.rank, cfg.watchdog_interval).start()
-    topology = Topology(plan, ring_size=e.ring_attn_size)
-    if topology.has_subgroups:
-        install_subgroup_patches()
-    dp = topology.dp_size(MODEL)
-    student = topology.hosts(MODEL)
-    sampler = DistributedBatchSampler(len(samples), b.train_batch_size, dp,
-                                      topology.dp_rank(MODEL) if student else 0, cfg.seed)
-    steps = sampler.steps_per_epoch * b.max_epochs
-    steps = min(steps, b.max_steps) if b.max_steps else steps
-    eval_every = None
-    if eval_samples:
-        eval_every = cfg.logging.eval_steps if cfg.logging.eval_steps > 0 else sampler.steps_per_epoch
-    elif cfg.logging.eval_steps > 0:
-        warnings.warn(f"--eval_steps {cfg.logging.eval_steps} has no effect without --eval_dataset", stacklevel=2)
-    is_writer = launch.rank == 0
-    if is_writer:
-        if demo:
-            print(job.demo_line, flush=True)
-        print(f"{job.name}: {len(samples)} samples, {b.max_epochs} epoch(s) of {sampler.steps_per_epoch} steps of "
-              f"{b.train_batch_size} samples ({steps} steps); {dp} data-parallel replica(s)"
-              + "".join(f"; {role.value} on ranks {ranks[0]}-{ranks[-1]}" for role, ranks in plan.items()
-                        if role is not MODEL and ranks != everyone)
-              + (f"; held-out metrics of {len(eval_samples)} samples every {eval_every} steps" if eval_every else ""),
-              flush=True)
-    seed_everything(cfg.seed + launch.rank, cfg.full_determinism)
-    batcher = micro_batcher(e, b.micro_train_batch_size, topology, MODEL)
-    model = role_model(model_builder(m, e, batcher.layout, lambda attn: job.load_model(cfg, attn)), m, e, cfg.optim,
-                       topology, MODEL, device, trainable=True, micro_batch_size=b.micro_train_batch_size,
-                       grad_accum_steps=b.train_batch_size // (b.micro_train_batch_size * dp),
-                       num_optimizer_steps=steps, learning_rate=cfg.optim.learning_rate,
-                       name="model") if student else None
-    built = Built(model, topology, samples, eval_samples, sampler, batcher, tokenizer, device)
-    trainer = job.make_trainer(cfg, built)
-    logger = metrics_logger(cfg, steps, is_writer, f"{job.name} steps", job.bar)
-    checkpointer = Checkpointer(cfg.checkpoint, default_ckpt_path=default_ckpt_path, rank=launch.rank,
-                                world_size=launch.world_size, logger=logger)
-    loop = Loop(steps, cfg.logging.logging_steps, cfg.checkpoint.save_steps, eval_every, logger, checkpointer,
-                launch.rank)
-    start = loop.resume(trainer)
-    try:
-        if loop.fit(trainer, start, preemption):
-            job.save(cfg, trainer, built)
-    finally:
-        logger.close()
-    dist.barrier()
+    run_job(SupervisedRun(job), cfg, parse_warnings)

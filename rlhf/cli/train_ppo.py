@@ -12,19 +12,18 @@ import os
 import socket
 import urllib.parse
 import warnings
+from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from rlhf.agents import load_agent
 from rlhf.agents.interface import Agent
-from rlhf.cli.entry_point import begin, check_outputs, for_this_machine, main_for, metrics_logger
+from rlhf.cli.entry_point import main_for
 from rlhf.config.errors import UsageError
 from rlhf.config.ppo_config import TrainPPOConfig
-from rlhf.core.checkpointer import Checkpointer
-from rlhf.core.loop import Loop
+from rlhf.core.run import Assembled, JobParts, Started, run_job
 from rlhf.data.prompts import Prompt, PromptSampler, load_prompts, single_prompt
-from rlhf.distributed.launch_env import init_distributed
+from rlhf.distributed.launch_env import LaunchEnv
 from rlhf.distributed.topology import Role, Topology, plan_ranks
 from rlhf.models.loading import check_liger_kernel, check_local_model, load_tokenizer
 from rlhf.models.value import check_scalar_head, save_scalar_head_model
@@ -40,7 +39,6 @@ from rlhf.trainers.ppo_build import (
 )
 from rlhf.trainers.ppo_trainer import PPOTrainer, Roles, episodes_per_fit_step, total_steps
 from rlhf.utils.seeding import seed_everything
-from rlhf.utils.watchdog import Watchdog
 
 
 def build_rollout_engine(cfg: TrainPPOConfig, device: torch.device, tokenizer, num_engines: int = 0):
@@ -123,7 +121,6 @@ def check_before_engines(cfg: TrainPPOConfig, world_size: int) -> dict[Role, tup
     for path in cfg.reward.reward_paths:  # a reward model with a random head trains against noise
         check_local_model(path, "--reward_pretrain")
         check_scalar_head(path, cfg.model.value_head_prefix, "--reward_pretrain")
-    check_outputs(cfg.logging, cfg.checkpoint, TrainPPOConfig().checkpoint.ckpt_path)
     if cfg.reward.source.startswith(("http://", "https://")):
         check_reachable("--remote_rm_url", cfg.reward.source, min(cfg.reward.remote_rm_timeout, 5.0))
     return plan
@@ -146,50 +143,49 @@ def check_reachable(flag: str, url: str, timeout_s: float) -> None:
                          f"({err.strerror or err}); start the reward server first or fix the URL") from err
 
 
-def run(cfg: TrainPPOConfig, parse_warnings: list[warnings.WarningMessage] = ()) -> None:
+class PPORun(JobParts):
+    """The core run's parts of RL training: the checks and inputs, the rank plan, the rollout engine, the roles
+    and the trainer."""
+
+    name, bar = "rl", {"reward": "reward_mean"}
+    demo_line = "no --pretrain given: training the embedded tiny demo policy"
+
+    def prepare(self, cfg: TrainPPOConfig, launch: LaunchEnv) -> dict[Role, tuple[int, ...]]:
+        plan = check_before_engines(cfg, launch.world_size)
+        self.reward_source = build_reward_source(cfg)
+        self.agent = load_agent(cfg.agent.agent_func_path) if cfg.agent.agent_func_path else None
+        self.tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code)
+        if cfg.repulse.new_custom_single_prompt:  # the toy: one prompt, every step
+            prompts = [the_single_prompt(cfg, self.tokenizer)] * cfg.batch.rollout_batch_size
+        else:
+            prompts = load_prompts(cfg.data, self.tokenizer)
+        self.eval_prompts = load_eval_prompts(cfg, self.tokenizer)
+        self.sampler = PromptSampler(prompts, cfg.batch.rollout_batch_size, cfg.seed)
+        return plan
+
+    def topology(self, cfg: TrainPPOConfig, plan: dict[Role, tuple[int, ...]]) -> Topology:
+        return Topology(plan, rollout_tp=cfg.rollout.vllm_tensor_parallel_size, ring_size=cfg.engine.ring_attn_size)
+
+    def describe(self, run: Started) -> list[str]:
+        return [describe_algorithm(run.cfg, run.topology), describe_layout(run.cfg, run.topology, run.device)]
+
+    def build(self, run: Started) -> Assembled:
+        cfg, topology, device = run.cfg, run.topology, run.device
+        engine = build_rollout_engine(cfg, device, self.tokenizer, topology.num_engines)
+        seed_everything(cfg.seed + run.launch.rank, cfg.full_determinism)  # again: vLLM re-seeds globally
+        steps = total_steps(cfg, self.sampler)
+        roles = build_roles(cfg, topology, device, steps, self.reward_source, self.tokenizer)
+        trainer, eval_every = build_trainer(cfg, topology, roles, engine, self.sampler, self.tokenizer, device,
+                                            steps, self.eval_prompts, self.agent)
+        return Assembled(trainer, steps, eval_every, cfg.save_steps,
+                         save=lambda: save_models(cfg, roles, topology, self.tokenizer),
+                         after_resume=trainer.sync_weights)
+
+
+def run(cfg: TrainPPOConfig, parse_warnings: Sequence[warnings.WarningMessage] = ()) -> None:
     """Train. `parse_warnings`: warnings raised while the flags were parsed, shown now that the console
     routing is in place (rank 0 shows ours; library ones are collected)."""
-    launch, preemption = begin(cfg.logging, parse_warnings)
-    demo = cfg.model.pretrain is None
-    cfg = for_this_machine(cfg.with_demo_defaults())
-    plan = check_before_engines(cfg, launch.world_size)
-    reward_source = build_reward_source(cfg)
-    agent = load_agent(cfg.agent.agent_func_path) if cfg.agent.agent_func_path else None
-    tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code)
-    if cfg.repulse.new_custom_single_prompt:  # the toy: one prompt, every step
-        prompts = [the_single_prompt(cfg, tokenizer)] * cfg.batch.rollout_batch_size
-    else:
-        prompts = load_prompts(cfg.data, tokenizer)
-    eval_prompts = load_eval_prompts(cfg, tokenizer)
-    sampler = PromptSampler(prompts, cfg.batch.rollout_batch_size, cfg.seed)
-    device = init_distributed(launch, cfg.dist_timeout)
-    Watchdog(launch.rank, cfg.watchdog_interval).start()  # prints where this rank is stuck, if it is
-    topology = Topology(plan, rollout_tp=cfg.rollout.vllm_tensor_parallel_size, ring_size=cfg.engine.ring_attn_size)
-    is_writer = launch.rank == 0
-    if is_writer and demo:
-        print("no --pretrain given: training the embedded tiny demo policy", flush=True)
-    if is_writer:
-        print(describe_algorithm(cfg, topology), flush=True)
-        print(describe_layout(cfg, topology, device), flush=True)
-    engine = build_rollout_engine(cfg, device, tokenizer, topology.num_engines)
-    seed_everything(cfg.seed + launch.rank, cfg.full_determinism)  # vLLM re-seeds globally
-    steps = total_steps(cfg, sampler)
-    roles = build_roles(cfg, topology, device, steps, reward_source, tokenizer)
-    log = cfg.logging
-    logger = metrics_logger(cfg, steps, is_writer, "rl steps", {"reward": "reward_mean"})
-    trainer, eval_every = build_trainer(cfg, topology, roles, engine, sampler, tokenizer, device, steps,
-                                        eval_prompts, agent)
-    checkpointer = Checkpointer(cfg.checkpoint, default_ckpt_path=TrainPPOConfig().checkpoint.ckpt_path,
-                                rank=launch.rank, world_size=launch.world_size, logger=logger)
-    loop = Loop(steps, log.logging_steps, cfg.save_steps, eval_every, logger, checkpointer, launch.rank)
-    start = loop.resume(trainer)
-    trainer.sync_weights()
-    try:
-        if loop.fit(trainer, start, preemption):
-            save_models(cfg, roles, topology, tokenizer)
-    finally:
-        logger.close()
-    dist.barrier()
+    run_job(PPORun(), cfg, parse_warnings)
 
 
 def the_single_prompt(cfg: TrainPPOConfig, tokenizer) -> Prompt:

@@ -17,7 +17,6 @@ from rlhf.core.role_models import check_model_configs, micro_batcher, model_buil
 from rlhf.data.pretrain import PtxData, tokenize_texts
 from rlhf.data.prompts import load_texts
 from rlhf.distributed.topology import Placement, Role, Topology
-from rlhf.engines.deepspeed_compat import install_subgroup_patches
 from rlhf.engines.deepspeed_engine import DeepSpeedModel, check_sleep_supported
 from rlhf.engines.weight_sync import meta_param_specs
 from rlhf.kernels.ring_attention import block_kernel_for
@@ -219,8 +218,6 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
     """Role objects for this rank (None where it does not host the role)."""
     if cfg.engine.deepspeed_enable_sleep:
         check_sleep_supported(cfg.engine.zero_stage, cfg.engine.adam_offload)
-    if topology.has_subgroups:
-        install_subgroup_patches()
     m, dtype = cfg.model, _dtype(cfg)
     actor = critic = ref_model = ref_batcher = None
     frozen: list[DeepSpeedModel] = []

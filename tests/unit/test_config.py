@@ -263,7 +263,7 @@ def test_reward_pretrain_with_remote_rm_url_follows_openrlhf():
 
 
 def test_flash_attention_without_cuda_warns_and_uses_sdpa():
-    from rlhf.cli.entry_point import for_this_machine
+    from rlhf.core.run import for_this_machine
 
     if torch.cuda.is_available():
         pytest.skip("this machine can run flash-attn; the fallback is for CPU machines")

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 import rlhf
+import rlhf.cli.entry_point as entry_point
 import rlhf.cli.train_ppo as train_ppo
-from rlhf.cli.entry_point import show_parse_warnings
 from rlhf.config import errors
 from rlhf.config.errors import UsageError, usage_errors_exit
 from rlhf.config.flags import parse_config
 from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.config.shared_config import LoggingConfig
+from rlhf.core.run import show_parse_warnings
 from rlhf.distributed.launch_env import read_launch_env
 from rlhf.utils.console import route_library_output
 
@@ -106,7 +107,7 @@ def test_errors_after_start_keep_their_traceback_but_usage_errors_do_not(single_
         raise ValueError("reward_func returned 1 rewards for 3 queries")
 
     single_process.setattr(train_ppo, "run", run)
-    single_process.setattr(train_ppo.dist, "is_initialized", lambda: True)
+    single_process.setattr(entry_point.dist, "is_initialized", lambda: True)
     with pytest.raises(ValueError, match="returned 1 rewards"):
         train_ppo.main([])
 

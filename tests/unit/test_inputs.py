@@ -12,6 +12,7 @@ from rlhf.cli.train_ppo import check_before_engines, run
 from rlhf.config.errors import UsageError
 from rlhf.config.flags import parse_config
 from rlhf.config.ppo_config import DataConfig, TrainPPOConfig
+from rlhf.core.run import check_outputs, default_ckpt_path
 from rlhf.data.prompts import PromptSampler, load_prompts
 from rlhf.models.loading import load_tokenizer
 from rlhf.models.value import check_scalar_head, load_scalar_head_model
@@ -163,16 +164,21 @@ def _demo_cfg(*argv):
                                          "--generate_max_len", "8", *argv]).with_demo_defaults()
 
 
+def _check_outputs(cfg):
+    """What every training job checks of its outputs before any engine (`rlhf.core.run.start`)."""
+    check_outputs(cfg.logging, cfg.checkpoint, default_ckpt_path(cfg))
+
+
 def test_unwritable_output_directories_fail_before_engines(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(UsageError, match=rf"--save_path {blocker}/out is not writable \(.*not a directory\)"):
-        check_before_engines(_demo_cfg("--save_path", str(blocker / "out")), 1)
+        _check_outputs(_demo_cfg("--save_path", str(blocker / "out")))
     with pytest.raises(UsageError, match=rf"--ckpt_path {blocker}/ck is not writable"):
-        check_before_engines(_demo_cfg("--save_path", str(tmp_path / "out"), "--save_steps", "1",
-                                       "--ckpt_path", str(blocker / "ck")), 1)
-    check_before_engines(_demo_cfg("--save_path", str(tmp_path / "a" / "b"), "--save_steps", "1",
-                                   "--ckpt_path", str(tmp_path)), 1)
+        _check_outputs(_demo_cfg("--save_path", str(tmp_path / "out"), "--save_steps", "1",
+                                       "--ckpt_path", str(blocker / "ck")))
+    _check_outputs(_demo_cfg("--save_path", str(tmp_path / "a" / "b"), "--save_steps", "1",
+                                   "--ckpt_path", str(tmp_path)))
     assert sorted(os.listdir(tmp_path)) == ["file"]  # the check leaves nothing behind
 
 
@@ -181,14 +187,14 @@ def test_an_earlier_runs_output_is_refused_before_engines(tmp_path, monkeypatch)
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     with pytest.raises(UsageError, match=r"metrics.jsonl already holds 2 rows of metrics from an earlier run: pass "
                                          r"--load_checkpoint to continue that run, or choose another --save_path"):
-        check_before_engines(_demo_cfg("--save_path", str(tmp_path)), 1)
-    check_before_engines(_demo_cfg("--save_path", str(tmp_path), "--load_checkpoint"), 1)
+        _check_outputs(_demo_cfg("--save_path", str(tmp_path)))
+    _check_outputs(_demo_cfg("--save_path", str(tmp_path), "--load_checkpoint"))
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a torchrun restart resumes by itself
-    check_before_engines(_demo_cfg("--save_path", str(tmp_path)), 1)
+    _check_outputs(_demo_cfg("--save_path", str(tmp_path)))
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
     with pytest.raises(UsageError, match=r"--load_checkpoint: --ckpt_path .*/nothing does not exist"):
-        check_before_engines(_demo_cfg("--save_path", str(tmp_path), "--load_checkpoint", "--ckpt_path",
-                                       str(tmp_path / "nothing")), 1)
+        _check_outputs(_demo_cfg("--save_path", str(tmp_path), "--load_checkpoint", "--ckpt_path",
+                                       str(tmp_path / "nothing")))
 
 
 def test_unreachable_reward_server_fails_before_engines(tmp_path):
@@ -255,14 +261,14 @@ def test_serve_rm_refuses_a_reward_model_without_head(capsys):
 def test_use_wandb_without_its_package_fails_before_any_engine(tmp_path, monkeypatch):
     import importlib.util
 
-    from rlhf.cli import entry_point
     from rlhf.config.shared_config import CheckpointConfig, LoggingConfig
+    from rlhf.core import run as core_run
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(entry_point.importlib.util, "find_spec", lambda name: None if name == "wandb" else
+    monkeypatch.setattr(core_run.importlib.util, "find_spec", lambda name: None if name == "wandb" else
                         find_spec(name))
     logging = LoggingConfig(save_path=str(tmp_path / "out"), use_wandb="True")
     with pytest.raises(UsageError, match=r"^--use_wandb needs the wandb package: pip install wandb"):
-        entry_point.check_outputs(logging, CheckpointConfig(), CheckpointConfig().ckpt_path)
-    entry_point.check_outputs(LoggingConfig(save_path=str(tmp_path / "out")), CheckpointConfig(),
+        core_run.check_outputs(logging, CheckpointConfig(), CheckpointConfig().ckpt_path)
+    core_run.check_outputs(LoggingConfig(save_path=str(tmp_path / "out")), CheckpointConfig(),
                               CheckpointConfig().ckpt_path)

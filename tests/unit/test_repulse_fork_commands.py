@@ -6,11 +6,11 @@ the model must be a local path (nothing is downloaded here)."""
 import pytest
 
 from rlhf.assets import TINY_DIR
-from rlhf.cli.entry_point import for_this_machine
 from rlhf.config.errors import UsageError
 from rlhf.config.flags import parse_config
 from rlhf.config.gcg_config import EvaluateGCGConfig
 from rlhf.config.ppo_config import TrainPPOConfig
+from rlhf.core.run import for_this_machine
 from tests.repulse_fork import GCG, REALISTIC, TOY, TRAIN, flag_value, set_flag
 
 

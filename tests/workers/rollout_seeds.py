@@ -12,9 +12,10 @@ import sys
 import torch.distributed as dist
 
 from rlhf.assets import EMBEDDED_MODEL_DIR
-from rlhf.cli.train_ppo import build_rollout_engine, for_this_machine
+from rlhf.cli.train_ppo import build_rollout_engine
 from rlhf.config.flags import parse_config
 from rlhf.config.ppo_config import TrainPPOConfig
+from rlhf.core.run import for_this_machine
 from rlhf.data.prompts import Prompt, PromptSampler
 from rlhf.distributed.collectives import all_gather_rollout
 from rlhf.distributed.launch_env import init_distributed, read_launch_env

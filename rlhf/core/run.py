@@ -1,0 +1,237 @@
+"""The one assembly of a run, shared by every job (RL, supervised, preference, distillation, batch inference):
+console routing and preemption handling from the first moment, the checks of outputs and resume paths that need
+no engine, the machine-dependent choices (dtype, attention), distributed initialisation, the watchdog, the
+topology, the seed, the metrics logger, the checkpointer and the loop. A job gives its `JobParts` (its checks and
+inputs, its rank plan, its description, and how to build its `Job`); `run_job` does the rest (batch inference,
+which writes chunks instead of steps, shares `start`). Knows config roots
+only through their shared sub-configs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import sys
+import tempfile
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from rlhf.config.errors import UsageError
+from rlhf.config.shared_config import CheckpointConfig, LoggingConfig, replace_quietly
+from rlhf.core.checkpointer import Checkpointer, restarted_by_launcher
+from rlhf.core.loop import Job, Loop
+from rlhf.distributed.launch_env import LaunchEnv, init_distributed, read_launch_env
+from rlhf.distributed.topology import Role, Topology
+from rlhf.engines.deepspeed_compat import install_subgroup_patches
+from rlhf.models.loading import resolve_attention
+from rlhf.utils.checkpoint_files import check_resume_path
+from rlhf.utils.console import route_library_output
+from rlhf.utils.logging import MetricsLogger, WandbSettings, check_no_earlier_run
+from rlhf.utils.preemption import PreemptionWatch
+from rlhf.utils.seeding import seed_everything
+from rlhf.utils.watchdog import Watchdog
+
+C = TypeVar("C")
+
+
+def begin(logging: LoggingConfig, parse_warnings: Sequence[warnings.WarningMessage]
+          ) -> tuple[LaunchEnv, PreemptionWatch]:
+    """Route library output (each distinct library warning once on the console, everything in
+    SAVE_PATH/logs), then from here on treat SIGTERM/SIGUSR1 as "checkpoint at the next step boundary and
+    stop" (one during setup is remembered, not fatal), and show the warnings raised while parsing."""
+    launch = read_launch_env()
+    route_library_output(logging, launch.rank)
+    preemption = PreemptionWatch()
+    show_parse_warnings(parse_warnings, launch.rank)
+    return launch, preemption
+
+
+def show_parse_warnings(parse_warnings: Sequence[warnings.WarningMessage], rank: int) -> None:
+    """The notes of the flags and the config's validation: once, from rank 0 (every rank parses the same
+    flags), as `Category: message` (their location would be the config's generated `__init__`)."""
+    if rank == 0:
+        for w in parse_warnings:
+            print(f"{w.category.__name__}: {w.message}", file=sys.stderr, flush=True)
+
+
+def for_this_machine(cfg: C) -> C:
+    """The config with what this machine decides: fp16 needs CUDA (DeepSpeed's loss scaling);
+    flash_attention_2 without CUDA and flash-attn runs SDPA, with a warning."""
+    m = cfg.model
+    if m.param_dtype == "fp16" and not torch.cuda.is_available():
+        raise UsageError("--param_dtype fp16 needs CUDA (DeepSpeed's fp16 loss scaling); on CPU pass "
+                         "--param_dtype bf16 or --param_dtype fp32")
+    flag = "--flash_attn" if m.flash_attn else f"--attn_implementation {m.attn_implementation}"
+    if m.attn == "flash_attention_2" and m.attn_implementation == "flash_attention_2" and not m.flash_attn:
+        flag += " (the default)"
+    attn = resolve_attention(m.attn, flag)
+    if attn == m.attn:
+        return cfg
+    return replace_quietly(cfg, model=replace_quietly(m, attn_implementation=attn, flash_attn=False))
+
+
+def check_outputs(logging: LoggingConfig, checkpoint: CheckpointConfig, default_ckpt_path: str) -> None:
+    """--save_path (and --ckpt_path when checkpoints are written) are writable; --load_checkpoint finds its
+    directory; a fresh run refuses a --save_path holding an earlier run's metrics; --use_wandb finds its package.
+    Every rank calls it."""
+    if logging.use_wandb and importlib.util.find_spec("wandb") is None:
+        raise UsageError("--use_wandb needs the wandb package: pip install wandb (or log with --use_tensorboard DIR)")
+    check_writable("--save_path", logging.save_path)
+    restarted = restarted_by_launcher()
+    if checkpoint.load_checkpoint:
+        check_resume_path(checkpoint.ckpt_path, explicit_path=checkpoint.ckpt_path != default_ckpt_path,
+                          restarted=restarted)
+    elif not restarted:
+        check_no_earlier_run(logging.save_path)
+    if checkpoint.save_steps != -1:
+        check_writable("--ckpt_path", checkpoint.ckpt_path)
+
+
+def check_writable(flag: str, path: str) -> None:
+    """Write a temporary file in directory `path` (or, while it does not exist, a temporary directory in its
+    nearest existing parent, so a failed run leaves nothing behind): an unwritable output fails now, not
+    after the first training step. Every rank calls it (a node may lack the mount)."""
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(20, f"{existing} is not a directory")
+        if existing == os.path.abspath(path):
+            with tempfile.NamedTemporaryFile(dir=existing, prefix=".write_test"):
+                pass
+        else:
+            os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".write_test"))
+    except OSError as err:
+        raise UsageError(f"{flag} {path} is not writable ({err.strerror or err}); choose a directory this "
+                         "user can write") from err
+
+
+def metrics_logger(cfg: Any, total_steps: int, is_writer: bool, bar_desc: str,
+                   bar_metrics: dict[str, str]) -> MetricsLogger:
+    """metrics.jsonl under --save_path, TensorBoard and wandb as configured (writer rank only)."""
+    log = cfg.logging
+    wandb = WandbSettings(log.use_wandb, log.wandb_project, log.wandb_group, log.wandb_run_name,
+                          dataclasses.asdict(cfg)) if log.use_wandb else None
+    return MetricsLogger(log.save_path, log.use_tensorboard, total_steps, enabled=is_writer, wandb=wandb,
+                         bar_desc=bar_desc, bar_metrics=bar_metrics)
+
+
+
+@dataclass(frozen=True)
+class Started:
+    """A run after its checks, with its process groups: what a job builds its step from. `cfg`: the config as
+    this machine runs it (demo defaults and machine choices applied); `demo`: no --pretrain was given."""
+
+    cfg: Any
+    launch: LaunchEnv
+    preemption: PreemptionWatch
+    topology: Topology
+    device: torch.device
+    demo: bool
+
+    @property
+    def is_writer(self) -> bool:
+        return self.launch.rank == 0
+
+
+@dataclass
+class Assembled:
+    """A job, built on this rank: its step (`trainer`), the number of steps, how often it evaluates (None:
+    never), the checkpoint interval, what to do once resumed (e.g. push the weights to the rollout engine) and
+    how to save the final model (collective; called when the last step is done)."""
+
+    trainer: Job
+    steps: int
+    eval_every: int | None
+    save_steps: int
+    save: Callable[[], None]
+    after_resume: Callable[[], None] = field(default=lambda: None)
+
+
+class RunParts(ABC):
+    """A job's part of a run's start; one instance per run (it may keep what `prepare` read). `demo_line`:
+    shown without --pretrain."""
+
+    demo_line: str
+
+    @abstractmethod
+    def prepare(self, cfg: Any, launch: LaunchEnv) -> dict[Role, tuple[int, ...]]:
+        """The job's checks of flags, model files and inputs, and the inputs it reads, before any engine or
+        process group starts; returns the rank plan (role -> ranks)."""
+
+    def topology(self, cfg: Any, plan: dict[Role, tuple[int, ...]]) -> Topology:
+        return Topology(plan, ring_size=cfg.engine.ring_attn_size)
+
+
+class JobParts(RunParts):
+    """A training job's parts of a run: the start's, its description and its step. `name`: the progress bar's
+    (`{name} steps`); `bar`: progress-bar label -> metric."""
+
+    name: str
+    bar: dict[str, str]
+
+    def describe(self, run: Started) -> list[str]:
+        """Lines rank 0 prints before the engines are built."""
+        return []
+
+    @abstractmethod
+    def build(self, run: Started) -> Assembled:
+        """This rank's engines and step (every rank calls it, in the same order)."""
+
+
+def start(parts: RunParts, cfg: Any, parse_warnings: Sequence[warnings.WarningMessage], *,
+          logging: LoggingConfig | None = None, trains: bool = True) -> Started:
+    """Everything before a job builds its engines: console routing (logs beside `logging.save_path`, default
+    the config's) and preemption handling, the config as this machine runs it, a training job's outputs
+    (`trains`: --save_path, --ckpt_path, --load_checkpoint), the job's own checks and inputs, the process
+    groups, the watchdog and the topology."""
+    launch, preemption = begin(logging or cfg.logging, parse_warnings)
+    demo = cfg.model.pretrain is None
+    cfg = for_this_machine(cfg.with_demo_defaults())
+    if trains:
+        check_outputs(cfg.logging, cfg.checkpoint, default_ckpt_path(cfg))
+    plan = parts.prepare(cfg, launch)
+    device = init_distributed(launch, cfg.dist_timeout)
+    Watchdog(launch.rank, cfg.watchdog_interval).start()  # prints where this rank is stuck, if it is
+    return Started(cfg, launch, preemption, parts.topology(cfg, plan), device, demo)
+
+
+def default_ckpt_path(cfg: Any) -> str:
+    """The job's default --ckpt_path (a resume from an explicitly given path must find it)."""
+    return type(cfg)().checkpoint.ckpt_path
+
+
+def run_job(parts: JobParts, cfg: Any, parse_warnings: Sequence[warnings.WarningMessage] = ()) -> None:
+    """Train the job of `parts` with `cfg` (its root config) on every rank: `start`, the description, the seed,
+    the job's engines and step, the metrics logger, the checkpointer (resuming with --load_checkpoint), the
+    loop, and the final model."""
+    run = start(parts, cfg, parse_warnings)
+    cfg, launch = run.cfg, run.launch
+    if run.is_writer:
+        for line in ([parts.demo_line] if run.demo else []) + parts.describe(run):
+            print(line, flush=True)
+    if run.topology.has_subgroups:
+        install_subgroup_patches()
+    seed_everything(cfg.seed + launch.rank, cfg.full_determinism)
+    job = parts.build(run)
+    logger = metrics_logger(cfg, job.steps, run.is_writer, f"{parts.name} steps", parts.bar)
+    checkpointer = Checkpointer(cfg.checkpoint, default_ckpt_path=default_ckpt_path(cfg),
+                                rank=launch.rank, world_size=launch.world_size, logger=logger)
+    loop = Loop(job.steps, cfg.logging.logging_steps, job.save_steps, job.eval_every, logger, checkpointer,
+                launch.rank)
+    begin_step = loop.resume(job.trainer)
+    job.after_resume()
+    try:
+        if loop.fit(job.trainer, begin_step, run.preemption):
+            job.save()
+    finally:
+        logger.close()
+    dist.barrier()
