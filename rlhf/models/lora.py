@@ -4,15 +4,18 @@
 trainable and is saved with the adapter, via `modules_to_save`). `merged_parameters` streams an adapted model's
 weights as the base model would hold them (W + scale x B @ A, under the base model's parameter names): what the
 rollout engine loads and what a full state dict holds. `save_adapter` writes what OpenRLHF writes for a LoRA
-model (adapter_config.json, adapter_model.safetensors, config.json, tokenizer); `merge_adapter` is the inverse
-used by `rlhf.cli.lora_combiner`. Knows nothing of DeepSpeed: callers pass the gather that makes a ZeRO-3
-module's parameters whole.
+model (adapter_config.json, adapter_model.safetensors, config.json, tokenizer) and `adapter_base.json`, a
+fingerprint of the base's weights (`weights_fingerprint`); `merge_adapter` is the inverse used by
+`rlhf.cli.lora_combiner`, which checks its base against that record. Knows nothing of DeepSpeed: callers pass
+the gather that makes a ZeRO-3 module's parameters whole.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -28,6 +31,10 @@ ADAPTER = "default"
 
 PEFT_PREFIX = "base_model.model."
 """What peft puts in front of the base model's parameter names."""
+
+BASE_RECORD = "adapter_base.json"
+"""The file `save_adapter` writes beside an adapter: {"base_model_name_or_path": the base's absolute path,
+"weights_fingerprint": `weights_fingerprint` of it, or null}."""
 
 Gather = Callable[[list[torch.nn.Parameter]], contextlib.AbstractContextManager]
 """A context in which the given parameters are whole (ZeRO-3: a collective gather; else nothing)."""
@@ -188,14 +195,66 @@ def save_adapter(model: torch.nn.Module, state: dict[str, torch.Tensor], path: s
                  extra_config: dict[str, Any] | None = None) -> None:
     """What OpenRLHF saves for a LoRA model: adapter_config.json and adapter_model.safetensors (the adapters
     and saved modules of `state`, see `adapter_state_dict`), the base model's config.json (with
-    `extra_config` added) and the tokenizer. Call on one rank."""
+    `extra_config` added) and the tokenizer; and `BASE_RECORD`, where the base came from and its weights'
+    fingerprint (read from its files, so ZeRO-3 partitioned weights need no gather). Call on one rank."""
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, state_dict=state, safe_serialization=True)
-    config = model.get_base_model().config
-    config = config.__class__.from_dict({**config.to_dict(), **(extra_config or {})})
+    base = model.get_base_model()
+    config = base.config.__class__.from_dict({**base.config.to_dict(), **(extra_config or {})})
     config.save_pretrained(path)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
+    base_path = os.path.abspath(base.name_or_path) if base.name_or_path else None
+    with open(os.path.join(path, BASE_RECORD), "w") as f:
+        json.dump({"base_model_name_or_path": base_path,
+                   "weights_fingerprint": weights_fingerprint(base_path) if base_path else None}, f, indent=2)
+
+
+def _sampled_rows(handle, key: str, shape: list[int]) -> torch.Tensor:
+    """Tensor `key` of the open safetensors file `handle`, flat: whole when it holds at most 4096 values, else
+    the first 4096 of a 1-D tensor, else its first, middle and last rows along the first dimension (of a tensor
+    with more than two dimensions, the rows of its first inner matrix)."""
+    if math.prod(shape) <= 4096:
+        return handle.get_tensor(key).reshape(-1)
+    tensor_slice = handle.get_slice(key)
+    if len(shape) == 1:
+        return tensor_slice[:4096]
+    inner = (slice(0, 1),) * (len(shape) - 2)
+    rows = sorted({0, shape[0] // 2, shape[0] - 1})
+    return torch.cat([tensor_slice[(slice(i, i + 1), *inner)].reshape(-1) for i in rows])
+
+
+def weights_fingerprint(path: str) -> str | None:
+    """A fingerprint of the weights of the safetensors checkpoint in directory `path` (None when it holds no
+    .safetensors file): sha256 over every tensor's name and shape and its first, middle and last rows rounded
+    to bf16, in name order. It tells two checkpoints of the same architecture apart (a fine-tune changes every
+    row) while reading a few rows a tensor, and does not change with the shard layout or with a conversion
+    between fp32 and bf16."""
+    from safetensors import safe_open
+
+    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors")) if os.path.isdir(path) else []
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(os.path.join(path, n), framework="pt")) for n in files]
+        owner = {key: handle for handle in handles for key in handle.keys()}
+        for key in sorted(owner):
+            shape = list(owner[key].get_slice(key).get_shape())
+            sample = _sampled_rows(owner[key], key, shape).to(torch.bfloat16)
+            digest.update(f"{key}{shape}".encode())
+            digest.update(sample.contiguous().view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def read_base_record(path: str) -> dict[str, Any]:
+    """The `adapter_base.json` beside the adapter at `path`, or {} when it has none (an adapter saved elsewhere,
+    or before this record was written)."""
+    file = os.path.join(path, BASE_RECORD)
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        return json.load(f)
 
 
 def read_adapter_config(path: str, flag: str = "--lora_path") -> dict[str, Any]:

@@ -3,6 +3,7 @@ model's log-probs and values, and checkpoints hold the adapters alone and resume
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -87,6 +88,7 @@ def test_merged_weights_checkpoints_and_resume_on_zero3(tmp_path):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from rlhf.cli.lora_combiner import main
+    from rlhf.models.lora import BASE_RECORD, weights_fingerprint
     from rlhf.models.value import last_token_values
     from tests.references import sequence_logprobs
 
@@ -113,6 +115,10 @@ def test_merged_weights_checkpoints_and_resume_on_zero3(tmp_path):
     with torch.no_grad():
         reloaded = sequence_logprobs(adapter.eval(), exp.sequences_BT, exp.attention_mask_BT)
     assert float((reloaded - r["merged_lp"]).abs().max()) < 1e-5
+    fingerprint = weights_fingerprint(EMBEDDED_MODEL_DIR)
+    for role in ("actor", "critic"):  # the base's fingerprint, read from its files (the base is partitioned)
+        assert json.loads((tmp_path / role / BASE_RECORD).read_text()) == {
+            "base_model_name_or_path": EMBEDDED_MODEL_DIR, "weights_fingerprint": fingerprint}
     main(["--model_path", EMBEDDED_MODEL_DIR, "--lora_path", str(tmp_path / "critic"), "--output_path",
           str(tmp_path / "rm"), "--param_dtype", "fp32", "--is_rm"])
     rm = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm")
