@@ -10,7 +10,7 @@
 # The exact log P(bad) and expected reward are logged after every fit step (--analytic_bad_word_calc).
 # Writes OUT_DIR/<method>_s<seed>/ (metrics.jsonl, model, proposal) and OUT_DIR/figures/ (training_curves.png,
 # frontier.png, summary.json). Two runs at a time; about 5-10 minutes on 2 CPU cores.
-# Usage: bash launch/examples/repulse_toy_cpu.sh OUT_DIR [extra train_ppo flags for every run...]
+# Usage: bash launch/examples/repulse_toy_cpu.sh OUT_DIR [extra train_repulse flags for every run...]
 set -euo pipefail
 # shellcheck source=launch/examples/common.sh
 source "$(dirname "$0")/common.sh"
@@ -24,7 +24,7 @@ run() {  # run NAME SEED EPISODES FLAGS...
   local name=$1 seed=$2 episodes=$3 port
   shift 3
   port=$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  torchrun --nproc_per_node 1 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_ppo \
+  torchrun --nproc_per_node 1 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_repulse \
     --pretrain "$tiny/policy" --remote_rm_url "$toy/reward.py" \
     --new_custom_single_prompt --custom_prompt "copy :" --input_template "{} " \
     --do_harmlessness_training --duplicate_rollout_batch_by 8 --n_samples_per_prompt 1 \

@@ -4,7 +4,7 @@ rank; no process group is started):
     python -m rlhf.cli.evaluate_gcg --pretrain POLICY --file_path goals.csv --reward_pretrain RM \\
         --reward_threshold -4.0 --rm_exclude_adv_suffix --max_targets 100 --gcg_steps 50 --output_path gcg.json
 
-For each row of the `goal,target` CSV, greedy coordinate gradient (`rlhf.evaluation.gcg`) optimises a suffix of
+For each row of the `goal,target` CSV, greedy coordinate gradient (`rlhf.repulse.gcg`) optimises a suffix of
 --gcg_suffix_len tokens so that the policy, prompted with goal + suffix, is most likely to continue with the target.
 Then --samples_per_goal completions are sampled from that prompt (HF generate, temperature 1, no top-k/top-p) and
 scored; the goal counts as attacked when any completion's reward is below --reward_threshold (or, with
@@ -49,10 +49,12 @@ import torch
 
 from rlhf.cli.entry_point import main_for
 from rlhf.config.errors import UsageError
-from rlhf.config.gcg_config import DEMO_SETTINGS, EvaluateGCGConfig, GCGDataConfig
 from rlhf.core.run import check_writable
 from rlhf.data.formatting import make_chat_template
-from rlhf.evaluation.gcg import (
+from rlhf.inference.generate import generated_text
+from rlhf.inference.output import write_atomically
+from rlhf.models.loading import check_local_model, load_causal_lm, load_tokenizer, resolve_attention
+from rlhf.repulse.gcg import (
     AttackPrompt,
     GCGState,
     disallowed_token_ids,
@@ -60,9 +62,7 @@ from rlhf.evaluation.gcg import (
     num_choices,
     run_gcg,
 )
-from rlhf.inference.generate import generated_text
-from rlhf.inference.output import write_atomically
-from rlhf.models.loading import check_local_model, load_causal_lm, load_tokenizer, resolve_attention
+from rlhf.repulse.gcg_config import DEMO_SETTINGS, EvaluateGCGConfig, GCGDataConfig
 from rlhf.rewards.base import RewardInputs, RewardSource
 from rlhf.utils.seeding import seed_everything
 

@@ -7,7 +7,7 @@ Each --runs item is a method label and its seeds' run directories (each with the
 writes, and optionally gcg.json). Writes OUT_DIR/training_curves.png (samples drawn vs log P(bad) and vs mean
 reward, mean over seeds with a shaded 95% t-interval), OUT_DIR/frontier.png (final return vs final log
 P(bad); held-out return vs CVaR and GCG attack success rate when every run has them) and OUT_DIR/summary.json.
-One process, no GPU. The reading and statistics live in `rlhf.evaluation.plots`.
+One process, no GPU. The reading and statistics live in `rlhf.repulse.plots`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import json
 import os
 
 from rlhf.config.errors import UsageError, usage_errors_exit
-from rlhf.evaluation import plots
+from rlhf.repulse import plots
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

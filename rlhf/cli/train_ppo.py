@@ -17,17 +17,17 @@ from collections.abc import Sequence
 import torch
 
 from rlhf.agents import load_agent
-from rlhf.agents.interface import Agent
 from rlhf.cli.entry_point import main_for
 from rlhf.config.errors import UsageError
 from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.core.run import Assembled, JobParts, Started, run_job
-from rlhf.data.prompts import Prompt, PromptSampler, load_prompts, single_prompt
+from rlhf.data.prompts import Prompt, PromptSampler, load_prompts
 from rlhf.distributed.launch_env import LaunchEnv
 from rlhf.distributed.topology import Role, Topology, plan_ranks
 from rlhf.models.loading import check_liger_kernel, check_local_model, load_tokenizer
 from rlhf.models.value import check_scalar_head, save_scalar_head_model
 from rlhf.rewards.base import RewardSource
+from rlhf.trainers.async_ppo_trainer import AsyncPPOTrainer
 from rlhf.trainers.ppo_build import (
     NO_VLLM,
     build_roles,
@@ -37,7 +37,8 @@ from rlhf.trainers.ppo_build import (
     placement_from_config,
     rollout_engine_choice,
 )
-from rlhf.trainers.ppo_trainer import PPOTrainer, Roles, episodes_per_fit_step, total_steps
+from rlhf.trainers.ppo_trainer import PPOTrainer, Roles, total_steps
+from rlhf.trainers.prompt_eval import PromptEvaluator
 from rlhf.utils.seeding import seed_everything
 
 
@@ -89,15 +90,12 @@ def build_reward_source(cfg: TrainPPOConfig) -> RewardSource | None:
 
 
 def save_models(cfg: TrainPPOConfig, roles: Roles, topology: Topology, tokenizer) -> None:
-    """Final HF-format models under --save_path: the actor (with tokenizer), RePULSe's proposal and the critic.
-    With --lora_rank
+    """Final HF-format models under --save_path: the actor (with tokenizer) and the critic. With --lora_rank
     each is its adapter (with the critic's value head), as OpenRLHF saves it; `rlhf.cli.lora_combiner` merges
     one into its base (--is_rm for the critic)."""
     out = cfg.logging.save_path
     if roles.actor is not None:
         roles.actor.model.save_hf(os.path.join(out, "model"), tokenizer, topology.leads(Role.ACTOR))
-    if roles.proposal is not None:  # RePULSe's q, beside the policy
-        roles.proposal.model.save_hf(os.path.join(out, "proposal"), tokenizer, topology.leads(Role.PROPOSAL))
     if roles.critic is not None and roles.critic.model.adapted:
         roles.critic.model.save_hf(os.path.join(out, "critic"), tokenizer, topology.leads(Role.CRITIC))
     elif roles.critic is not None:
@@ -108,13 +106,15 @@ def save_models(cfg: TrainPPOConfig, roles: Roles, topology: Topology, tokenizer
             save_scalar_head_model(state, module.config, module.head_prefix, os.path.join(out, "critic"), tokenizer)
 
 
-def check_before_engines(cfg: TrainPPOConfig, world_size: int) -> dict[Role, tuple[int, ...]]:
+def check_before_engines(cfg: TrainPPOConfig, world_size: int, extra_roles: tuple[Role, ...] = ()
+                         ) -> dict[Role, tuple[int, ...]]:
     """The checks of flags and model files that need no engine (engines take minutes on real models), and
-    the rank plan they validate. Reading the data and the reward file follows in `run`, also before."""
+    the rank plan they validate (`extra_roles`: a job's trained policy copies beside PPO's roles). Reading
+    the data and the reward file follows in `PPORun.prepare`, also before."""
     cfg.check_world(world_size)
-    plan = plan_ranks(placement_from_config(cfg), world_size)
+    plan = plan_ranks(placement_from_config(cfg, extra_roles), world_size)
     cfg.check_role_sizes({r.value: len(ranks) for r, ranks in plan.items() if r is not Role.ROLLOUT},
-                         trainable=("actor", "critic", "proposal"))
+                         trainable=("actor", "critic", *(r.value for r in extra_roles)))
     if cfg.engine.use_liger_kernel:
         check_liger_kernel()
     check_models(cfg)
@@ -145,29 +145,62 @@ def check_reachable(flag: str, url: str, timeout_s: float) -> None:
 
 class PPORun(JobParts):
     """The core run's parts of RL training: the checks and inputs, the rank plan, the rollout engine, the roles
-    and the trainer."""
+    and the trainer. A job built on PPO's run (RePULSe) overrides the hooks `extra_roles`, `train_prompts`,
+    `eval_prompts`, `algorithm_line`, `make_trainer` and `save`."""
 
     name, bar = "rl", {"reward": "reward_mean"}
     demo_line = "no --pretrain given: training the embedded tiny demo policy"
 
+    def extra_roles(self, cfg: TrainPPOConfig) -> tuple[Role, ...]:
+        """Trained policy copies beside PPO's roles (on the actor's ranks unless placed)."""
+        return ()
+
+    def train_prompts(self, cfg: TrainPPOConfig, tokenizer) -> list[Prompt]:
+        return load_prompts(cfg.data, tokenizer)
+
+    def eval_prompts(self, cfg: TrainPPOConfig, tokenizer) -> dict[str, list[Prompt]]:
+        """The evaluations' prompts, read before any engine starts: "eval" (--eval_dataset), where given."""
+        if cfg.data.eval_dataset is None:
+            return {}
+        return {"eval": load_prompts(dataclasses.replace(cfg.data, prompt_data=cfg.data.eval_dataset,
+                                                         prompt_split=cfg.data.eval_split,
+                                                         max_samples=cfg.data.eval_max_samples), tokenizer,
+                                     "--eval_dataset")}
+
     def prepare(self, cfg: TrainPPOConfig, launch: LaunchEnv) -> dict[Role, tuple[int, ...]]:
-        plan = check_before_engines(cfg, launch.world_size)
+        plan = check_before_engines(cfg, launch.world_size, self.extra_roles(cfg))
         self.reward_source = build_reward_source(cfg)
         self.agent = load_agent(cfg.agent.agent_func_path) if cfg.agent.agent_func_path else None
         self.tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code)
-        if cfg.repulse.new_custom_single_prompt:  # the toy: one prompt, every step
-            prompts = [the_single_prompt(cfg, self.tokenizer)] * cfg.batch.rollout_batch_size
-        else:
-            prompts = load_prompts(cfg.data, self.tokenizer)
-        self.eval_prompts = load_eval_prompts(cfg, self.tokenizer)
-        self.sampler = PromptSampler(prompts, cfg.batch.rollout_batch_size, cfg.seed)
+        self.sampler = PromptSampler(self.train_prompts(cfg, self.tokenizer), cfg.batch.rollout_batch_size, cfg.seed)
+        self.prompts_for_eval = self.eval_prompts(cfg, self.tokenizer)
         return plan
 
     def topology(self, cfg: TrainPPOConfig, plan: dict[Role, tuple[int, ...]]) -> Topology:
         return Topology(plan, rollout_tp=cfg.rollout.vllm_tensor_parallel_size, ring_size=cfg.engine.ring_attn_size)
 
+    def algorithm_line(self, run: Started) -> str:
+        return describe_algorithm(run.cfg, run.topology)
+
     def describe(self, run: Started) -> list[str]:
-        return [describe_algorithm(run.cfg, run.topology), describe_layout(run.cfg, run.topology, run.device)]
+        return [self.algorithm_line(run), describe_layout(run.cfg, run.topology, run.device)]
+
+    def evaluators(self, run: Started, roles: Roles, steps: int) -> list:
+        """PPO's evaluation: --eval_dataset every --eval_steps (-1: before the first step and after the last)."""
+        if "eval" not in self.prompts_for_eval:
+            return []
+        cfg = run.cfg
+        every = cfg.logging.eval_steps if cfg.logging.eval_steps > 0 else steps
+        return [PromptEvaluator(cfg, self.prompts_for_eval["eval"], run.topology.num_engines, every)]
+
+    def make_trainer(self, run: Started, roles: Roles, engine, steps: int) -> PPOTrainer:
+        cfg = run.cfg
+        trainer_cls = AsyncPPOTrainer if cfg.rollout.async_train else PPOTrainer
+        return trainer_cls(cfg, run.topology, roles, engine, self.sampler, self.tokenizer, run.device,
+                           evaluators=self.evaluators(run, roles, steps), agent=self.agent)
+
+    def save(self, run: Started, roles: Roles) -> None:
+        save_models(run.cfg, roles, run.topology, self.tokenizer)
 
     def build(self, run: Started) -> Assembled:
         cfg, topology, device = run.cfg, run.topology, run.device
@@ -175,86 +208,16 @@ class PPORun(JobParts):
         seed_everything(cfg.seed + run.launch.rank, cfg.full_determinism)  # again: vLLM re-seeds globally
         steps = total_steps(cfg, self.sampler)
         roles = build_roles(cfg, topology, device, steps, self.reward_source, self.tokenizer)
-        trainer, eval_every = build_trainer(cfg, topology, roles, engine, self.sampler, self.tokenizer, device,
-                                            steps, self.eval_prompts, self.agent)
-        return Assembled(trainer, steps, eval_every, cfg.save_steps,
-                         save=lambda: save_models(cfg, roles, topology, self.tokenizer),
-                         after_resume=trainer.sync_weights)
+        trainer = self.make_trainer(run, roles, engine, steps)
+        periods = [e.period for e in trainer.evaluators]
+        return Assembled(trainer, steps, math.gcd(*periods) if periods else None, cfg.save_steps,
+                         save=lambda: self.save(run, roles), after_resume=trainer.sync_weights)
 
 
 def run(cfg: TrainPPOConfig, parse_warnings: Sequence[warnings.WarningMessage] = ()) -> None:
     """Train. `parse_warnings`: warnings raised while the flags were parsed, shown now that the console
     routing is in place (rank 0 shows ours; library ones are collected)."""
     run_job(PPORun(), cfg, parse_warnings)
-
-
-def the_single_prompt(cfg: TrainPPOConfig, tokenizer) -> Prompt:
-    """The one prompt of --new_custom_single_prompt / the analytic evaluation: --custom_prompt, else the only
-    prompt of --prompt_data (which may repeat it)."""
-    rp = cfg.repulse
-    if rp.custom_prompt is not None:
-        return single_prompt(cfg.data, rp.custom_prompt, tokenizer)
-    prompts = load_prompts(cfg.data, tokenizer)
-    texts = sorted({p.text for p in prompts})
-    if len(texts) != 1:
-        raise UsageError(f"--new_custom_single_prompt trains on one prompt, but --prompt_data {cfg.data.prompt_data} "
-                         f"holds {len(texts)} different prompts (e.g. {texts[:2]}); give --custom_prompt TEXT or a "
-                         "file of one prompt")
-    return prompts[0]
-
-
-def load_eval_prompts(cfg: TrainPPOConfig, tokenizer) -> dict[str, list[Prompt]]:
-    """The evaluations' prompts, read before any engine starts: "eval" (--eval_dataset) and "heldout"
-    (--heldout_prompt_data), where given."""
-    out = {}
-    if cfg.data.eval_dataset is not None:
-        out["eval"] = load_prompts(dataclasses.replace(cfg.data, prompt_data=cfg.data.eval_dataset,
-                                                       prompt_split=cfg.data.eval_split,
-                                                       max_samples=cfg.data.eval_max_samples), tokenizer,
-                                   "--eval_dataset")
-    rp = cfg.repulse
-    if rp.evaluate_heldout_sampling:
-        out["heldout"] = load_prompts(dataclasses.replace(cfg.data, prompt_data=rp.heldout_prompt_data,
-                                                          input_key=rp.heldout_input_key), tokenizer,
-                                      "--heldout_prompt_data")
-    return out
-
-
-def build_trainer(cfg: TrainPPOConfig, topology: Topology, roles: Roles, engine, sampler: PromptSampler, tokenizer,
-                  device: torch.device, steps: int, eval_prompts: dict[str, list[Prompt]], agent: Agent | None
-                  ) -> tuple[PPOTrainer, int | None]:
-    """PPO's trainer, or RePULSe's, with its evaluators (--eval_dataset every --eval_steps; the RePULSe fork's
-    after every fit step); and how often the loop asks it to evaluate (None: never)."""
-    from rlhf.trainers.prompt_eval import PromptEvaluator
-    from rlhf.trainers.repulse_eval import AnalyticEvaluator, HeldoutEvaluator
-
-    rp = cfg.repulse
-    fit_step = sampler.steps_per_episode * episodes_per_fit_step(cfg)
-    evaluators = []
-    if "eval" in eval_prompts:
-        every = cfg.logging.eval_steps if cfg.logging.eval_steps > 0 else steps
-        evaluators.append(PromptEvaluator(cfg, eval_prompts["eval"], topology.num_engines, every))
-    if rp.analytic_bad_word_calc:
-        prompt = the_single_prompt(cfg, tokenizer)
-        exp = roles.experience
-        ref_layout = exp.ref_batcher.layout if exp.ref_batcher is not None else None
-        analytic = AnalyticEvaluator(cfg, tokenizer, prompt.text, list(prompt.token_ids), prompt.label, exp.reward,
-                                     exp.ref_model, ref_layout, roles.actor.model.module.config.vocab_size,
-                                     period=fit_step)
-        if topology.rank == 0:
-            print(analytic.describe(), flush=True)
-        evaluators.append(analytic)
-    if "heldout" in eval_prompts:
-        evaluators.append(HeldoutEvaluator(cfg, eval_prompts["heldout"], cfg.logging.save_path,
-                                           topology.rank == 0, topology.num_engines, period=fit_step))
-    trainer_cls = PPOTrainer
-    if rp.do_harmlessness_training:
-        from rlhf.trainers.repulse_trainer import RepulseTrainer as trainer_cls
-    elif cfg.rollout.async_train:  # refused together with RePULSe (TrainPPOConfig._check_async)
-        from rlhf.trainers.async_ppo_trainer import AsyncPPOTrainer as trainer_cls
-    trainer = trainer_cls(cfg, topology, roles, engine, sampler, tokenizer, device, evaluators=evaluators,
-                          agent=agent)
-    return trainer, math.gcd(*(e.period for e in evaluators)) if evaluators else None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -29,15 +29,30 @@ IGNORED_FLAGS: dict[str, str] = {
     "vllm_sync_with_ray": "weights move in-process here; there is no Ray",
     "vllm_sync_backend": "weights are loaded into each rank's own engine in-process; no sync backend",
     "save_value_network": "train_ppo always saves the critic (HF format, under --save_path/critic)",
-    # the RePULSe fork's own bookkeeping (its test-info and reward-model plumbing), nothing to do here
-    "rm_type": "the RePULSe fork's reward-model plumbing switch; rewards come from --reward_pretrain/--remote_rm_url",
-    "n_seeds_f_q": "the RePULSe fork's F_q test-info bookkeeping, not part of training",
-    "no_test_info": "the RePULSe fork's F_q test-info bookkeeping, not part of training",
-    "test_info_every": "the RePULSe fork's F_q test-info bookkeeping, not part of training",
 }
-"""Flag -> why it is ignored. Value-taking flags consume their value."""
+"""Flag -> why it is ignored, in every job (a root config adds its own: `JobConfig.IGNORED_FLAGS`). Value-taking
+flags consume their value."""
 
-IGNORED_SWITCHES = {"vllm_sync_with_ray", "no_test_info", "save_value_network"}
+IGNORED_SWITCHES = {"vllm_sync_with_ray", "save_value_network"}
+
+
+REPULSE_FLAGS = tuple((
+    "actor_loss_type alpha analytic_bad_word_calc bad_words base_actor_learning_rate custom_prompt "
+    "do_harmlessness_training duplicate_rollout_batch_by evaluate_heldout_sampling fit_steps "
+    "harmlessness_training_loss_type harmlessness_training_num_episodes heldout_cvar_fraction heldout_input_key "
+    "heldout_prompt_data new_custom_single_prompt parameterization proposal_num_gpus_per_node proposal_num_nodes "
+    "reinforce_baseline_type rew_trans_alpha rew_trans_beta reward_transform rm_max_len sampling_iters "
+    "save_info_path save_negdata save_negdata_threshold save_steps_harmless target_dist_beta threshold "
+    "use_base_as_proposal"
+).split())
+"""The RePULSe fork's `train_ppo` flags, which `train_ppo` does not know: an unknown-flag error names the module
+that does (a unit test keeps the list equal to that module's own flags)."""
+ELSEWHERE = "python -m rlhf.cli.train_repulse (the RePULSe fork's train_ppo)"
+
+
+def ignored_flags(config_cls: type) -> tuple[dict[str, str], set[str]]:
+    """(flag -> why it is ignored, the switches among them) for the job of `config_cls`."""
+    return ({**IGNORED_FLAGS, **config_cls.IGNORED_FLAGS}, IGNORED_SWITCHES | set(config_cls.IGNORED_SWITCHES))
 
 
 
@@ -130,7 +145,7 @@ def build_parser(config_cls: type, prog: str) -> tuple[argparse.ArgumentParser, 
     parser = _FlagParser(
         prog=prog, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Flags follow OpenRLHF's names. Ignored for compatibility: "
-        + ", ".join(f"--{k}" for k in sorted(IGNORED_FLAGS))
+        + ", ".join(f"--{k}" for k in sorted(ignored_flags(config_cls)[0]))
         + (". Not implemented yet (refused): " + ", ".join(f"--{k}" for k in config_cls.PENDING_FLAGS)
            if config_cls.PENDING_FLAGS else ""),
     )
@@ -144,15 +159,16 @@ def build_parser(config_cls: type, prog: str) -> tuple[argparse.ArgumentParser, 
     return parser, specs
 
 
-def _strip_ignored(argv: Sequence[str]) -> list[str]:
-    """Remove ignored flags (and their values) from argv, warning once for each."""
+def _strip_ignored(argv: Sequence[str], config_cls: type) -> list[str]:
+    """Remove the ignored flags of `config_cls`'s job (and their values) from argv, warning once for each."""
+    ignored, switches = ignored_flags(config_cls)
     kept: list[str] = []
     i = 0
     while i < len(argv):
         name = argv[i][2:].split("=", 1)[0] if argv[i].startswith("--") else None
-        if name in IGNORED_FLAGS:
-            warnings.warn(f"--{name} is ignored: {IGNORED_FLAGS[name]}", stacklevel=3)
-            takes_value = name not in IGNORED_SWITCHES and "=" not in argv[i]
+        if name in ignored:
+            warnings.warn(f"--{name} is ignored: {ignored[name]}", stacklevel=3)
+            takes_value = name not in switches and "=" not in argv[i]
             i += 2 if takes_value and i + 1 < len(argv) and not argv[i + 1].startswith("--") else 1
             continue
         kept.append(argv[i])
@@ -171,6 +187,9 @@ def _explain_unknown(unknown: list[str], known_flags: list[str], pending: tuple[
         name = token[2:].split("=", 1)[0]
         if name in pending:
             lines.append(f"--{name} is an OpenRLHF flag whose feature is not implemented yet in this build")
+            continue
+        if name in REPULSE_FLAGS and name not in known_flags:
+            lines.append(f"--{name} is a flag of {ELSEWHERE}: run that module instead")
             continue
         hint = difflib.get_close_matches(name, known_flags, n=1)
         lines.append(f"unknown flag --{name}" + (f"; did you mean --{hint[0]}?" if hint else "; see --help"))
@@ -206,7 +225,7 @@ def parse_config(config_cls: type, argv: Sequence[str] | None = None, prog: str 
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, specs = build_parser(config_cls, prog)
-    namespace, unknown = parser.parse_known_args(_strip_ignored(argv))
+    namespace, unknown = parser.parse_known_args(_strip_ignored(argv, config_cls))
     if unknown:
         exit_usage(_explain_unknown(unknown, [s.flag for s in specs], config_cls.PENDING_FLAGS))
     values: dict = {}

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_PROMPTS, EMBEDDED_REWARD
-from rlhf.config.repulse_config import RepulseConfig
 from rlhf.config.shared_config import (
     CheckpointConfig,
     EngineConfig,
@@ -337,8 +336,6 @@ class PlacementConfig:
     critic: RolePlacement = role_placement("critic", "the critic's", "0: every rank of the world")
     reward: RolePlacement = role_placement("reward", "the reward models'", "0: every rank of the world")
     ref: RolePlacement = role_placement("ref", "the reference model's", "0: every rank of the world")
-    proposal: RolePlacement = role_placement("proposal", "RePULSe's proposal q's (not an OpenRLHF flag)",
-                                             "0: on the actor's ranks")
 
     def __post_init__(self) -> None:
         for name, placement in self.by_role.items():
@@ -347,8 +344,7 @@ class PlacementConfig:
     @property
     def by_role(self) -> dict[str, RolePlacement]:
         """Role name (a `Role`'s value) -> its placement."""
-        return {"actor": self.actor, "critic": self.critic, "reward": self.reward, "ref": self.ref,
-                "proposal": self.proposal}
+        return {"actor": self.actor, "critic": self.critic, "reward": self.reward, "ref": self.ref}
 
     def num_ranks(self, role: str) -> int:
         """Ranks requested for the role named `role` (0: span the world)."""
@@ -379,31 +375,24 @@ class TrainPPOConfig(JobConfig):
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    repulse: RepulseConfig = field(default_factory=RepulseConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        rp = self.repulse
-        if rp.do_harmlessness_training:  # then it is q's rate; 0 keeps q fixed (the fork's baseline commands)
-            require(self.optim.actor_learning_rate >= 0, "--actor_learning_rate must be >= 0")
-        else:
+        if self.ppo_update:
             require(self.optim.actor_learning_rate > 0, "--actor_learning_rate must be positive")
-        self._check_repulse()
-        self._check_evaluation()
         self._check_async()
         if self.logging.eval_steps != -1 and self.data.eval_dataset is None:
             warnings.warn(f"--eval_steps {self.logging.eval_steps} has no effect: there is no --eval_dataset",
                           stacklevel=2)
         n, algo = self.samples_per_prompt, self.algo
-        if algo.advantage_estimator in GROUP_ESTIMATORS and not self.repulse.do_harmlessness_training:
+        if algo.advantage_estimator in GROUP_ESTIMATORS and self.ppo_update:
             require(n > 1, f"--advantage_estimator {algo.advantage_estimator} compares samples of one prompt: "
-                            f"--n_samples_per_prompt must be > 1 (got {n}) (samples per prompt: "
-                            "--n_samples_per_prompt x --duplicate_rollout_batch_by)")
+                            f"{self.samples_per_prompt_flags} must be > 1 (got {n})")
         require(not algo.dynamic_filtering or n > 1, "--dynamic_filtering filters prompt groups: "
                  "--n_samples_per_prompt must be > 1")
         require(self.batch.train_batch_size <= self.batch.rollout_batch_size * n,
                  f"--train_batch_size {self.batch.train_batch_size} exceeds the samples of one step "
-                 f"(--rollout_batch_size x --n_samples_per_prompt x --duplicate_rollout_batch_by = "
+                 f"(--rollout_batch_size x {self.samples_per_prompt_flags} = "
                  f"{self.batch.rollout_batch_size * n})")
         if algo.overlong_buffer_len is not None:
             require(0 < algo.overlong_buffer_len <= self.rollout.generate_max_len,
@@ -412,14 +401,12 @@ class TrainPPOConfig(JobConfig):
             warnings.warn(f"--advantage_estimator {algo.advantage_estimator} uses no critic: critic flags are "
                           "ignored", stacklevel=2)
         if self.model.pretrain is not None:
-            require(self.data.prompt_data is not None or self.repulse.new_custom_single_prompt,
+            require(self.prompts_given,
                      f"--pretrain {self.model.pretrain} is given but --prompt_data is not: name the prompt dataset "
                      "(the embedded demo prompts are used only when --pretrain is not given)")
             require(bool(self.reward.reward_model_paths or self.reward.remote_rm_url or self.agent.agent_func_path),
                      f"--pretrain {self.model.pretrain} is given but no reward source: add --reward_pretrain DIR "
                      "(reward models) or --remote_rm_url (an HTTP URL or a .py file defining reward_func)")
-        require(not (self.agent.agent_func_path and self.repulse.do_harmlessness_training),
-                "--agent_func_path: multi-turn episodes are not supported with --do_harmlessness_training")
         require(not (self.agent.agent_func_path and (self.reward.reward_pretrain or self.reward.remote_rm_url)),
                 f"--agent_func_path {self.agent.agent_func_path}: the agent's episode rewards are the rewards "
                 "(OpenRLHF then ignores reward models and functions); drop --reward_pretrain and --remote_rm_url")
@@ -449,111 +436,49 @@ class TrainPPOConfig(JobConfig):
         if not self.rollout.async_train:
             return
         refused = {"--dynamic_filtering": self.algo.dynamic_filtering,
-                   "--eval_dataset": self.data.eval_dataset is not None,
-                   "--do_harmlessness_training": self.repulse.do_harmlessness_training}
+                   "--eval_dataset": self.data.eval_dataset is not None}
         named = [flag for flag, on in refused.items() if on]
         require(not named, f"--async_train does not support {', '.join(named)} yet: their extra generation runs "
                            "inside the step, where the generation ranks are already a step ahead; drop one of them")
 
     @property
+    def ppo_update(self) -> bool:
+        """Whether the policy takes PPO's update (a job built on this config may give it another)."""
+        return True
+
+    @property
     def uses_critic(self) -> bool:
-        return self.algo.advantage_estimator == "gae" and not self.repulse.do_harmlessness_training
+        return self.algo.advantage_estimator == "gae" and self.ppo_update
 
     @property
     def save_steps(self) -> int:
-        """The checkpoint interval: --save_steps, or --save_steps_harmless in a RePULSe run."""
-        rp = self.repulse
-        return rp.save_steps_harmless if rp.do_harmlessness_training and rp.save_steps_harmless != -1 \
-            else self.checkpoint.save_steps
+        """The checkpoint interval."""
+        return self.checkpoint.save_steps
 
     @property
     def samples_per_prompt(self) -> int:
-        """Samples per prompt and step: --n_samples_per_prompt times --duplicate_rollout_batch_by (the RePULSe
-        fork's flag; its PPO runs use it too)."""
-        return self.rollout.n_samples_per_prompt * self.repulse.duplicate_rollout_batch_by
+        """Samples per prompt and step."""
+        return self.rollout.n_samples_per_prompt
 
-    def _check_repulse_unused(self) -> None:
-        """PPO settings RePULSe's step does not use (or has not built yet): refused when set, never ignored."""
-        a, e, d = self.algo, self.engine, self.data
-        defaults = AlgoConfig()
-        unused = {
-            "--use_kl_loss (RePULSe puts the k1 KL in the return)": a.use_kl_loss,
-            "--kl_target (the KL coefficient is fixed)": a.kl_target is not None,
-            "--entropy_loss_coef": a.entropy_loss_coef is not None,
-            "--dynamic_filtering": a.dynamic_filtering,
-            "--enable_vllm_is_correction": a.enable_vllm_is_correction,
-            "--normalize_reward": a.normalize_reward,
-            "--overlong_buffer_len": a.overlong_buffer_len is not None,
-            "--stop_properly_penalty_coef": a.stop_properly_penalty_coef is not None,
-            "--reward_clip_range": a.reward_clip_range != defaults.reward_clip_range,
-            "--freezing_actor_steps": a.freezing_actor_steps != defaults.freezing_actor_steps,
-            "--pretrain_data (the ptx loss)": d.pretrain_data is not None,
-            "--use_dynamic_batch (not built for RePULSe yet)": e.use_dynamic_batch,
-            "--ring_attn_size > 1 (not built for RePULSe yet)": e.ring_attn_size > 1,
-        }
-        named = [flag for flag, is_set in unused.items() if is_set]
-        require(not named, "--do_harmlessness_training does not use " + ", ".join(named) + ": drop "
-                f"{'it' if len(named) == 1 else 'them'} (RePULSe's rewards are used as they come, without PPO's "
-                "shaping)")
+    @property
+    def samples_per_prompt_flags(self) -> str:
+        """The flags that set `samples_per_prompt` (for errors)."""
+        return "--n_samples_per_prompt"
 
-    def _check_repulse(self) -> None:
-        """RePULSe (--do_harmlessness_training) runs REINFORCE-style updates on whole prompt groups."""
-        rp, b = self.repulse, self.batch
-        if not rp.do_harmlessness_training:
-            return
-        k = self.samples_per_prompt
-        require(k > 1, "--do_harmlessness_training compares the samples of a prompt: --duplicate_rollout_batch_by "
-                       "(times --n_samples_per_prompt) must be > 1")
-        for flag, size in (("--train_batch_size", b.train_batch_size),
-                           ("--micro_train_batch_size", b.micro_train_batch_size)):
-            require(size % k == 0, f"{flag} {size} must be a multiple of the {k} samples of a prompt (a prompt's "
-                                   "group is never split across micro-batches)")
-        require(self.placement.num_ranks("critic") == 0 and not self.model.critic_pretrain,
-                "--do_harmlessness_training trains no critic: drop the critic flags")
-        require(rp.uses_proposal or self.placement.num_ranks("proposal") == 0,
-                "--proposal_num_gpus_per_node places a proposal, and this run trains none (reinforce or "
-                "--use_base_as_proposal): drop it")
-        self._check_repulse_unused()
-        if rp.save_steps_harmless != -1:
-            require(self.checkpoint.save_steps == -1, "--save_steps_harmless and --save_steps both set a checkpoint "
-                    "interval: give one")
-        if self.batch.max_epochs != 1:
-            warnings.warn(f"--max_epochs {self.batch.max_epochs} is ignored with --do_harmlessness_training: "
-                          "each batch gives one update of q and one of p, as in the fork", stacklevel=2)
-        if not rp.uses_proposal and self.optim.actor_learning_rate not in (0, PPOOptimConfig().actor_learning_rate):
-            why = "--use_base_as_proposal" if rp.use_base_as_proposal else \
-                f"--harmlessness_training_loss_type {rp.harmlessness_training_loss_type}"
-            warnings.warn(f"--actor_learning_rate {self.optim.actor_learning_rate:g} has no effect: it is the "
-                          f"proposal's rate and {why} trains no proposal (the policy's is "
-                          "--base_actor_learning_rate)", stacklevel=2)
+    @property
+    def prompts_given(self) -> bool:
+        """Whether the run names its prompts (without --pretrain the embedded demo prompts are used)."""
+        return self.data.prompt_data is not None
 
-    def _check_evaluation(self) -> None:
-        """The fork's evaluation and sample-saving flags (PPO and RePULSe alike), and RePULSe-only flags set
-        without --do_harmlessness_training."""
-        rp = self.repulse
-        if not rp.do_harmlessness_training:
-            defaults = RepulseConfig()
-            unused = [name for name in ("harmlessness_training_loss_type", "alpha", "target_dist_beta",
-                                        "base_actor_learning_rate", "reinforce_baseline_type", "reward_transform",
-                                        "rew_trans_alpha", "rew_trans_beta", "use_base_as_proposal",
-                                        "harmlessness_training_num_episodes", "save_steps_harmless")
-                      if getattr(rp, name) != getattr(defaults, name)]
-            if unused:
-                warnings.warn(", ".join(f"--{name}" for name in unused) + " only act with --do_harmlessness_training: "
-                              "ignored in this PPO run", stacklevel=3)
-        if rp.analytic_bad_word_calc:
-            p = self.placement
-            require(p.colocate_all_models or not any(p.num_ranks(r) for r in ("actor", "critic", "reward", "ref",
-                                                                               "proposal")),
-                    "--analytic_bad_word_calc evaluates on every rank: colocate the models (--colocate_all_models)")
-            require(self.rollout.generate_max_len == 2, "--analytic_bad_word_calc is exact for 2-token responses: "
-                    f"set --generate_max_len 2 (got {self.rollout.generate_max_len})")
-            require(rp.new_custom_single_prompt or rp.custom_prompt is not None, "--analytic_bad_word_calc "
-                    "evaluates one prompt: add --new_custom_single_prompt (the one prompt of --prompt_data) or "
-                    "--custom_prompt TEXT")
-        if rp.rm_max_len is not None and not self.reward.reward_paths:
-            warnings.warn(f"--rm_max_len {rp.rm_max_len} has no effect: rewards come from --remote_rm_url (text), "
-                          "not reward models", stacklevel=3)
+    @property
+    def actor_learning_rate(self) -> float:
+        """The policy's learning rate."""
+        return self.optim.actor_learning_rate
+
+    @property
+    def episodes(self) -> int:
+        """Passes over the prompts."""
+        return self.batch.num_episodes
 
     @property
     def critic_init(self) -> str:

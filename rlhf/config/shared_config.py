@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -229,7 +229,11 @@ class CheckpointConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class JobConfig:
-    """The run-wide settings every job's root config starts with."""
+    """The run-wide settings every job's root config starts with. `IGNORED_FLAGS`: a job's own flags accepted
+    with a note (flag -> why; `IGNORED_SWITCHES` take no value), beside the ones every job ignores."""
+
+    IGNORED_FLAGS: ClassVar[dict[str, str]] = {}
+    IGNORED_SWITCHES: ClassVar[frozenset[str]] = frozenset()
 
     seed: int = opt(42, "random seed (every rank derives its streams from it)")
     full_determinism: bool = opt(False, "use deterministic torch algorithms")

@@ -30,7 +30,6 @@ class Role(metaclass=_Roles):
     REWARD: ClassVar[Role]
     REF: ClassVar[Role]
     ROLLOUT: ClassVar[Role]
-    PROPOSAL: ClassVar[Role]
     __slots__ = ("value",)
 
     def __init__(self, value: str) -> None:
@@ -58,7 +57,6 @@ Role.CRITIC = Role.define("critic")
 Role.REWARD = Role.define("reward")
 Role.REF = Role.define("ref")
 Role.ROLLOUT = Role.define("rollout")
-Role.PROPOSAL = Role.define("proposal")  # RePULSe's q: a second trainable copy of the policy
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,7 @@ class ExperienceMaker:
     def score(self, batch: Rollout, with_ref: bool, rm_max_len: int | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(raw rewards [B], actor log-probs [B, T-1], reference log-probs [B, T-1] or None) of a global batch,
-        identical on every rank; nothing shaped, no advantages (RePULSe's step does its own). `rm_max_len`:
+        identical on every rank; nothing shaped, no advantages (for a step that computes its own). `rm_max_len`:
         reward models see only each sample's first that many tokens. Collective."""
         old, ref = self._logprobs(batch, with_ref)
         raw_rewards, _, _ = self._rewards(_truncated(batch, rm_max_len))

@@ -33,31 +33,29 @@ from rlhf.trainers.experience import ExperienceMaker, actor_forward_skippable
 from rlhf.trainers.ppo_trainer import Roles
 
 
-def roles_needed(cfg: TrainPPOConfig) -> tuple[Role, ...]:
+def roles_needed(cfg: TrainPPOConfig, extra_roles: tuple[Role, ...] = ()) -> tuple[Role, ...]:
     roles = [Role.ACTOR, Role.REWARD]
     if cfg.uses_critic:
         roles.append(Role.CRITIC)
     if cfg.algo.needs_ref:
         roles.append(Role.REF)
-    if cfg.repulse.uses_proposal:
-        roles.append(Role.PROPOSAL)
-    return tuple(roles)
+    return (*roles, *extra_roles)
 
 
-def placement_from_config(cfg: TrainPPOConfig) -> Placement:
-    """Role rank counts from the --{role}_num_nodes/_num_gpus_per_node flags and colocation switches."""
-    roles = roles_needed(cfg)
+def placement_from_config(cfg: TrainPPOConfig, extra_roles: tuple[Role, ...] = ()) -> Placement:
+    """Role rank counts from the --{role}_num_nodes/_num_gpus_per_node flags and colocation switches.
+    `extra_roles`: trained copies of the policy a job adds (on the actor's ranks unless given ranks of their
+    own)."""
+    roles = roles_needed(cfg, extra_roles)
     p = cfg.placement
     counts = {role: p.num_ranks(role.value) for role in roles}
     generating = cfg.rollout.rollout_ranks  # --async_train: ranks of their own
     if p.colocate_all_models or not any(counts.values()):
         return dataclasses.replace(Placement.colocated(roles + (Role.ROLLOUT,)), rollout_ranks=generating)
     colocate = []
-    with_actor = {Role.ACTOR}  # the proposal sits on the actor's ranks unless it has ranks of its own
+    with_actor = {Role.ACTOR} | {role for role in extra_roles if counts[role] == 0}
     if p.colocate_actor_ref and Role.REF in roles:
         with_actor.add(Role.REF)
-    if Role.PROPOSAL in roles and counts[Role.PROPOSAL] == 0:
-        with_actor.add(Role.PROPOSAL)
     if len(with_actor) > 1:
         colocate.append(frozenset(with_actor))
     if p.colocate_critic_reward and Role.CRITIC in roles:
@@ -72,8 +70,7 @@ def _dtype(cfg: TrainPPOConfig) -> torch.dtype:
 def _engine(cfg: TrainPPOConfig, topology: Topology, role: Role, build, device: torch.device, *,
             trainable: bool, learning_rate: float = 0.0, name: str | None = None,
             updates_per_batch: int = 1) -> DeepSpeedModel:
-    """`updates_per_batch`: passes over each step's samples (sizes the LR schedule; RePULSe's q makes
-    --num_episodes)."""
+    """`updates_per_batch`: passes over each step's samples (sizes the LR schedule)."""
     b = cfg.batch
     dp = topology.dp_size(role)
     samples = b.rollout_batch_size * cfg.samples_per_prompt * updates_per_batch
@@ -131,8 +128,6 @@ def describe_algorithm(cfg: TrainPPOConfig, topology: Topology) -> str:
     """One line saying which algorithm runs: estimator, group size, KL and where it enters, the models
     that exist, and the active corrections."""
     a, n = cfg.algo, cfg.samples_per_prompt
-    if cfg.repulse.do_harmlessness_training:
-        return f"{describe_repulse(cfg)}, {describe_generation(cfg)}"
     parts = [f"--advantage_estimator {a.advantage_estimator}", f"{n} sample{'s' if n > 1 else ''} per prompt"]
     if not a.needs_ref:
         parts.append("no KL term")
@@ -157,30 +152,6 @@ def describe_algorithm(cfg: TrainPPOConfig, topology: Topology) -> str:
     if actor_forward_skippable(cfg):
         parts.append("one actor update per batch (old log-probs from the training forward, no experience forward)")
     parts.append(describe_generation(cfg))
-    return "algorithm: " + ", ".join(parts)
-
-
-def describe_repulse(cfg: TrainPPOConfig) -> str:
-    """The algorithm line of a --do_harmlessness_training run: which variant, its weights and schedule."""
-    rp, k = cfg.repulse, cfg.samples_per_prompt
-    if rp.harmlessness_training_loss_type == "reinforce":
-        variant = "REINFORCE (leave-one-out baseline)"
-    elif rp.use_base_as_proposal:
-        variant = f"REINFORCE + negatives from the policy's own samples (alpha {rp.alpha})"
-    else:
-        variant = (f"RePULSe: proposal q by {rp.actor_loss_type.upper()} toward p·exp({rp.target_dist_beta:g}·r) "
-                   f"(lr {cfg.optim.actor_learning_rate:g}, {cfg.batch.num_episodes} update(s) per step), policy by "
-                   f"REINFORCE + alpha {rp.alpha:g} x weighted q samples")
-    parts = [variant, f"{k} samples per prompt", f"policy lr {rp.base_actor_learning_rate:g}"]
-    if rp.reward_transform == "minus_alpha_exp_beta_r":
-        parts.append(f"reward transform r - {rp.transform_alpha:g}·exp({rp.transform_beta:g}·r)")
-    elif rp.reward_transform == "minus_alpha_ind":
-        parts.append(f"reward transform r - {rp.transform_alpha:g}·1[r < {rp.threshold:g}]")
-    a = cfg.algo
-    parts.append(f"KL k1 x {a.init_kl_coef:g} in the return" if a.needs_ref else "no KL term")
-    parts.append(f"{rp.fit_steps} fit step(s) of {rp.harmlessness_training_num_episodes} episode(s)")
-    if rp.analytic_bad_word_calc:
-        parts.append("exact log P(bad) after each fit step")
     return "algorithm: " + ", ".join(parts)
 
 
@@ -213,6 +184,23 @@ def _model_builder(cfg: TrainPPOConfig, layout: SequenceLayout, load: Callable[[
     return model_builder(cfg.model, cfg.engine, layout, load)
 
 
+def build_policy(cfg: TrainPPOConfig, topology: Topology, role: Role, device: torch.device, total_steps: int,
+                 learning_rate: float, updates_per_batch: int = 1) -> Actor:
+    """A trainable copy of --pretrain on `role`'s ranks (the actor, or a job's other policy), with its
+    micro-batchers. `updates_per_batch`: its updates per step's samples (sizes the LR schedule). Every rank of
+    `role` calls it."""
+    m = cfg.model
+    infer, train = batchers_for(cfg, topology, role)
+
+    def load(attn: str) -> torch.nn.Module:  # a trained model's base loads in 4 bits with QLoRA
+        return load_causal_lm(m.pretrain, m.dtype, attn, m.trust_remote_code, m.lora.load_in_4bit)
+
+    model = _engine(_with_steps(cfg, total_steps), topology, role, _model_builder(cfg, train.layout, load), device,
+                    trainable=True, learning_rate=learning_rate, updates_per_batch=updates_per_batch)
+    return Actor(model, topology.group(role), device, temperature=cfg.rollout.temperature, algo=cfg.algo,
+                 infer_batcher=infer, train_batcher=train)
+
+
 def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, total_steps: int,
                 reward_source: RewardSource | None, tokenizer) -> Roles:
     """Role objects for this rank (None where it does not host the role)."""
@@ -227,25 +215,8 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
 
     four_bit = m.lora.load_in_4bit  # the trained models' bases only (QLoRA); frozen ones load as they are
 
-    rp = cfg.repulse
-    proposal = None
     if topology.hosts(Role.ACTOR):
-        infer, train = batchers_for(cfg, topology, Role.ACTOR)
-        # RePULSe: --base_actor_learning_rate is the policy's, --actor_learning_rate the proposal's (fork names)
-        lr = rp.base_actor_learning_rate if rp.do_harmlessness_training else cfg.optim.actor_learning_rate
-        model = _engine(_with_steps(cfg, total_steps), topology, Role.ACTOR, _model_builder(
-            cfg, train.layout, lambda attn: causal_lm(attn, four_bit)),
-                        device, trainable=True, learning_rate=lr)
-        actor = Actor(model, topology.group(Role.ACTOR), device, temperature=cfg.rollout.temperature, algo=cfg.algo,
-                      infer_batcher=infer, train_batcher=train)
-    if Role.PROPOSAL in topology.plan and topology.hosts(Role.PROPOSAL):
-        infer, train = batchers_for(cfg, topology, Role.PROPOSAL)
-        q = _engine(_with_steps(cfg, total_steps), topology, Role.PROPOSAL, _model_builder(
-            cfg, train.layout, lambda attn: causal_lm(attn, four_bit)), device, trainable=True,
-                    learning_rate=cfg.optim.actor_learning_rate, name="proposal",
-                    updates_per_batch=cfg.batch.num_episodes)
-        proposal = Actor(q, topology.group(Role.PROPOSAL), device, temperature=cfg.rollout.temperature,
-                         algo=cfg.algo, infer_batcher=infer, train_batcher=train)
+        actor = build_policy(cfg, topology, Role.ACTOR, device, total_steps, cfg.actor_learning_rate)
     if Role.CRITIC in topology.plan and topology.hosts(Role.CRITIC):
         path = cfg.critic_init
         infer, train = batchers_for(cfg, topology, Role.CRITIC)
@@ -274,7 +245,7 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
                                  skip_actor_forward=actor_forward_skippable(cfg))
     specs = meta_param_specs(m.pretrain, dtype, m.trust_remote_code)
     return Roles(actor, critic, experience, specs, _ptx_data(cfg, topology, tokenizer) if actor is not None else None,
-                 frozen, proposal)
+                 frozen)
 
 
 def stored_reward_norms(cfg: TrainPPOConfig) -> list[tuple[float, float]] | None:

@@ -51,16 +51,9 @@ TRAIN_METRICS = {
 
 
 def total_steps(cfg: TrainPPOConfig, sampler: PromptSampler) -> int:
-    """RL steps of the run: --fit_steps x episodes per fit step x steps per episode, at most --max_steps."""
-    steps = sampler.steps_per_episode * cfg.repulse.fit_steps * episodes_per_fit_step(cfg)
+    """RL steps of the run: episodes x steps per episode, at most --max_steps."""
+    steps = sampler.steps_per_episode * cfg.episodes
     return min(steps, cfg.batch.max_steps) if cfg.batch.max_steps else steps
-
-
-def episodes_per_fit_step(cfg: TrainPPOConfig) -> int:
-    """Episodes between two evaluations of the fork's schedule: --harmlessness_training_num_episodes with
-    --do_harmlessness_training (where --num_episodes counts q's updates per step), else --num_episodes."""
-    rp = cfg.repulse
-    return rp.harmlessness_training_num_episodes if rp.do_harmlessness_training else cfg.batch.num_episodes
 
 
 REFILL_STREAM = 30_000
@@ -77,27 +70,28 @@ class Roles:
     actor_specs: list[ParamSpec]
     ptx: PtxData | None = None
     frozen: list[DeepSpeedModel] = field(default_factory=list)
-    proposal: Actor | None = None  # RePULSe's q, on Role.PROPOSAL's ranks
 
     @property
     def trainable(self) -> list[DeepSpeedModel]:
-        return [r.model for r in (self.actor, self.critic, self.proposal) if r is not None]
+        return [r.model for r in (self.actor, self.critic) if r is not None]
 
 
 class PPOTrainer:
     """One RL step (a `rlhf.core.loop.Job`). Construct on every rank with the same config. `evaluators`:
-    callables of the trainer run after every fit step (the RePULSe fork's evaluations), each returning
-    metrics."""
+    callables of the trainer, each with a `period` in steps, returning metrics. `records`: the sample count
+    and the sample files (default: count only). `rm_max_len`: reward models see at most this many tokens of
+    each sample."""
 
     def __init__(self, cfg: TrainPPOConfig, topology: Topology, roles: Roles, engine: RolloutEngine,
                  sampler: PromptSampler, tokenizer, device: torch.device, evaluators=(),
-                 agent: Agent | None = None) -> None:
+                 agent: Agent | None = None, records: RunRecords | None = None,
+                 rm_max_len: int | None = None) -> None:
         self.cfg, self.topology, self.roles, self.engine = cfg, topology, roles, engine
         self.sampler, self.tokenizer, self.device = sampler, tokenizer, device
         self.timer = StageTimer()
         self.evaluators = list(evaluators)
-        self.records = RunRecords(cfg, topology.rank == 0)
-        self.rm_max_len = cfg.repulse.rm_max_len
+        self.records = records or RunRecords(topology.rank == 0)
+        self.rm_max_len = rm_max_len
         self.steps_done = 0  # steps finished when `evaluate` runs
         self.agent = agent  # --agent_func_path: samples are multi-turn episodes
         self.total_steps = total_steps(cfg, sampler)  # the last step evaluates every evaluator

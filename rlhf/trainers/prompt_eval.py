@@ -5,17 +5,30 @@ use their own seed stream, so a run with evaluation trains exactly as one withou
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 
 import torch
 
+from rlhf.config.errors import UsageError
 from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.distributed.collectives import all_gather_rollout
 from rlhf.engines.rollout import SamplingSpec
-from rlhf.trainers.repulse_eval import evenly_split
 
 EVAL_STREAM = 20_000
-"""The request-seed stream of evaluation samples (training uses 0, RePULSe's proposal 1.., held-out 10_000..)."""
+"""The request-seed stream of evaluation samples (training uses 0; other jobs' evaluations use their own)."""
+
+
+def evenly_split(prompts: list, num_engines: int, what: str) -> list:
+    """The first prompts that split evenly over the rollout engines (a warning names the ones left out)."""
+    usable = len(prompts) - len(prompts) % num_engines
+    if usable == 0:
+        raise UsageError(f"{what}: {len(prompts)} prompt(s) cannot be split over the {num_engines} rollout engines; "
+                         f"give at least {num_engines}")
+    if usable < len(prompts):
+        warnings.warn(f"{what}: the last {len(prompts) - usable} prompt(s) are not evaluated (the prompts split "
+                      f"evenly over the {num_engines} rollout engines)", stacklevel=3)
+    return prompts[:usable]
 
 
 class PromptEvaluator:

@@ -10,7 +10,6 @@ import os
 
 import torch
 
-from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.data.records import Rollout
 
 
@@ -43,14 +42,14 @@ class JsonlAppender:
 class RunRecords:
     """The sample counter and the two row files of a run (identical on every rank; rank 0 writes)."""
 
-    def __init__(self, cfg: TrainPPOConfig, is_writer: bool) -> None:
-        rp = cfg.repulse
+    def __init__(self, is_writer: bool, negdata_path: str | None = None, negdata_threshold: float | None = None,
+                 info_path: str | None = None) -> None:
+        """`negdata_path`: where responses with a raw reward below `negdata_threshold` go; `info_path`: where
+        each evaluation's row goes (None: not written)."""
         self.samples_drawn = 0
-        self.negdata_threshold = rp.save_negdata_threshold if rp.save_negdata else None
-        self.negdata = JsonlAppender(os.path.join(cfg.logging.save_path, "negdata.jsonl")
-                                     if rp.save_negdata else None, is_writer)
-        self.info = JsonlAppender(os.path.join(rp.save_info_path, "evaluations.jsonl")
-                                  if rp.save_info_path else None, is_writer)
+        self.negdata_threshold = negdata_threshold if negdata_path else None
+        self.negdata = JsonlAppender(negdata_path, is_writer)
+        self.info = JsonlAppender(info_path, is_writer)
 
     def keep_negatives(self, batch: Rollout, rewards_B: torch.Tensor, source: str, step: int) -> None:
         """--save_negdata: the responses of `batch` whose raw reward is below --save_negdata_threshold."""

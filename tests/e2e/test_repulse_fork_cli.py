@@ -17,7 +17,7 @@ from tests.tiny_runs import CPU
 
 def test_a_realistic_command_under_torchrun_prints_one_error_line(tmp_path):
     _, argv = next((h, a) for h, a in REALISTIC if h.endswith("/ RePULSe"))
-    proc = run_torchrun(1, "-m rlhf.cli.train_ppo", *argv, timeout=300)
+    proc = run_torchrun(1, "-m rlhf.cli.train_repulse", *argv, timeout=300)
     assert proc.returncode != 0
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "--pretrain HuggingFaceTB/SmolLM-135M-Instruct: the model must be a local path" \
@@ -50,9 +50,9 @@ def toy_replay(argv: list[str], out: Path) -> list[str]:
 
 
 def _exact_log_p_bad_of_the_tiny_policy() -> float:
-    from rlhf.evaluation.bad_outputs import log_p_bad, next_token_logprobs_V, second_token_logprobs_VV
     from rlhf.models.loading import load_causal_lm, load_tokenizer
-    from rlhf.trainers.repulse_eval import bad_token_ids
+    from rlhf.repulse.bad_outputs import log_p_bad, next_token_logprobs_V, second_token_logprobs_VV
+    from rlhf.repulse.repulse_eval import bad_token_ids
 
     tok = load_tokenizer(f"{TINY_DIR}/policy")
     model = load_causal_lm(f"{TINY_DIR}/policy", torch.float32, "sdpa").eval()
@@ -77,7 +77,7 @@ REPLAYED = [0, 8]
 @pytest.mark.parametrize("heading,argv", [TOY[i] for i in REPLAYED],
                          ids=[_toy_id(i, *TOY[i]) for i in REPLAYED])
 def test_toy_command_trains_on_the_embedded_toy(heading, argv, tmp_path):
-    proc = run_torchrun(1, "-m rlhf.cli.train_ppo", *toy_replay(argv, tmp_path), timeout=900)
+    proc = run_torchrun(1, "-m rlhf.cli.train_repulse", *toy_replay(argv, tmp_path), timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
     out = tmp_path / "model_out"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]

@@ -1,4 +1,4 @@
-"""RePULSe through `train_ppo` on the embedded toy (one prompt, 2-word responses, bad words x y z): a run resumed from
+"""RePULSe (`train_repulse`) on the embedded toy (one prompt, 2-word responses, bad words x y z): a run resumed from
 a checkpoint equals the uninterrupted one (policy and proposal weights, both optimisers, the sample counter, the
 analytic evaluation); CTL moves q toward sigma; packed == padded; held-out sampling evaluation saves every sample;
 the proposal on its own rank == colocated."""
@@ -25,7 +25,7 @@ TOY = [*CPU, "--pretrain", f"{TINY_DIR}/policy", "--remote_rm_url", TOY_REWARD, 
 
 
 def _train(out, nproc, *extra):
-    proc = run_torchrun(nproc, "-m rlhf.cli.train_ppo", *TOY, "--save_path", str(out), *extra)
+    proc = run_torchrun(nproc, "-m rlhf.cli.train_repulse", *TOY, "--save_path", str(out), *extra)
     assert proc.returncode == 0, proc.stderr[-6000:]
     with open(out / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
@@ -80,7 +80,7 @@ def test_repulse_resume_equals_uninterrupted(tmp_path):
 def _enumerate(model, prompt_ids, tokenizer):
     """log p(a, b) of every 2-token response [V, V] (EOS first: the response [eos] at b = 0) and the decoded
     responses."""
-    from rlhf.evaluation.bad_outputs import next_token_logprobs_V, second_token_logprobs_VV
+    from rlhf.repulse.bad_outputs import next_token_logprobs_V, second_token_logprobs_VV
 
     first = next_token_logprobs_V(model, torch.tensor([prompt_ids]))[0]
     second = second_token_logprobs_VV(model, prompt_ids, first.shape[0])
@@ -187,7 +187,7 @@ def test_proposal_on_its_own_rank_equals_colocated(tmp_path):
 
     def train(name, *placement):
         out = tmp_path / name
-        proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *base, *run, "--save_path", str(out), *placement)
+        proc = run_torchrun(2, "-m rlhf.cli.train_repulse", *base, *run, "--save_path", str(out), *placement)
         assert proc.returncode == 0, proc.stderr[-6000:]
         rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
         return (rows, load_file(out / "model" / "model.safetensors"),

@@ -17,8 +17,8 @@ from rlhf.assets import EMBEDDED_MODEL_DIR
 from rlhf.cli.evaluate_gcg import load_goals, main, policy_weights_dir
 from rlhf.config.errors import UsageError
 from rlhf.config.flags import flag_specs, parse_config
-from rlhf.config.gcg_config import EMBEDDED_GCG_GOALS, EvaluateGCGConfig, GCGDataConfig, GCGSearchConfig
-from rlhf.evaluation.gcg import (
+from rlhf.models.loading import load_causal_lm, load_tokenizer
+from rlhf.repulse.gcg import (
     AttackPrompt,
     disallowed_token_ids,
     filter_round_trip,
@@ -31,7 +31,7 @@ from rlhf.evaluation.gcg import (
     target_loss_B,
     token_gradients_LV,
 )
-from rlhf.models.loading import load_causal_lm, load_tokenizer
+from rlhf.repulse.gcg_config import EMBEDDED_GCG_GOALS, EvaluateGCGConfig, GCGDataConfig, GCGSearchConfig
 
 SMALL = ["--max_targets", "2", "--gcg_steps", "1", "--gcg_search_width", "8", "--gcg_suffix_len", "6",
          "--samples_per_goal", "3", "--max_new_tokens", "6"]

@@ -16,11 +16,12 @@ LAYERS = [
     {"utils", "algorithms"},  # logging, checkpoints, timers; pure tensor functions
     {"data"},  # sources, formatting, samplers, records
     {"distributed", "models"},  # topology and collectives; model loading, log-probs, heads, LoRA
-    {"engines", "evaluation"},  # DeepSpeed and rollout engines; evaluation helpers
+    {"engines"},  # DeepSpeed and rollout engines
     {"rewards"},
     {"agents", "inference"},
     {"core"},  # the job-agnostic core: loop, checkpoints, metrics, optimizer step, builders
     {"trainers"},  # each job's step
+    {"repulse"},  # the research algorithm, beside PPO: its config, roles, step, evaluations, GCG and plots
     {"cli"},  # one thin module per job
 ]
 """Lowest first: a package may import its own layer's other packages only where that makes no circle."""

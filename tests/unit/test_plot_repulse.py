@@ -1,4 +1,4 @@
-"""`rlhf.evaluation.plots` and `python -m rlhf.cli.plot_repulse` (pure CPU): the 95% t-interval against hand
+"""`rlhf.repulse.plots` and `python -m rlhf.cli.plot_repulse` (pure CPU): the 95% t-interval against hand
 numbers and an independent integral of the t density, reading metrics.jsonl, aligning and truncating seeds,
 the summary from synthetic runs, the CLI writing valid PNGs, and each usage error."""
 
@@ -10,7 +10,7 @@ import math
 import pytest
 
 from rlhf.config.errors import UsageError
-from rlhf.evaluation import plots
+from rlhf.repulse import plots
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

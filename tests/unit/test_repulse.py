@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlhf.algorithms import repulse_losses
+from rlhf.repulse import repulse_losses
 
 
 def _softmax(xs):
@@ -125,7 +125,7 @@ def test_risk_statistics():
 
 
 def test_log_p_bad_by_hand():
-    from rlhf.evaluation.bad_outputs import log_p_bad
+    from rlhf.repulse.bad_outputs import log_p_bad
 
     first = torch.tensor([0.5, 0.3, 0.2]).log()
     second = torch.tensor([[0.1, 0.1, 0.8], [0.6, 0.2, 0.2], [0.3, 0.3, 0.4]]).log()
@@ -138,8 +138,8 @@ def test_analytic_p_bad_matches_monte_carlo():
     """100k ancestral samples of 2-token responses from the embedded tiny policy: the Monte-Carlo fraction
     with a bad token lies within 4 standard errors (sqrt(p(1-p)/n) ~ 1e-3) of the exact value."""
     from rlhf.assets import EMBEDDED_MODEL_DIR
-    from rlhf.evaluation.bad_outputs import log_p_bad, next_token_logprobs_V, second_token_logprobs_VV
     from rlhf.models.loading import load_causal_lm
+    from rlhf.repulse.bad_outputs import log_p_bad, next_token_logprobs_V, second_token_logprobs_VV
 
     model = load_causal_lm(EMBEDDED_MODEL_DIR, torch.float32, "sdpa").eval()
     prompt, bad, eos, temperature = [2, 35, 4, 14, 5], [41, 42, 43], 3, 1.5
@@ -181,3 +181,17 @@ def test_rm_max_len_truncates_what_reward_models_see():
     assert seen[0].sequences_BT.tolist() == [[0, 1, 2, 3], [6, 7, 8, 9]]
     assert seen[0].attention_mask_BT.shape == (2, 4) and seen[0].responses == ["r", "r"]
     assert seen[1] is batch  # shorter than the limit: untouched
+
+
+def test_exp_reward_transform_never_overflows_silently():
+    """alpha 0.5, beta -10: r = -1 gives -1 - 0.5·e^10 = -11014.2329 (float64 inside); r = -10 gives -1.3e43,
+    which float32 cannot hold (it was -inf, and the leave-one-out baseline then made the whole group NaN): an
+    error naming the flags. Large but representable returns keep a finite baseline (the sum is float64)."""
+    shaped = repulse_losses.minus_alpha_exp_beta_r(torch.tensor([-1.0, 0.0]), 0.5, -10.0, -5.0)
+    assert shaped.dtype == torch.float32
+    assert shaped.tolist() == pytest.approx([-1 - 0.5 * math.exp(10), -0.5], rel=1e-7)
+    with pytest.raises(ValueError, match=r"is -1.34e\+43 for the reward -10, beyond what float32 training holds.*"
+                                         r"--rew_trans_alpha or the magnitude of --rew_trans_beta"):
+        repulse_losses.minus_alpha_exp_beta_r(torch.tensor([0.5, -10.0]), 0.5, -10.0, -5.0)
+    big = torch.full((1, 4), -3e38)
+    assert repulse_losses.rloo_baseline_PK(big).flatten().tolist() == pytest.approx([-3e38] * 4, rel=1e-6)

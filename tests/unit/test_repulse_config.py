@@ -7,20 +7,22 @@ from rlhf.config.errors import UsageError
 
 
 def test_repulse_config_checks():
-    from rlhf.config.ppo_config import BatchConfig, TrainPPOConfig
-    from rlhf.config.repulse_config import RepulseConfig
+    from rlhf.config.ppo_config import BatchConfig
+    from rlhf.repulse.repulse_config import RepulseConfig, TrainRepulseConfig
 
     repulse_flags = dict(harmlessness_training_loss_type="neg_training", reinforce_baseline_type="expectation",
                          actor_loss_type="ctl", parameterization="policy_psi_q_p_s_t", target_dist_beta=-1.0)
 
     def cfg(**repulse):
-        return TrainPPOConfig(repulse=RepulseConfig(do_harmlessness_training=True, **{**repulse_flags, **repulse}),
-                              batch=BatchConfig(rollout_batch_size=2, train_batch_size=8, micro_train_batch_size=4))
+        return TrainRepulseConfig(repulse=RepulseConfig(do_harmlessness_training=True,
+                                                        **{**repulse_flags, **repulse}),
+                                  batch=BatchConfig(rollout_batch_size=2, train_batch_size=8, micro_train_batch_size=4))
 
     assert cfg(duplicate_rollout_batch_by=4).samples_per_prompt == 4
     assert not cfg(duplicate_rollout_batch_by=4).uses_critic
-    with pytest.raises(UsageError, match="must be > 1"):
-        cfg(duplicate_rollout_batch_by=1)
+    with pytest.raises(UsageError, match="--duplicate_rollout_batch_by \\(times --n_samples_per_prompt\\) must be > 1"):
+        TrainRepulseConfig(repulse=RepulseConfig(do_harmlessness_training=True, **repulse_flags),
+                           batch=BatchConfig(rollout_batch_size=8, train_batch_size=8, micro_train_batch_size=4))
     with pytest.raises(UsageError, match="--micro_train_batch_size 4 must be a multiple of the 8 samples"):
         cfg(duplicate_rollout_batch_by=8)
     with pytest.raises(UsageError, match="the proposal trains with ctl or dpg"):
@@ -39,7 +41,7 @@ def test_repulse_config_checks():
     from rlhf.config.ppo_config import AlgoConfig, PPOOptimConfig
 
     with pytest.raises(UsageError, match="does not use --use_kl_loss .*, --dynamic_filtering: drop them"):
-        TrainPPOConfig(
+        TrainRepulseConfig(
             repulse=RepulseConfig(do_harmlessness_training=True, duplicate_rollout_batch_by=4, **repulse_flags),
             algo=AlgoConfig(use_kl_loss=True, dynamic_filtering=True))
     reinforce = dict(repulse_flags, harmlessness_training_loss_type="reinforce", target_dist_beta=None)
@@ -48,16 +50,37 @@ def test_repulse_config_checks():
     assert not RepulseConfig(do_harmlessness_training=True, **reinforce).uses_proposal
     # q's learning rate: 0 is allowed (the fork's baselines pass it), a rate for no q is reported
     with pytest.warns(UserWarning, match="--actor_learning_rate 0.0003 has no effect: .* trains no proposal"):
-        TrainPPOConfig(repulse=RepulseConfig(do_harmlessness_training=True, duplicate_rollout_batch_by=4, **reinforce),
-                       optim=PPOOptimConfig(actor_learning_rate=3e-4),
+        TrainRepulseConfig(repulse=RepulseConfig(do_harmlessness_training=True, duplicate_rollout_batch_by=4,
+                                                 **reinforce),
+                           optim=PPOOptimConfig(actor_learning_rate=3e-4),
+                           batch=BatchConfig(rollout_batch_size=2, train_batch_size=8, micro_train_batch_size=4))
+    TrainRepulseConfig(repulse=RepulseConfig(do_harmlessness_training=True, duplicate_rollout_batch_by=4, **reinforce),
+                       optim=PPOOptimConfig(actor_learning_rate=0),
                        batch=BatchConfig(rollout_batch_size=2, train_batch_size=8, micro_train_batch_size=4))
-    TrainPPOConfig(repulse=RepulseConfig(do_harmlessness_training=True, duplicate_rollout_batch_by=4, **reinforce),
-                   optim=PPOOptimConfig(actor_learning_rate=0),
-                   batch=BatchConfig(rollout_batch_size=2, train_batch_size=8, micro_train_batch_size=4))
     with pytest.raises(UsageError, match="--actor_learning_rate must be positive"):
-        TrainPPOConfig(optim=PPOOptimConfig(actor_learning_rate=0))
+        TrainRepulseConfig(optim=PPOOptimConfig(actor_learning_rate=0))
     # PPO runs take --duplicate_rollout_batch_by as samples per prompt (the fork's PPO commands do)
-    assert TrainPPOConfig(repulse=RepulseConfig(duplicate_rollout_batch_by=4),
-                          batch=BatchConfig(rollout_batch_size=2, train_batch_size=8)).samples_per_prompt == 4
+    assert TrainRepulseConfig(repulse=RepulseConfig(duplicate_rollout_batch_by=4),
+                              batch=BatchConfig(rollout_batch_size=2, train_batch_size=8)).samples_per_prompt == 4
     with pytest.warns(UserWarning, match="--alpha, --target_dist_beta only act with --do_harmlessness_training"):
-        TrainPPOConfig(repulse=RepulseConfig(alpha=1.0, target_dist_beta=-1.0))
+        TrainRepulseConfig(repulse=RepulseConfig(alpha=1.0, target_dist_beta=-1.0))
+
+
+def test_the_forks_flags_belong_to_train_repulse_only(capsys):
+    """RePULSe lives beside PPO: `train_ppo` does not know the fork's flags and names the module that does;
+    the fork's bookkeeping flags are accepted (with a note) by that module only."""
+    from rlhf.config.flags import REPULSE_FLAGS, flag_specs, parse_config
+    from rlhf.config.ppo_config import TrainPPOConfig
+    from rlhf.repulse.repulse_config import TrainRepulseConfig
+
+    ppo = {s.flag for s in flag_specs(TrainPPOConfig)}
+    assert set(REPULSE_FLAGS) == {s.flag for s in flag_specs(TrainRepulseConfig)} - ppo
+    with pytest.raises(SystemExit) as exc:
+        parse_config(TrainPPOConfig, ["--do_harmlessness_training", "--rm_type", "x"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--do_harmlessness_training is a flag of python -m rlhf.cli.train_repulse" in err
+    assert "unknown flag --rm_type" in err
+    with pytest.warns(UserWarning, match="--rm_type is ignored: the RePULSe fork's reward-model plumbing"):
+        assert parse_config(TrainRepulseConfig, ["--rm_type", "x", "--duplicate_rollout_batch_by", "2"]
+                            ).samples_per_prompt == 2

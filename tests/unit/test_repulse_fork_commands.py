@@ -8,9 +8,9 @@ import pytest
 from rlhf.assets import TINY_DIR
 from rlhf.config.errors import UsageError
 from rlhf.config.flags import parse_config
-from rlhf.config.gcg_config import EvaluateGCGConfig
-from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.core.run import for_this_machine
+from rlhf.repulse.gcg_config import EvaluateGCGConfig
+from rlhf.repulse.repulse_config import TrainRepulseConfig
 from tests.repulse_fork import GCG, REALISTIC, TOY, TRAIN, flag_value, set_flag
 
 
@@ -22,7 +22,7 @@ def test_the_file_holds_the_forks_commands():
 
 @pytest.mark.parametrize("heading,argv", TRAIN, ids=[f"{i}" for i in range(len(TRAIN))])
 def test_every_train_command_parses_into_what_it_means(heading, argv):
-    cfg = parse_config(TrainPPOConfig, argv)
+    cfg = parse_config(TrainRepulseConfig, argv)
     rp = cfg.repulse
     method = heading.rsplit(" / ", 1)[1]
     assert rp.do_harmlessness_training == (method != "PPO")
@@ -49,19 +49,24 @@ def test_realistic_commands_stop_only_at_the_model_download(heading, argv):
     """Every check before the engines passes up to the model load, which names --pretrain and says the model
     must be a local path."""
     from rlhf.cli.train_ppo import check_before_engines
+    from rlhf.cli.train_repulse import RepulseRun
 
-    cfg = for_this_machine(parse_config(TrainPPOConfig, argv).with_demo_defaults())
+    cfg = for_this_machine(parse_config(TrainRepulseConfig, argv).with_demo_defaults())
     world = 1
     with pytest.raises(UsageError, match=f"--pretrain {flag_value(argv, '--pretrain')}: the model must be a local "
                                          "path.*huggingface-cli download"):
-        check_before_engines(cfg, world)
+        check_before_engines(cfg, world, RepulseRun().extra_roles(cfg))
 
 
 def test_the_gcg_command_stops_only_at_the_model_download(tmp_path):
     """With the trained checkpoint and the goals file replaced by local ones, the fork's GCG command stops at
-    --pretrain (a hub name)."""
-    from rlhf.cli.evaluate_gcg import main
+    --pretrain (a hub name). The fork's module name (`evaluate_gcg_sz`) is ours with the package changed."""
+    import importlib
 
+    from tests.repulse_fork import COMMAND_LIST
+
+    fork_module = next(m for _, m, _ in COMMAND_LIST if "evaluate_gcg" in m)
+    main = importlib.import_module(fork_module.replace("openrlhf.", "rlhf.")).main
     argv = list(GCG[0])
     set_flag(argv, "--ckpt_path", f"{TINY_DIR}/policy")
     set_flag(argv, "--file_path", f"{TINY_DIR}/gcg_goals.csv")

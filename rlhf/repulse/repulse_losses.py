@@ -75,7 +75,8 @@ def rloo_baseline_PK(returns_PK: torch.Tensor) -> torch.Tensor:
     K = returns_PK.shape[-1]
     if K < 2:
         raise ValueError("the leave-one-out baseline needs >= 2 samples per prompt (--duplicate_rollout_batch_by)")
-    return (returns_PK.sum(-1, keepdim=True) - returns_PK) / (K - 1)
+    returns = returns_PK.double()  # the sum of K large returns must not overflow float32
+    return ((returns.sum(-1, keepdim=True) - returns) / (K - 1)).to(returns_PK.dtype)
 
 
 def policy_gradient_terms(mean_logp: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
@@ -103,9 +104,24 @@ def base_as_proposal_weights_PK(beta_r_PK: torch.Tensor) -> torch.Tensor:
 # ---- reward transforms on the policy's samples ---------------------------------------------------
 
 
+LARGEST_SHAPED_REWARD = torch.finfo(torch.float32).max / 2**20
+"""The largest |r'| a transform may give: float32 training sums up to 2^20 of them without overflowing."""
+
+
 def minus_alpha_exp_beta_r(rewards: torch.Tensor, alpha: float, beta: float, threshold: float) -> torch.Tensor:
-    """r' = r - alpha·exp(beta·r) (with beta < 0 it penalises low rewards most)."""
-    return rewards - alpha * torch.exp(beta * rewards)
+    """r' = r - alpha·exp(beta·r) (with beta < 0 it penalises low rewards most), computed in float64; a value
+    beyond `LARGEST_SHAPED_REWARD` (alpha 0.5, beta -10, r -10 gives -1.34e43) is an error naming the flags, never
+    an infinity that turns the group's baseline into NaN."""
+    r = rewards.double()
+    shaped = r - alpha * torch.exp(beta * r)
+    too_large = ~(shaped.abs() <= LARGEST_SHAPED_REWARD).flatten()  # infinities too
+    if too_large.any():
+        i = int(too_large.nonzero()[0])
+        raise ValueError(f"--reward_transform minus_alpha_exp_beta_r: r - {alpha:g}·exp({beta:g}·r) is "
+                         f"{float(shaped.flatten()[i]):.3g} for the reward {float(r.flatten()[i]):.4g}, beyond "
+                         f"what float32 training holds (|r'| <= {LARGEST_SHAPED_REWARD:.2g}): lower --rew_trans_alpha "
+                         "or the magnitude of --rew_trans_beta (their defaults: --alpha, --target_dist_beta)")
+    return shaped.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
 
 def minus_alpha_ind(rewards: torch.Tensor, alpha: float, beta: float, threshold: float) -> torch.Tensor:

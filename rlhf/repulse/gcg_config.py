@@ -15,6 +15,7 @@ import torch
 from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_REWARD_MODEL_DIR, TINY_DIR
 from rlhf.config.ppo_config import RewardConfig
 from rlhf.config.shared_config import PARAM_DTYPES, opt, require
+from rlhf.repulse.repulse_config import FORK_IGNORED_FLAGS, FORK_IGNORED_SWITCHES
 
 EMBEDDED_GCG_GOALS = str(TINY_DIR / "gcg_goals.csv")
 """Goals and targets in the embedded tiny vocabulary (copy-task prompts whose target is another digit)."""
@@ -242,6 +243,8 @@ class EvaluateGCGConfig:
     """Everything `evaluate_gcg` needs."""
 
     PENDING_FLAGS: ClassVar[tuple[str, ...]] = GCG_PENDING_FLAGS
+    IGNORED_FLAGS: ClassVar[dict[str, str]] = FORK_IGNORED_FLAGS
+    IGNORED_SWITCHES: ClassVar[frozenset[str]] = FORK_IGNORED_SWITCHES
     seed: int = opt(42, "random seed: goal i searches and samples from streams seeded with seed + i")
     full_determinism: bool = opt(False, "use deterministic torch algorithms")
     model: GCGModelConfig = field(default_factory=GCGModelConfig)

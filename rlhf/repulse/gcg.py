@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from rlhf.config.gcg_config import GCGSearchConfig
+from rlhf.repulse.gcg_config import GCGSearchConfig
 
 INIT_FILLERS = ("!", "x")
 """The suffix starts as this word repeated: "!" as in the GCG paper and the fork's evaluate_gcg_sz ("! ! ... !"),

@@ -13,11 +13,13 @@ import math
 
 import torch
 
-from rlhf.algorithms import repulse_losses
 from rlhf.config.errors import UsageError
-from rlhf.config.ppo_config import TrainPPOConfig
-from rlhf.evaluation.bad_outputs import log_p_bad, next_token_logprobs_V, second_token_logprobs_VV
+from rlhf.data.prompts import Prompt, load_prompts, single_prompt
+from rlhf.repulse import repulse_losses
+from rlhf.repulse.bad_outputs import log_p_bad, next_token_logprobs_V, second_token_logprobs_VV
+from rlhf.repulse.repulse_config import TrainRepulseConfig
 from rlhf.rewards.base import RewardInputs, RewardSource
+from rlhf.trainers.prompt_eval import evenly_split
 
 MAX_ENUMERATED = 1 << 20
 """At most this many 2-token responses are enumerated for the exact expected reward."""
@@ -37,7 +39,7 @@ def bad_token_ids(words: str, tokenizer) -> list[int]:
     return ids
 
 
-def resolve_bad_words(cfg: TrainPPOConfig, reward: RewardSource | None) -> str:
+def resolve_bad_words(cfg: TrainRepulseConfig, reward: RewardSource | None) -> str:
     """--bad_words, else the BAD_WORDS a --remote_rm_url file declares; a usage error when neither exists."""
     if cfg.repulse.bad_words:
         return cfg.repulse.bad_words
@@ -52,7 +54,7 @@ def resolve_bad_words(cfg: TrainPPOConfig, reward: RewardSource | None) -> str:
 class AnalyticEvaluator:
     """Exact 2-token statistics of p for the single prompt (see the module docstring)."""
 
-    def __init__(self, cfg: TrainPPOConfig, tokenizer, prompt_text: str, prompt_ids: list[int], label,
+    def __init__(self, cfg: TrainRepulseConfig, tokenizer, prompt_text: str, prompt_ids: list[int], label,
                  reward: RewardSource, ref_model: torch.nn.Module | None, ref_layout=None,
                  vocab_size: int | None = None, period: int = 1) -> None:
         self.period = period  # steps between evaluations (a fit step)
@@ -141,27 +143,13 @@ class AnalyticEvaluator:
         return self._rewards
 
 
-def evenly_split(prompts: list, num_engines: int, what: str) -> list:
-    """The first prompts that split evenly over the rollout engines (a warning names the ones left out)."""
-    usable = len(prompts) - len(prompts) % num_engines
-    if usable == 0:
-        raise UsageError(f"{what}: {len(prompts)} prompt(s) cannot be split over the {num_engines} rollout engines; "
-                         f"give at least {num_engines}")
-    if usable < len(prompts):
-        import warnings
-
-        warnings.warn(f"{what}: the last {len(prompts) - usable} prompt(s) are not evaluated (the prompts split "
-                      f"evenly over the {num_engines} rollout engines)", stacklevel=3)
-    return prompts[:usable]
-
-
 class HeldoutEvaluator:
     """--evaluate_heldout_sampling: K samples of the policy per held-out prompt (--sampling_iters rounds);
     each sample's reward, return (r - c_KL x k1 KL) and KL go to `out_dir/heldout_<samples drawn>.jsonl`;
     reported: mean reward, return and KL, P(r < --threshold) and the CVaR of the rewards. Collective (every
     rank generates its share, as in a training step)."""
 
-    def __init__(self, cfg: TrainPPOConfig, prompts: list, out_dir: str, is_writer: bool, num_engines: int,
+    def __init__(self, cfg: TrainRepulseConfig, prompts: list, out_dir: str, is_writer: bool, num_engines: int,
                  period: int = 1) -> None:
         self.period = period  # steps between evaluations (a fit step)
         self.prompts = evenly_split(prompts, num_engines, f"--heldout_prompt_data {cfg.repulse.heldout_prompt_data}")
@@ -197,3 +185,18 @@ class HeldoutEvaluator:
         return {"heldout_reward_mean": float(r.mean()), "heldout_return_mean": float(ret.mean()),
                 "heldout_kl_mean": float(kl.mean()), "heldout_p_below": repulse_losses.prob_below(r, rp.threshold),
                 "heldout_cvar": repulse_losses.cvar(r, rp.heldout_cvar_fraction)}
+
+
+def the_single_prompt(cfg: TrainRepulseConfig, tokenizer) -> Prompt:
+    """The one prompt of --new_custom_single_prompt / the analytic evaluation: --custom_prompt, else the only
+    prompt of --prompt_data (which may repeat it)."""
+    rp = cfg.repulse
+    if rp.custom_prompt is not None:
+        return single_prompt(cfg.data, rp.custom_prompt, tokenizer)
+    prompts = load_prompts(cfg.data, tokenizer)
+    texts = sorted({p.text for p in prompts})
+    if len(texts) != 1:
+        raise UsageError(f"--new_custom_single_prompt trains on one prompt, but --prompt_data {cfg.data.prompt_data} "
+                         f"holds {len(texts)} different prompts (e.g. {texts[:2]}); give --custom_prompt TEXT or a "
+                         "file of one prompt")
+    return prompts[0]

@@ -1,4 +1,4 @@
-"""RePULSe's step on `train_ppo`'s engines (../shared/design/REPULSE.md): K samples per prompt from the
+"""RePULSe's step on PPO's engines (../shared/design/REPULSE.md): K samples per prompt from the
 policy p and from the proposal q, q's CTL update toward sigma ∝ p·exp(beta·r), then p's update (REINFORCE
 with the leave-one-out baseline, plus alpha x the SNIS-weighted log-likelihood of q's samples, pushed down).
 
@@ -7,7 +7,7 @@ p's are pushed back after the update (one engine, weights swapped: see README "R
 actor's ranks, or on ranks of its own (--proposal_num_gpus_per_node), where its update runs beside p's.
 The baselines are switches of the same step: `--harmlessness_training_loss_type reinforce` (no q),
 `--use_base_as_proposal` (p's own samples are the negatives), `--reward_transform`.
-Per-role math lives in `rlhf.algorithms.repulse_losses`; this module only orders the stages and shards groups.
+Per-role math lives in `rlhf.repulse.repulse_losses`; this module only orders the stages and shards groups.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf.algorithms import repulse_losses
 from rlhf.core.accumulate import MicroLoss, optimizer_step, step_metrics
 from rlhf.core.metrics import Reduce, add_update, per_update_means, reduce_metrics
 from rlhf.core.state import CheckpointedState
@@ -24,6 +23,8 @@ from rlhf.data.records import Rollout, TokenBatch
 from rlhf.distributed.collectives import all_gather_rollout, shard
 from rlhf.distributed.topology import Role
 from rlhf.models.lm_logprobs import policy_forward
+from rlhf.repulse import repulse_losses
+from rlhf.repulse.repulse_config import TrainRepulseConfig
 from rlhf.trainers.actor import Actor
 from rlhf.trainers.ppo_trainer import PPOTrainer
 
@@ -52,15 +53,21 @@ class GroupSamples(TokenBatch):
     beta_r_B: torch.Tensor
 
 
-class RepulseTrainer(PPOTrainer):
-    """One RePULSe step (a `rlhf.core.loop.Job`); construct on every rank with the same config."""
+PROPOSAL = Role.define("proposal")
+"""RePULSe's q: a second trainable copy of the policy, on the actor's ranks or ranks of its own."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.rp = self.cfg.repulse
-        self.k = self.cfg.samples_per_prompt
-        self.proposal: Actor | None = self.roles.proposal  # None where this rank does not host q
-        self.has_proposal = Role.PROPOSAL in self.topology.plan  # whether the run has a q at all
+
+class RepulseTrainer(PPOTrainer):
+    """One RePULSe step (a `rlhf.core.loop.Job`); construct on every rank with the same config, PPO's trainer's
+    arguments and `proposal` (q's actor; None where this rank does not host q)."""
+
+    def __init__(self, cfg: TrainRepulseConfig, *args, proposal: Actor | None, **kwargs) -> None:
+        super().__init__(cfg, *args, **kwargs)
+        self.rp = cfg.repulse
+        self.k = cfg.samples_per_prompt
+        self.proposal = proposal
+        self.has_proposal = PROPOSAL in self.topology.plan  # whether the run has a q at all
+        self.trainable = self.roles.trainable + ([proposal.model] if proposal is not None else [])
 
     # ---- checkpoint -----------------------------------------------------------------------------------
 
@@ -78,7 +85,7 @@ class RepulseTrainer(PPOTrainer):
             p_local = self.generate(step)
             q_locals = []
             if self.has_proposal:  # q's weights into the engine, then back to p's after the update
-                self.push_weights(Role.PROPOSAL, self.proposal)
+                self.push_weights(PROPOSAL, self.proposal)
                 q_locals = [self.generate(step, stream=1 + i) for i in range(self.cfg.batch.num_episodes)]
             self.engine.sleep()
         pad = self.tokenizer.pad_token_id
@@ -89,7 +96,7 @@ class RepulseTrainer(PPOTrainer):
             self._move(self.roles.frozen, to_host=True, enabled=e.ref_reward_offload)
         self.records.samples_drawn += positives.num_samples * (1 + len(q_batches))
         with self.timer.stage("train"):
-            self._move(self.roles.trainable, to_host=False, enabled=e.deepspeed_enable_sleep and step > 0)
+            self._move(self.trainable, to_host=False, enabled=e.deepspeed_enable_sleep and step > 0)
             stats: dict[str, float] = {}
             q_stats: dict[str, float] = {}
             negatives = None
@@ -101,10 +108,10 @@ class RepulseTrainer(PPOTrainer):
                 negatives = self._base_negatives(positives)
             if self.roles.actor is not None:  # p's negatives are q's samples drawn before q's updates
                 add_update(stats, self._train_policy(positives, negatives, step))
-            self._move(self.roles.trainable, to_host=True, enabled=e.deepspeed_enable_sleep)
+            self._move(self.trainable, to_host=True, enabled=e.deepspeed_enable_sleep)
         if q_batches:
             metrics.update(q_metrics)
-        metrics.update(reduce_metrics({Role.ACTOR: per_update_means(stats), Role.PROPOSAL: per_update_means(q_stats)},
+        metrics.update(reduce_metrics({Role.ACTOR: per_update_means(stats), PROPOSAL: per_update_means(q_stats)},
                                       REPULSE_METRICS, self.topology))
         metrics["samples_drawn"] = float(self.samples_drawn)
         with self.timer.stage("weight_sync"):
@@ -147,7 +154,7 @@ class RepulseTrainer(PPOTrainer):
         self.records.keep_negatives(batch, raw, "proposal", step)
         B, T = batch.sequences_BT.shape
         seq, mask = batch.sequences_BT, batch.attention_mask_BT
-        logq = exp.gather(Role.PROPOSAL, lambda w: self.proposal.logprobs(seq[w], mask[w]), (B, T - 1))
+        logq = exp.gather(PROPOSAL, lambda w: self.proposal.logprobs(seq[w], mask[w]), (B, T - 1))
         action = batch.action_mask_BT1
         beta_r = self.rp.target_dist_beta * raw.float()
         weights = repulse_losses.snis_weights_PK(repulse_losses.masked_sum_PK(logp, action).reshape(-1, self.k),
@@ -199,7 +206,7 @@ class RepulseTrainer(PPOTrainer):
             return MicroLoss(share, {f"{self.rp.actor_loss_type}_loss": share})
 
         stats: dict[str, float] = {}
-        for micros in self._group_steps(samples, Role.PROPOSAL):
+        for micros in self._group_steps(samples, PROPOSAL):
             add_update(stats, step_metrics(q.model, optimizer_step(q.model, micros, micro_loss), prefix="q_"))
         out = per_update_means(stats)
         if "lr" in out:
@@ -230,3 +237,27 @@ class RepulseTrainer(PPOTrainer):
             items = [("policy", m) for m in micros] + ([("negative", m) for m in neg_steps[i]] if neg_steps else [])
             add_update(stats, step_metrics(actor.model, optimizer_step(actor.model, items, micro_loss)))
         return per_update_means(stats)
+
+
+def describe_repulse(cfg: TrainRepulseConfig) -> str:
+    """The algorithm line of a --do_harmlessness_training run: which variant, its weights and schedule."""
+    rp, k = cfg.repulse, cfg.samples_per_prompt
+    if rp.harmlessness_training_loss_type == "reinforce":
+        variant = "REINFORCE (leave-one-out baseline)"
+    elif rp.use_base_as_proposal:
+        variant = f"REINFORCE + negatives from the policy's own samples (alpha {rp.alpha})"
+    else:
+        variant = (f"RePULSe: proposal q by {rp.actor_loss_type.upper()} toward p·exp({rp.target_dist_beta:g}·r) "
+                   f"(lr {cfg.optim.actor_learning_rate:g}, {cfg.batch.num_episodes} update(s) per step), policy by "
+                   f"REINFORCE + alpha {rp.alpha:g} x weighted q samples")
+    parts = [variant, f"{k} samples per prompt", f"policy lr {rp.base_actor_learning_rate:g}"]
+    if rp.reward_transform == "minus_alpha_exp_beta_r":
+        parts.append(f"reward transform r - {rp.transform_alpha:g}·exp({rp.transform_beta:g}·r)")
+    elif rp.reward_transform == "minus_alpha_ind":
+        parts.append(f"reward transform r - {rp.transform_alpha:g}·1[r < {rp.threshold:g}]")
+    a = cfg.algo
+    parts.append(f"KL k1 x {a.init_kl_coef:g} in the return" if a.needs_ref else "no KL term")
+    parts.append(f"{rp.fit_steps} fit step(s) of {rp.harmlessness_training_num_episodes} episode(s)")
+    if rp.analytic_bad_word_calc:
+        parts.append("exact log P(bad) after each fit step")
+    return "algorithm: " + ", ".join(parts)
