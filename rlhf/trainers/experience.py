@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -50,6 +51,24 @@ def actor_forward_skippable(cfg: TrainPPOConfig) -> bool:
     return one_update and not cfg.algo.needs_ref
 
 
+@dataclass
+class Scored:
+    """What the reward sources answered for a global batch, each [B]: the raw rewards, the scores dynamic
+    filtering judges groups by (a reward_func's `scores`, else the rewards) and the extra logs."""
+
+    rewards_B: torch.Tensor
+    scores_B: torch.Tensor
+    extra: dict[str, torch.Tensor]
+
+    def select(self, indices: list[int]) -> Scored:
+        return Scored(self.rewards_B[indices], self.scores_B[indices], {k: v[indices] for k, v in self.extra.items()})
+
+    @staticmethod
+    def concat(parts: list[Scored]) -> Scored:
+        return Scored(torch.cat([p.rewards_B for p in parts]), torch.cat([p.scores_B for p in parts]),
+                      {k: torch.cat([p.extra[k] for p in parts]) for k in parts[0].extra})
+
+
 class ExperienceMaker:
     """Built on every rank; roles the rank does not host are None. `skip_actor_forward`: leave the old log-probs
     to the training forward (`actor_forward_skippable`)."""
@@ -82,7 +101,7 @@ class ExperienceMaker:
         part = compute(where) if first_of_ring or (hosts and collective) else None
         return assemble(part if first_of_ring else None, where, shape, self.topology.trainer_group)
 
-    def _rewards(self, batch: Rollout) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def _rewards(self, batch: Rollout) -> Scored:
         B = batch.num_samples
         queries = [p + r for p, r in zip(batch.prompts, batch.responses)]
         results: dict[str, torch.Tensor] = {}
@@ -98,7 +117,7 @@ class ExperienceMaker:
         keys = broadcast_keys(sorted(results.get("extra", {})), src=self.topology.ranks(Role.REWARD)[0],
                               group=self.topology.trainer_group)
         extra = {k: self._by_role(Role.REWARD, lambda w, k=k: results["extra"][k], (B,), collective) for k in keys}
-        return both[:, 0], both[:, 1], extra
+        return Scored(both[:, 0], both[:, 1], extra)
 
     def _shape_rewards(self, rewards_B: torch.Tensor, batch: Rollout) -> torch.Tensor:
         algo = self.cfg.algo
@@ -139,21 +158,22 @@ class ExperienceMaker:
         identical on every rank; nothing shaped, no advantages (for a step that computes its own). `rm_max_len`:
         reward models see only each sample's first that many tokens. Collective."""
         old, ref = self._logprobs(batch, with_ref)
-        raw_rewards, _, _ = self._rewards(_truncated(batch, rm_max_len))
-        return raw_rewards, old, ref
+        return self._rewards(_truncated(batch, rm_max_len)).rewards_B, old, ref
 
     def rewards(self, batch: Rollout, rm_max_len: int | None = None) -> torch.Tensor:
         """The reward sources' raw rewards [B] of a global batch, on every rank (no log-probs). Collective."""
-        return self._rewards(_truncated(batch, rm_max_len))[0]
+        return self._rewards(_truncated(batch, rm_max_len)).rewards_B
 
-    def scores(self, batch: Rollout, rm_max_len: int | None = None) -> torch.Tensor:
-        """The scores [B] dynamic filtering judges groups by (a reward_func's `scores`, else the rewards), on
-        every rank. Collective."""
-        return self._rewards(_truncated(batch, rm_max_len))[1]
+    def scored(self, batch: Rollout, rm_max_len: int | None = None) -> Scored:
+        """The reward sources' answer for a global batch (rewards, the scores dynamic filtering judges groups by,
+        extra logs), on every rank; `make` takes it back so no sample is scored twice. Collective."""
+        return self._rewards(_truncated(batch, rm_max_len))
 
-    def make(self, batch: Rollout, rm_max_len: int | None = None) -> tuple[Experience, dict[str, float]]:
+    def make(self, batch: Rollout, rm_max_len: int | None = None, scored: Scored | None = None
+             ) -> tuple[Experience, dict[str, float]]:
         """Experience for the whole global batch (identical on every rank) and step metrics. `rm_max_len`:
-        reward models see only each sample's first that many tokens."""
+        reward models see only each sample's first that many tokens. `scored`: the batch's rewards when they
+        were already asked for (dynamic filtering), else the reward sources are asked now."""
         B, T = batch.sequences_BT.shape
         seq, mask = batch.sequences_BT, batch.attention_mask_BT
         with_ref = self.ref_model is not None or Role.REF in self.topology.plan
@@ -161,7 +181,8 @@ class ExperienceMaker:
         values = None
         if Role.CRITIC in self.topology.plan:
             values = self._by_role(Role.CRITIC, lambda w: self.critic.values(seq[w], mask[w]), (B, T - 1))
-        raw_rewards, scores, extra = self._rewards(_truncated(batch, rm_max_len))
+        scored = scored or self._rewards(_truncated(batch, rm_max_len))
+        raw_rewards, scores, extra = scored.rewards_B, scored.scores_B, scored.extra
         rewards = self._shape_rewards(raw_rewards, batch)
         action = batch.action_mask_BT1
         n = self.cfg.samples_per_prompt

@@ -35,7 +35,7 @@ from rlhf.engines.weight_sync import ParamSpec, broadcast_parameters
 from rlhf.models.micro_batches import MicroBatcher
 from rlhf.trainers.actor import Actor
 from rlhf.trainers.critic import Critic
-from rlhf.trainers.experience import ExperienceMaker
+from rlhf.trainers.experience import ExperienceMaker, Scored
 from rlhf.trainers.run_records import RunRecords
 from rlhf.utils.timers import StageTimer
 
@@ -136,15 +136,15 @@ class PPOTrainer:
         pad = self.tokenizer.pad_token_id
         with self.timer.stage("generation"):
             local = self.generate(step)
-            batch, filtering, generated = None, {}, 0
+            batch, scored, filtering, generated = None, None, {}, 0
             if self.cfg.algo.dynamic_filtering:  # more rounds until the step has enough informative groups
-                batch, filtering, generated = self._informative_groups(step, all_gather_rollout(local, pad))
+                batch, scored, filtering, generated = self._informative_groups(step, all_gather_rollout(local, pad))
             self.engine.sleep()  # vLLM frees its memory until the next weight push
         with self.timer.stage("experience"):
             if batch is None:
                 batch = all_gather_rollout(local, pad)
                 generated = batch.num_samples
-            experience, metrics = self._experience(batch)
+            experience, metrics = self._experience(batch, scored)
         metrics.update(filtering)
         self.records.samples_drawn += generated
         self.records.keep_negatives(batch, experience.raw_rewards_B, "policy", step)
@@ -159,12 +159,12 @@ class PPOTrainer:
             metrics["samples_drawn"] = float(self.samples_drawn)
         return metrics
 
-    def _experience(self, batch: Rollout) -> tuple[Experience, dict[str, float]]:
-        """The global batch's experience and metrics; with --ref_reward_offload the frozen models are on the
-        device only meanwhile."""
+    def _experience(self, batch: Rollout, scored: Scored | None = None) -> tuple[Experience, dict[str, float]]:
+        """The global batch's experience and metrics (`scored`: its rewards, when the filter asked for them);
+        with --ref_reward_offload the frozen models are on the device only meanwhile."""
         offload = self.cfg.engine.ref_reward_offload
         self._move(self.roles.frozen, to_host=False, enabled=offload)
-        experience, metrics = self.roles.experience.make(batch, rm_max_len=self.rm_max_len)
+        experience, metrics = self.roles.experience.make(batch, rm_max_len=self.rm_max_len, scored=scored)
         self._move(self.roles.frozen, to_host=True, enabled=offload)
         return experience, metrics
 
@@ -177,17 +177,18 @@ class PPOTrainer:
         self._move(self.roles.trainable, to_host=True, enabled=sleep)
         return metrics
 
-    def _informative_groups(self, step: int, first: Rollout) -> tuple[Rollout, dict[str, float], int]:
+    def _informative_groups(self, step: int, first: Rollout) -> tuple[Rollout, Scored, dict[str, float], int]:
         """--dynamic_filtering: the step's --rollout_batch_size prompt groups, informative ones first (mean score
         strictly inside --dynamic_filtering_reward_range). While groups are missing, another round samples that
         many more prompts (rounded up to the engine count) drawn at random from the dataset, up to
         --dynamic_filtering_max_rounds rounds; then rejected groups fill the batch (the experience masks them:
-        `kept_ratio` < 1). Returns the batch, the filter's metrics and the samples generated. Collective."""
+        `kept_ratio` < 1). Returns the batch, its rewards (each sample is scored once), the filter's metrics and
+        the samples generated. Collective."""
         a, n = self.cfg.algo, self.cfg.samples_per_prompt
         want, pad = self.cfg.batch.rollout_batch_size, self.tokenizer.pad_token_id
         engines = self.topology.num_engines
-        kept: list[Rollout] = []
-        rejected: list[Rollout] = []
+        kept: list[tuple[Rollout, Scored]] = []
+        rejected: list[tuple[Rollout, Scored]] = []
         batch, drawn, rounds = first, 0, 0
         offload = self.cfg.engine.ref_reward_offload
         while True:
@@ -195,11 +196,12 @@ class PPOTrainer:
             groups = batch.num_samples // n
             drawn += groups
             self._move(self.roles.frozen, to_host=False, enabled=offload)
-            scores = self.roles.experience.scores(batch, self.rm_max_len)
+            scored = self.roles.experience.scored(batch, self.rm_max_len)
             self._move(self.roles.frozen, to_host=True, enabled=offload)
-            keep = group_filter(scores.reshape(groups, n), *a.dynamic_filtering_reward_range)
+            keep = group_filter(scored.scores_B.reshape(groups, n), *a.dynamic_filtering_reward_range)
             for g in range(groups):
-                (kept if keep[g] else rejected).append(select_rollout(batch, list(range(g * n, (g + 1) * n))))
+                members = list(range(g * n, (g + 1) * n))
+                (kept if keep[g] else rejected).append((select_rollout(batch, members), scored.select(members)))
             if len(kept) >= want or rounds >= a.dynamic_filtering_max_rounds:
                 break
             count = -(-(want - len(kept)) // engines) * engines
@@ -207,7 +209,9 @@ class PPOTrainer:
             batch = all_gather_rollout(self.generate(step, stream=REFILL_STREAM + rounds, batch=prompts), pad)
         metrics = {"dynamic_filtering_pass_rate": 100.0 * len(kept) / drawn, "dynamic_filtering_rounds": rounds,
                    "dynamic_filtering_prompts": float(drawn)}
-        return concat_rollouts((kept + rejected)[:want], pad), metrics, drawn * n
+        chosen = (kept + rejected)[:want]
+        return (concat_rollouts([r for r, _ in chosen], pad), Scored.concat([s for _, s in chosen]), metrics,
+                drawn * n)
 
     def _move(self, models: list[DeepSpeedModel], to_host: bool, enabled: bool) -> None:
         for model in models if enabled else []:

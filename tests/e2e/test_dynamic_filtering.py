@@ -1,5 +1,6 @@
-"""--dynamic_filtering end to end: with refills every step trains on a full batch of informative groups; capped at
-one round, rejected groups are masked (the old behaviour)."""
+"""--dynamic_filtering end to end: with refills every step trains on a full batch of informative groups, each
+sample scored once (a random reward is judged and trained on with the same value); capped at one round, rejected
+groups are masked (the old behaviour)."""
 
 import pytest
 import torch
@@ -18,10 +19,26 @@ def _run(tmp_path, name, *extra):
     return read_metrics(out)
 
 
+RANDOM_COUNTING_REWARD = """
+import os, random, torch
+
+def reward_func(queries, prompts, labels):
+    with open(os.path.join(os.path.dirname(__file__), "calls.txt"), "a") as f:
+        f.write(f"{len(queries)}\\n")
+    return torch.tensor([float(random.random() < 0.2) for _ in queries])
+"""
+"""1 with probability 0.2: 41% of groups of 4 are all 0 (not informative). Scored twice, a kept group would be
+rejected by the second score in 41% of cases; each call's size is appended to calls.txt beside the file."""
+
+
 def test_every_step_trains_on_a_full_batch_of_informative_groups(tmp_path):
-    rows = _run(tmp_path, "refill", "--dynamic_filtering_max_rounds", "50")
+    reward = tmp_path / "random_reward.py"
+    reward.write_text(RANDOM_COUNTING_REWARD)
+    rows = _run(tmp_path, "refill", "--dynamic_filtering_max_rounds", "50", "--remote_rm_url", str(reward))
+    scored = [int(line) for line in (tmp_path / "calls.txt").read_text().split()]
+    assert sum(scored) == sum(r["dynamic_filtering_prompts"] for r in rows) * 4  # every sample scored once
     for r in rows:
-        assert r["kept_ratio"] == 1.0  # all 4 groups of every step are informative
+        assert r["kept_ratio"] == 1.0  # all 4 groups of every step are informative, by the scores trained on
         drawn = r["dynamic_filtering_prompts"]
         assert drawn >= 4 and r["dynamic_filtering_pass_rate"] >= 100 * 4 / drawn - 1e-9
         assert 0 < r["reward_mean"] < 1
