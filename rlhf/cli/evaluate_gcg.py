@@ -1,5 +1,6 @@
-"""Entry point of the RePULSe fork's GCG attack evaluation, one process (plain `python -m`, or torchrun with one
-rank; no process group is started):
+"""Entry point of the RePULSe fork's GCG attack evaluation: plain `python -m`, or a launcher (torchrun, deepspeed,
+srun) with several ranks, which split the goals (goal i on rank i mod the world size; a gloo group gathers the
+records and rank 0 writes them; the results do not depend on the rank count):
 
     python -m rlhf.cli.evaluate_gcg --pretrain POLICY --file_path goals.csv --reward_pretrain RM \\
         --reward_threshold -4.0 --rm_exclude_adv_suffix --max_targets 100 --gcg_steps 50 --output_path gcg.json
@@ -46,11 +47,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from rlhf.cli.entry_point import main_for
 from rlhf.config.errors import UsageError
 from rlhf.core.run import check_writable
 from rlhf.data.formatting import make_chat_template
+from rlhf.distributed.launch_env import init_distributed, read_launch_env
 from rlhf.inference.generate import generated_text
 from rlhf.inference.output import write_atomically
 from rlhf.models.loading import check_local_model, load_causal_lm, load_tokenizer, resolve_attention
@@ -121,11 +124,7 @@ def policy_weights_dir(cfg: EvaluateGCGConfig) -> str:
                      "states do not load here")
 
 
-def check_single_process() -> None:
-    world = os.environ.get("WORLD_SIZE", "1")
-    if world.isdigit() and int(world) > 1:
-        raise UsageError(f"evaluate_gcg runs as one process (WORLD_SIZE is {world}): launch it with python -m or "
-                         "torchrun --nproc_per_node 1")
+
 
 
 def attack_prompt(tokenizer, goal: Goal, data: GCGDataConfig, add_space_before_target: bool) -> AttackPrompt:
@@ -293,7 +292,8 @@ def run(cfg: EvaluateGCGConfig, parse_warnings: Sequence[warnings.WarningMessage
     """Attack every goal and write the results file; returns its content."""
     for w in parse_warnings:
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-    check_single_process()
+    launch = read_launch_env()
+    rank, world = launch.rank, launch.world_size
     demo = cfg.demo
     cfg = cfg.with_demo_defaults()
     out = output_file(cfg)
@@ -305,8 +305,10 @@ def run(cfg: EvaluateGCGConfig, parse_warnings: Sequence[warnings.WarningMessage
     prompts = [attack_prompt(tokenizer, g, cfg.data, cfg.search.add_space_before_target) for g in goals]
     check_lengths(weights, prompts, cfg)
     seed_everything(cfg.seed, cfg.full_determinism)
-    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available()
-              else torch.device("cpu"))
+    if world > 1:  # the ranks split the goals; the group only gathers the records
+        device = init_distributed(launch)
+    else:
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     attn = resolve_attention(cfg.model.attn, "--flash_attn" if cfg.model.flash_attn else
                              f"--attn_implementation {cfg.model.attn_implementation}")
     model = load_causal_lm(weights, cfg.model.dtype, attn, cfg.model.trust_remote_code).to(device).eval()
@@ -316,13 +318,21 @@ def run(cfg: EvaluateGCGConfig, parse_warnings: Sequence[warnings.WarningMessage
     disallowed = disallowed_token_ids(tokenizer, vocab_size, cfg.search.allow_non_ascii)
     init_ids_L = initial_suffix_ids(tokenizer, cfg.search.suffix_len, disallowed)
     topk = num_choices(vocab_size, disallowed.numel(), cfg.search.topk)
-    if demo:
-        print(_demo_line(), flush=True)
-    if topk < cfg.search.topk:
-        print(f"--gcg_topk {cfg.search.topk}: the vocabulary allows {topk} replacements per position (its "
-              f"{vocab_size - disallowed.numel()} allowed tokens less the current one); using {topk}", flush=True)
-    print(_describe(cfg, len(goals), topk, out), flush=True)
-    records = attack_all(cfg, goals, prompts, model, tokenizer, reward, init_ids_L, disallowed, device)
+    if rank == 0:
+        if demo:
+            print(_demo_line(), flush=True)
+        if topk < cfg.search.topk:
+            print(f"--gcg_topk {cfg.search.topk}: the vocabulary allows {topk} replacements per position (its "
+                  f"{vocab_size - disallowed.numel()} allowed tokens less the current one); using {topk}", flush=True)
+        print(_describe(cfg, len(goals), topk, out) + (f", goals split over {world} ranks" if world > 1 else ""),
+              flush=True)
+    mine = range(rank, len(goals), world)
+    records = attack_all(cfg, goals, prompts, model, tokenizer, reward, init_ids_L, disallowed, device, mine,
+                         show=rank == 0)
+    if world > 1:
+        records = gather_records(list(mine), records, len(goals))
+        if rank != 0:
+            return {}
     attacked = sum(r["attacked"] for r in records)
     result = {"attack_success_rate": attacked / len(records), "num_goals": len(records), "num_attacked": attacked,
               "atk_success_criteria": cfg.success.atk_success_criteria,
@@ -341,29 +351,43 @@ def results_json(result: dict) -> str:
     return "{\n" + ",\n".join(head + [f'  "goals": [\n{goals}\n  ]']) + "\n}\n"
 
 
+def gather_records(indices: list[int], records: list[dict], num_goals: int) -> list[dict]:
+    """Every rank's records (of its goals `indices`) in goal order, on every rank; then the group ends."""
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, list(zip(indices, records)))
+    dist.destroy_process_group()
+    by_index = dict(pair for part in parts for pair in part)
+    return [by_index[i] for i in range(num_goals)]
+
+
 def attack_all(cfg: EvaluateGCGConfig, goals: Sequence[Goal], prompts: Sequence[AttackPrompt],
                model: torch.nn.Module, tokenizer, reward: RewardSource | None, init_ids_L: torch.Tensor,
-               disallowed: torch.Tensor, device: torch.device) -> list[dict]:
-    """Every goal's record, with a progress bar over goals and one line per goal."""
+               disallowed: torch.Tensor, device: torch.device, indices: Sequence[int] | None = None,
+               show: bool = True) -> list[dict]:
+    """The records of the goals `indices` (default all), with a progress bar over them and one line per goal
+    (`show`: on this rank)."""
     from tqdm import tqdm
 
+    indices = range(len(goals)) if indices is None else indices
     records: list[dict] = []
     empty_steps = 0
-    bar = tqdm(total=len(goals), desc="gcg", unit="goal", dynamic_ncols=True)
-    for i, (goal, prompt) in enumerate(zip(goals, prompts)):
+    bar = tqdm(total=len(indices), desc="gcg", unit="goal", dynamic_ncols=True, disable=not show)
+    for i in indices:
+        goal, prompt = goals[i], prompts[i]
         on_device = AttackPrompt(prompt.before_ids.to(device), prompt.after_ids.to(device),
                                  prompt.target_ids.to(device))
         record, state = attack_goal(cfg, i, goal, on_device, model, tokenizer, reward, init_ids_L, disallowed)
         records.append(record)
         empty_steps += state.empty_steps
         low = f", min reward {min(record['rewards']):.4g}" if record["rewards"] else ""
-        bar.write(f"goal {i + 1}/{len(goals)} {'ATTACKED' if record['attacked'] else 'held'}: loss "
-                  f"{record['final_loss']:.4f} after {state.steps} step(s){low}; goal {goal.goal!r} + suffix "
-                  f"{record['suffix']!r} -> target {goal.target!r}")
+        if show:
+            bar.write(f"goal {i + 1}/{len(goals)} {'ATTACKED' if record['attacked'] else 'held'}: loss "
+                      f"{record['final_loss']:.4f} after {state.steps} step(s){low}; goal {goal.goal!r} + suffix "
+                      f"{record['suffix']!r} -> target {goal.target!r}")
         bar.update(1)
         bar.set_postfix(asr=f"{sum(r['attacked'] for r in records) / len(records):.3f}")
     bar.close()
-    if empty_steps:
+    if empty_steps and show:
         print(f"{empty_steps} GCG step(s) kept their suffix: every candidate changed under decode -> encode "
               "(--gcg_filter_ids)", flush=True)
     return records

@@ -38,7 +38,7 @@ from rlhf.trainers.ppo_build import (
     rollout_engine_choice,
 )
 from rlhf.trainers.ppo_trainer import PPOTrainer, Roles, total_steps
-from rlhf.trainers.prompt_eval import PromptEvaluator
+from rlhf.trainers.prompt_eval import PromptEvaluator, prompt_unit
 from rlhf.utils.seeding import seed_everything
 
 
@@ -57,7 +57,7 @@ def build_rollout_engine(cfg: TrainPPOConfig, device: torch.device, tokenizer, n
                           kv_cache_bytes=r.vllm_kv_cache_bytes, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                           enforce_eager=r.enforce_eager, enable_prefix_caching=r.enable_prefix_caching,
                           enable_sleep=r.vllm_enable_sleep, trust_remote_code=m.trust_remote_code,
-                          sequences_per_call=(cfg.batch.rollout_batch_size * cfg.samples_per_prompt // num_engines
+                          sequences_per_call=(-(-cfg.batch.rollout_batch_size // num_engines) * cfg.samples_per_prompt
                                               if num_engines else 0))
     if why == NO_VLLM:
         warnings.warn("vLLM is not installed: generating with transformers (slower); install the cpu or gpu "
@@ -191,7 +191,7 @@ class PPORun(JobParts):
             return []
         cfg = run.cfg
         every = cfg.logging.eval_steps if cfg.logging.eval_steps > 0 else steps
-        return [PromptEvaluator(cfg, self.prompts_for_eval["eval"], run.topology.num_engines, every)]
+        return [PromptEvaluator(cfg, self.prompts_for_eval["eval"], prompt_unit(run.topology), every)]
 
     def make_trainer(self, run: Started, roles: Roles, engine, steps: int) -> PPOTrainer:
         cfg = run.cfg

@@ -24,6 +24,7 @@ from rlhf.repulse.repulse_trainer import PROPOSAL, RepulseTrainer, describe_repu
 from rlhf.trainers.async_ppo_trainer import AsyncPPOTrainer
 from rlhf.trainers.ppo_build import build_policy, describe_generation
 from rlhf.trainers.ppo_trainer import PPOTrainer, Roles
+from rlhf.trainers.prompt_eval import prompt_unit
 from rlhf.trainers.run_records import RunRecords
 
 
@@ -73,7 +74,7 @@ class RepulseRun(PPORun):
             out.append(analytic)
         if "heldout" in self.prompts_for_eval:
             out.append(HeldoutEvaluator(cfg, self.prompts_for_eval["heldout"], cfg.logging.save_path,
-                                        topology.rank == 0, topology.num_engines, period=fit_step))
+                                        topology.rank == 0, prompt_unit(topology), period=fit_step))
         return out
 
     def make_trainer(self, run: Started, roles: Roles, engine, steps: int) -> PPOTrainer:

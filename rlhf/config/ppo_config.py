@@ -511,14 +511,14 @@ class TrainPPOConfig(JobConfig):
                                       f"--vllm_tensor_parallel_size {tp} = {gen} generation ranks leave none of the "
                                       f"{world_size} to train; use fewer engines or more ranks")
             num_engines = self.rollout.vllm_num_engines
-        require(b.rollout_batch_size % num_engines == 0,
-                 f"--rollout_batch_size {b.rollout_batch_size} must be divisible by the number of rollout "
-                 f"engines ({num_engines}" + (" = --vllm_num_engines)" if self.rollout.async_train else
-                                             f" = world size {world_size} / --vllm_tensor_parallel_size {tp})"))
         samples = b.rollout_batch_size * self.samples_per_prompt
         require(samples % b.train_batch_size == 0,
                  f"--train_batch_size {b.train_batch_size} must divide the samples per step ({samples})")
-        if tp > 1:
+        if tp > 1:  # with one rank per engine the prompts may split unevenly (engines with none stay idle)
+            require(b.rollout_batch_size % num_engines == 0,
+                     f"--rollout_batch_size {b.rollout_batch_size} must be divisible by the number of rollout "
+                     f"engines ({num_engines}" + (" = --vllm_num_engines)" if self.rollout.async_train else
+                                                 f" = world size {world_size} / --vllm_tensor_parallel_size {tp})"))
             per_engine = b.rollout_batch_size // num_engines
             require(per_engine % tp == 0,
                      f"each engine's {per_engine} prompts must split evenly over its {tp} ranks "

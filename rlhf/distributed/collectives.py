@@ -27,10 +27,18 @@ def _pad_cols(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
     return torch.cat([t, pad], dim=1)
 
 
-def _gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts)
+def _gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None, counts: list[int] | None = None) -> torch.Tensor:
+    """Every rank's rows of `t` in rank order; `counts`: the ranks' row counts where they differ (rows are padded
+    to the largest for the collective, then cut back)."""
+    if counts is None or len(set(counts)) == 1:
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts)
+    most = max(counts)
+    padded = torch.cat([t, t.new_zeros((most - t.shape[0], *t.shape[1:]))])
+    parts = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, counts)])
 
 
 def _gather_list(items: list, group: dist.ProcessGroup | None) -> list:
@@ -40,18 +48,20 @@ def _gather_list(items: list, group: dist.ProcessGroup | None) -> list:
 
 
 def all_gather_rollout(rollout: Rollout, pad_id: int, group: dist.ProcessGroup | None = None) -> Rollout:
-    """Concatenate every rank's rollout in rank order, padded to the longest sequence.
-    Called by every rank of `group` with the same number of local samples."""
-    width = torch.tensor([rollout.sequences_BT.shape[1]])
-    dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
-    T = int(width)
+    """Concatenate every rank's rollout in rank order, padded to the longest sequence. Called by every rank of
+    `group`; ranks may hold different numbers of samples (none, where an engine had no prompt)."""
+    local = torch.tensor([rollout.sequences_BT.shape[1], rollout.num_samples])
+    sizes = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, local, group=group)
+    T = max(int(size[0]) for size in sizes)
+    counts = [int(size[1]) for size in sizes]
     return Rollout(
-        sequences_BT=_gather_rows(_pad_cols(rollout.sequences_BT, T, pad_id), group),
-        attention_mask_BT=_gather_rows(_pad_cols(rollout.attention_mask_BT, T, 0), group),
-        action_mask_BT1=_gather_rows(_pad_cols(rollout.action_mask_BT1, T - 1, 0.0), group),
-        rollout_logprobs_BT1=_gather_rows(_pad_cols(rollout.rollout_logprobs_BT1, T - 1, 0.0), group),
-        prompt_lens_B=_gather_rows(rollout.prompt_lens_B, group),
-        response_lens_B=_gather_rows(rollout.response_lens_B, group),
+        sequences_BT=_gather_rows(_pad_cols(rollout.sequences_BT, T, pad_id), group, counts),
+        attention_mask_BT=_gather_rows(_pad_cols(rollout.attention_mask_BT, T, 0), group, counts),
+        action_mask_BT1=_gather_rows(_pad_cols(rollout.action_mask_BT1, T - 1, 0.0), group, counts),
+        rollout_logprobs_BT1=_gather_rows(_pad_cols(rollout.rollout_logprobs_BT1, T - 1, 0.0), group, counts),
+        prompt_lens_B=_gather_rows(rollout.prompt_lens_B, group, counts),
+        response_lens_B=_gather_rows(rollout.response_lens_B, group, counts),
         finish_reasons=_gather_list(rollout.finish_reasons, group),
         prompts=_gather_list(rollout.prompts, group),
         responses=_gather_list(rollout.responses, group),

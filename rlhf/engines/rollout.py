@@ -94,7 +94,7 @@ def to_rollout(prompt_ids: list[list[int]], generations: list[list[Generation]],
     rows: list[tuple[list[int], Generation, str, object]] = []
     for ids, gens, text, label in zip(prompt_ids, generations, prompts_text, labels):
         rows.extend((list(ids), g, text, label) for g in gens)
-    length = max(len(ids) + len(g.token_ids) for ids, g, _, _ in rows)
+    length = max((len(ids) + len(g.token_ids) for ids, g, _, _ in rows), default=1)  # none: an idle engine
     B = len(rows)
     sequences = torch.full((B, length), pad_id, dtype=torch.long)
     attention = torch.zeros(B, length, dtype=torch.long)
@@ -110,8 +110,8 @@ def to_rollout(prompt_ids: list[list[int]], generations: list[list[Generation]],
     return Rollout(
         sequences_BT=sequences, attention_mask_BT=attention, action_mask_BT1=action,
         rollout_logprobs_BT1=rollout_lp,
-        prompt_lens_B=torch.tensor([len(ids) for ids, _, _, _ in rows]),
-        response_lens_B=torch.tensor([g.action_span for _, g, _, _ in rows]),
+        prompt_lens_B=torch.tensor([len(ids) for ids, _, _, _ in rows], dtype=torch.long),
+        response_lens_B=torch.tensor([g.action_span for _, g, _, _ in rows], dtype=torch.long),
         finish_reasons=[g.finish_reason for _, g, _, _ in rows],
         prompts=[text for _, _, text, _ in rows],
         responses=tokenizer.batch_decode([g.token_ids for _, g, _, _ in rows], skip_special_tokens=True),

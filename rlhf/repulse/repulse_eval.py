@@ -19,7 +19,7 @@ from rlhf.repulse import repulse_losses
 from rlhf.repulse.bad_outputs import log_p_bad, next_token_logprobs_V, second_token_logprobs_VV
 from rlhf.repulse.repulse_config import TrainRepulseConfig
 from rlhf.rewards.base import RewardInputs, RewardSource
-from rlhf.trainers.prompt_eval import evenly_split
+from rlhf.trainers.prompt_eval import splittable
 
 MAX_ENUMERATED = 1 << 20
 """At most this many 2-token responses are enumerated for the exact expected reward."""
@@ -149,10 +149,11 @@ class HeldoutEvaluator:
     reported: mean reward, return and KL, P(r < --threshold) and the CVaR of the rewards. Collective (every
     rank generates its share, as in a training step)."""
 
-    def __init__(self, cfg: TrainRepulseConfig, prompts: list, out_dir: str, is_writer: bool, num_engines: int,
+    def __init__(self, cfg: TrainRepulseConfig, prompts: list, out_dir: str, is_writer: bool, unit: int,
                  period: int = 1) -> None:
-        self.period = period  # steps between evaluations (a fit step)
-        self.prompts = evenly_split(prompts, num_engines, f"--heldout_prompt_data {cfg.repulse.heldout_prompt_data}")
+        """`unit`: `prompt_unit` of the run's topology; `period`: steps between evaluations (a fit step)."""
+        self.period = period
+        self.prompts = splittable(prompts, unit, f"--heldout_prompt_data {cfg.repulse.heldout_prompt_data}")
         self.cfg, self.out_dir, self.is_writer = cfg, out_dir, is_writer
 
     def __call__(self, trainer) -> dict[str, float]:

@@ -220,14 +220,15 @@ class PPOTrainer:
     def _engine_prompts(self, step: int, stream: int = 0, batch: list[Prompt] | None = None
                         ) -> tuple[list[Prompt], list[int], int]:
         """Prompts for this rank's engine, their sampling seeds, and the index of this rank's share within
-        them. A prompt's seed depends only on (run seed, step, its index in the step's global batch): the
-        ranks of one engine get the same seeds, and the samples do not depend on the number of engines.
+        them. Engine e of E takes prompts [e·P/E, (e+1)·P/E) of the P (fewer prompts than engines leave some
+        engines idle). A prompt's seed depends only on (run seed, step, its index in the step's global batch):
+        the ranks of one engine get the same seeds, and the samples do not depend on the number of engines.
         `batch`: a global batch other than the step's (e.g. held-out prompts)."""
         batch = self.sampler.batch(step) if batch is None else batch
-        per_engine = len(batch) // self.topology.num_engines
-        first = self.topology.rollout_index * per_engine
-        seeds = [request_seed(self.cfg.seed, step, i, stream) for i in range(first, first + per_engine)]
-        return batch[first:first + per_engine], seeds, self.topology.engine_rank
+        engines, index = self.topology.num_engines, self.topology.rollout_index
+        first, end = index * len(batch) // engines, (index + 1) * len(batch) // engines
+        seeds = [request_seed(self.cfg.seed, step, i, stream) for i in range(first, end)]
+        return batch[first:end], seeds, self.topology.engine_rank
 
     def generate(self, step: int, stream: int = 0, batch: list[Prompt] | None = None,
                  spec: SamplingSpec | None = None) -> Rollout:
@@ -239,7 +240,9 @@ class PPOTrainer:
         r = self.cfg.rollout
         spec = spec or SamplingSpec(n=self.cfg.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
                                     max_tokens=r.generate_max_len)
-        if self.agent is None:
+        if not prompts:  # an idle engine this call: more engines than prompts
+            generations = []
+        elif self.agent is None:
             generations = self.engine.generate([list(p.token_ids) for p in prompts], spec, seeds)
         else:
             generations, outcomes = self._episodes(prompts, spec, seeds)

@@ -19,24 +19,33 @@ EVAL_STREAM = 20_000
 """The request-seed stream of evaluation samples (training uses 0; other jobs' evaluations use their own)."""
 
 
-def evenly_split(prompts: list, num_engines: int, what: str) -> list:
-    """The first prompts that split evenly over the rollout engines (a warning names the ones left out)."""
-    usable = len(prompts) - len(prompts) % num_engines
+def prompt_unit(topology) -> int:
+    """Prompt lists split over the rollout engines in multiples of this: 1 with one rank per engine (engines
+    take unequal shares, or none), else engines x tensor-parallel ranks (samples of a prompt stay on a rank)."""
+    return 1 if topology.rollout_tp == 1 else topology.num_engines * topology.rollout_tp
+
+
+def splittable(prompts: list, unit: int, what: str) -> list:
+    """The first prompts that split over the rollout engines (a multiple of `unit`; a warning names the ones
+    left out)."""
+    usable = len(prompts) - len(prompts) % unit
     if usable == 0:
-        raise UsageError(f"{what}: {len(prompts)} prompt(s) cannot be split over the {num_engines} rollout engines; "
-                         f"give at least {num_engines}")
+        raise UsageError(f"{what}: {len(prompts)} prompt(s) cannot be split over the rollout engines' {unit} ranks "
+                         f"(--vllm_tensor_parallel_size > 1 keeps a prompt's samples on one rank); give at least "
+                         f"{unit}")
     if usable < len(prompts):
         warnings.warn(f"{what}: the last {len(prompts) - usable} prompt(s) are not evaluated (the prompts split "
-                      f"evenly over the {num_engines} rollout engines)", stacklevel=3)
+                      f"in multiples of the rollout engines' {unit} ranks)", stacklevel=3)
     return prompts[:usable]
 
 
 class PromptEvaluator:
     """`period`: steps between evaluations (--eval_steps; -1: only before the first step and after the last)."""
 
-    def __init__(self, cfg: TrainPPOConfig, prompts: list, num_engines: int, period: int) -> None:
+    def __init__(self, cfg: TrainPPOConfig, prompts: list, unit: int, period: int) -> None:
+        """`unit`: `prompt_unit` of the run's topology."""
         self.cfg, self.period = cfg, period
-        self.prompts = evenly_split(prompts, num_engines, f"--eval_dataset {cfg.data.eval_dataset}")
+        self.prompts = splittable(prompts, unit, f"--eval_dataset {cfg.data.eval_dataset}")
         r = cfg.rollout
         self.spec = SamplingSpec(n=r.eval_n_samples_per_prompt, temperature=r.eval_temperature, top_p=r.top_p,
                                  max_tokens=r.generate_max_len)

@@ -44,7 +44,7 @@ def test_vllm_engine_samples_each_prompt_from_its_own_seed(one_engine_report, st
 @pytest.mark.parametrize("tp", [1, 2], ids=["two_engines", "one_tp2_engine"])
 def test_vllm_samples_do_not_depend_on_the_number_of_engines(tmp_path, one_engine_report, stat_distribution, tp):
     """World 2: two TP-1 engines, or one TP-2 engine, give each global prompt of a step the same samples
-    as one engine on one rank."""
+    as one engine on one rank; two engines also for 1 prompt (one engine idle) and 3 (shares 1 and 2)."""
     out = tmp_path / "world2.json"
     with exclusive("vllm-tp") if tp > 1 else nullcontext():  # TP > 1 engines share fixed /dev/shm names
         proc = run_torchrun(2, "tests/workers/rollout_seeds.py", str(out), str(tp), str(stat_distribution[0]))
@@ -57,3 +57,6 @@ def test_vllm_samples_do_not_depend_on_the_number_of_engines(tmp_path, one_engin
         assert got["responses"] == expected["responses"], step
         assert got["finish_reasons"] == expected["finish_reasons"]
         assert sum(map(len, got["responses"])) > 2 * len(got["responses"])  # not cut short after a token
+    if tp == 1:
+        assert report["uneven"] == one_engine_report["uneven"]
+        assert [len(report["uneven"][n]["prompts"]) for n in ("1", "3")] == [4, 12]

@@ -107,8 +107,12 @@ def test_world_checks():
     cfg = parse("--rollout_batch_size", "6", "--n_samples_per_prompt", "2", "--train_batch_size", "12",
                 "--micro_train_batch_size", "2")
     cfg.check_world(3)
+    cfg.check_world(4)  # one rank per engine: 6 prompts over 4 engines take 2, 1, 2, 1 (more engines: some idle)
+    cfg.check_world(12)
+    tp2 = parse("--rollout_batch_size", "6", "--n_samples_per_prompt", "2", "--train_batch_size", "12",
+                "--micro_train_batch_size", "2", "--vllm_tensor_parallel_size", "2")
     with pytest.raises(ValueError, match="--rollout_batch_size 6 must be divisible by the number of rollout engines"):
-        cfg.check_world(4)
+        tp2.check_world(8)
     tp = parse("--rollout_batch_size", "3", "--vllm_tensor_parallel_size", "2", "--train_batch_size", "3",
                "--micro_train_batch_size", "2")
     with pytest.raises(ValueError, match="each engine's 3 prompts must split evenly over its 2 ranks"):

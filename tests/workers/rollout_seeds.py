@@ -1,5 +1,6 @@
 """Run under torchrun: the PPO trainer's `generate` (its per-prompt seeds, its engine slicing) for two
-steps of a batch that repeats prompts, gathered in global order; with a single engine also many
+steps of a batch that repeats prompts, gathered in global order; with one rank per engine also batches of 1 and
+3 prompts (fewer prompts than engines, unequal shares); with a single engine also many
 one-token samples of one prompt, as separate requests (n = 1) and as the n samples of one request.
 Rank 0 writes a JSON report.
 
@@ -58,6 +59,11 @@ def main(out_path: str, tp: int, temperature: float) -> None:
                      for b, (p, n) in enumerate(zip(r.prompt_lens_B.tolist(), r.response_lens_B.tolist()))]
         report["steps"][step] = {"prompts": r.prompts, "responses": responses, "finish_reasons": r.finish_reasons,
                                  "batch": [p.text for p in sampler.batch(step)]}
+    if tp == 1:
+        report["uneven"] = {}
+        for n in (1, 3):
+            r = all_gather_rollout(trainer.generate(STEPS[0], batch=sampler.batch(STEPS[0])[:n]), tok.pad_token_id)
+            report["uneven"][n] = {"prompts": r.prompts, "responses": r.sequences_BT.tolist()}
     if topology.num_engines == 1:
         one_token = SamplingSpec(n=1, temperature=temperature, top_p=1.0, max_tokens=1)
         seeds = [request_seed(cfg.seed, 0, i) for i in range(NUM_STAT_REQUESTS)]
