@@ -41,16 +41,13 @@ from rlhf.utils.watchdog import Watchdog
 C = TypeVar("C")
 
 
-def begin(logging: LoggingConfig, parse_warnings: Sequence[warnings.WarningMessage]
-          ) -> tuple[LaunchEnv, PreemptionWatch]:
+def begin(logging: LoggingConfig) -> tuple[LaunchEnv, PreemptionWatch]:
     """Route library output (each distinct library warning once on the console, everything in
     SAVE_PATH/logs), then from here on treat SIGTERM/SIGUSR1 as "checkpoint at the next step boundary and
-    stop" (one during setup is remembered, not fatal), and show the warnings raised while parsing."""
+    stop" (one during setup is remembered, not fatal)."""
     launch = read_launch_env()
     route_library_output(logging, launch.rank)
-    preemption = PreemptionWatch()
-    show_parse_warnings(parse_warnings, launch.rank)
-    return launch, preemption
+    return launch, PreemptionWatch()
 
 
 def show_parse_warnings(parse_warnings: Sequence[warnings.WarningMessage], rank: int) -> None:
@@ -190,14 +187,16 @@ class JobParts(RunParts):
 def start(parts: RunParts, cfg: Any, parse_warnings: Sequence[warnings.WarningMessage], *,
           logging: LoggingConfig | None = None, trains: bool = True) -> Started:
     """Everything before a job builds its engines: console routing (logs beside `logging.save_path`, default
-    the config's) and preemption handling, the config as this machine runs it, a training job's outputs
-    (`trains`: --save_path, --ckpt_path, --load_checkpoint), the job's own checks and inputs, the process
-    groups, the watchdog and the topology."""
-    launch, preemption = begin(logging or cfg.logging, parse_warnings)
+    the config's) and preemption handling, a training job's outputs (`trains`: --save_path, --ckpt_path,
+    --load_checkpoint; checked first, so their error is the first line shown), the flags' notes, the config as
+    this machine runs it, the job's own checks and inputs, the process groups, the watchdog and the topology."""
+    launch, preemption = begin(logging or cfg.logging)
     demo = cfg.model.pretrain is None
-    cfg = for_this_machine(cfg.with_demo_defaults())
-    if trains:
+    cfg = cfg.with_demo_defaults()
+    if trains:  # first: an unwritable output or a missing resume path is the first line a user reads
         check_outputs(cfg.logging, cfg.checkpoint, default_ckpt_path(cfg))
+    show_parse_warnings(parse_warnings, launch.rank)
+    cfg = for_this_machine(cfg)
     plan = parts.prepare(cfg, launch)
     device = init_distributed(launch, cfg.dist_timeout)
     Watchdog(launch.rank, cfg.watchdog_interval).start()  # prints where this rank is stuck, if it is

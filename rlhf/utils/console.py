@@ -79,12 +79,22 @@ class _RunLog:
         self._lock = threading.Lock()
 
     def write(self, text: str) -> None:
+        """Append `text` to the file. Where the file cannot be written (an unwritable --save_path, which the
+        job's checks report next as its one `error:` line; a full disk), the text goes to the console of rank
+        0 instead, never a logging traceback."""
         with self._lock:
-            if self._file is None:
-                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-                self._file = open(self.path, "a", encoding="utf-8")  # kept open for the whole run
-            self._file.write(text)
-            self._file.flush()
+            try:
+                if self._file is None:
+                    os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                    self._file = open(self.path, "a", encoding="utf-8")  # kept open for the whole run
+                self._file.write(text)
+                self._file.flush()
+                return
+            except OSError:
+                pass
+        if self.console is not None:
+            self.console.write(text)
+            self.console.flush()
 
     def report(self, library: str, kind: str, message: str, line: str) -> None:
         """Append `line` to the file; on the console, show `[library] kind: message` the first time."""
@@ -207,7 +217,11 @@ def _route_warnings(run_log: _RunLog, owners: _Owners, console: TextIO, rank: in
             run_log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {category.__name__} [{filename}:{lineno}] "
                           f"{message}\n")
             return
-        if library is None or library == "rlhf":
+        if library == "rlhf" and file is None:  # our own notes read as sentences, not as source locations
+            console.write(f"{category.__name__}: {message}\n")
+            console.flush()
+            return
+        if library is None:
             previous(message, category, filename, lineno, console if file is None else file, line)
             return
         text = str(message)

@@ -175,7 +175,7 @@ def test_library_output_once_on_console_all_in_file(tmp_path, capsys, monkeypatc
         "[vllm] WARNING: cpu worker noise" + suffix,
         "[torch] FutureWarning: deprecated op" + suffix,
     ]
-    assert f"{RLHF_FILE}:1: FutureWarning: our own warning" in captured.err
+    assert "FutureWarning: our own warning\n" in captured.err and RLHF_FILE not in captured.err
     logged = path.read_text()
     assert logged.count("same thing again") == 5 and logged.count("cpu worker noise") == 5
     assert logged.count("deprecated op") == 5 and "a library print" in logged
@@ -203,6 +203,22 @@ def test_config_notes_are_shown_once_from_rank0_without_a_location(capsys):
     show_parse_warnings(parse_warnings, rank=0)
     assert capsys.readouterr().err == ("UserWarning: --use_dynamic_batch work on packed sequences: turning on "
                                        "--packing_samples\n")
+
+
+def test_an_unwritable_log_directory_never_prints_a_logging_traceback(tmp_path, capsys, library_logger):
+    """--save_path under a file: library output reaches the console as it is (the job's checks then print
+    the `error:` line), not logging's "--- Logging error ---" tracebacks."""
+    library_logger = library_logger()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    routing = route_library_output(LoggingConfig(save_path=str(blocker / "out")), rank=0)
+    try:
+        library_logger.warning("noise before the checks")
+    finally:
+        routing.uninstall()
+    err = capsys.readouterr().err
+    assert "noise before the checks" in err
+    assert "Traceback" not in err and "Logging error" not in err
 
 
 def test_other_ranks_show_no_library_output(tmp_path, capsys, library_logger):
@@ -243,3 +259,22 @@ def test_verbose_passes_everything_through(tmp_path, capsys, monkeypatch, librar
     assert err.count("same thing again") == 5 and err.count("FutureWarning: deprecated op") == 5
     assert "repeats are logged" not in err and not (tmp_path / "logs").exists()
     assert "VLLM_CONFIGURE_LOGGING" not in os.environ
+
+
+def test_an_unwritable_save_path_is_the_first_line_shown(single_process, capsys, tmp_path):
+    """The outputs are checked before the flags' notes and the machine's choices are shown, so a run that
+    cannot write its outputs says so first (here after a note: --eval_steps without --eval_dataset)."""
+    from rlhf.cli import train_sft
+    from rlhf.utils import console
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    try:
+        with pytest.raises(SystemExit) as exc:
+            train_sft.main(["--save_path", str(blocker / "out"), "--eval_steps", "2", "--max_steps", "1"])
+    finally:
+        if console._active is not None:
+            console._active.uninstall()
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[0].startswith(f"error: --save_path {blocker}/out is not writable"), err
