@@ -31,7 +31,7 @@ from rlhf.distributed.launch_env import LaunchEnv, init_distributed, read_launch
 from rlhf.distributed.topology import Role, Topology
 from rlhf.engines.deepspeed_compat import install_subgroup_patches
 from rlhf.models.loading import resolve_attention
-from rlhf.utils.checkpoint_files import check_resume_path
+from rlhf.utils.checkpoint_files import check_resumable, check_resume_path
 from rlhf.utils.console import route_library_output
 from rlhf.utils.logging import MetricsLogger, WandbSettings, check_no_earlier_run
 from rlhf.utils.preemption import PreemptionWatch
@@ -74,10 +74,11 @@ def for_this_machine(cfg: C) -> C:
     return replace_quietly(cfg, model=replace_quietly(m, attn_implementation=attn, flash_attn=False))
 
 
-def check_outputs(logging: LoggingConfig, checkpoint: CheckpointConfig, default_ckpt_path: str) -> None:
+def check_outputs(logging: LoggingConfig, checkpoint: CheckpointConfig, default_ckpt_path: str,
+                  world_size: int) -> None:
     """--save_path (and --ckpt_path when checkpoints are written) are writable; --load_checkpoint finds its
-    directory; a fresh run refuses a --save_path holding an earlier run's metrics; --use_wandb finds its package.
-    Every rank calls it."""
+    directory and an intact checkpoint that `world_size` ranks can resume (if any exist); a fresh run refuses a
+    --save_path holding an earlier run's metrics; --use_wandb finds its package. Every rank calls it."""
     if logging.use_wandb and importlib.util.find_spec("wandb") is None:
         raise UsageError("--use_wandb needs the wandb package: pip install wandb (or log with --use_tensorboard DIR)")
     check_writable("--save_path", logging.save_path)
@@ -87,6 +88,8 @@ def check_outputs(logging: LoggingConfig, checkpoint: CheckpointConfig, default_
                           restarted=restarted)
     elif not restarted:
         check_no_earlier_run(logging.save_path)
+    if checkpoint.load_checkpoint or restarted:  # what the resume will find, before any engine starts
+        check_resumable(checkpoint.ckpt_path, world_size, why="torchrun restart" if restarted else "--load_checkpoint")
     if checkpoint.save_steps != -1:
         check_writable("--ckpt_path", checkpoint.ckpt_path)
 
@@ -116,7 +119,7 @@ def metrics_logger(cfg: Any, total_steps: int, is_writer: bool, bar_desc: str,
     """metrics.jsonl under --save_path, TensorBoard and wandb as configured (writer rank only)."""
     log = cfg.logging
     wandb = WandbSettings(log.use_wandb, log.wandb_project, log.wandb_group, log.wandb_run_name,
-                          dataclasses.asdict(cfg)) if log.use_wandb else None
+                          dataclasses.asdict(cfg), entity=log.wandb_org) if log.use_wandb else None
     return MetricsLogger(log.save_path, log.use_tensorboard, total_steps, enabled=is_writer, wandb=wandb,
                          bar_desc=bar_desc, bar_metrics=bar_metrics)
 
@@ -194,7 +197,7 @@ def start(parts: RunParts, cfg: Any, parse_warnings: Sequence[warnings.WarningMe
     demo = cfg.model.pretrain is None
     cfg = cfg.with_demo_defaults()
     if trains:  # first: an unwritable output or a missing resume path is the first line a user reads
-        check_outputs(cfg.logging, cfg.checkpoint, default_ckpt_path(cfg))
+        check_outputs(cfg.logging, cfg.checkpoint, default_ckpt_path(cfg), launch.world_size)
     show_parse_warnings(parse_warnings, launch.rank)
     cfg = for_this_machine(cfg)
     plan = parts.prepare(cfg, launch)

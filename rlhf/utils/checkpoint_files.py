@@ -180,6 +180,32 @@ def check_resume_path(ckpt_path: str, *, explicit_path: bool, restarted: bool) -
                          "run to continue, or drop --load_checkpoint to start a new run")
 
 
+def check_resumable(ckpt_path: str, world_size: int, *, why: str) -> None:
+    """Before any engine starts: the newest intact checkpoint under `ckpt_path` (if any exist) can be resumed
+    by `world_size` ranks, the checks `pick_checkpoint` and the resume make later, read only (nothing is
+    removed). `UsageError` when checkpoints exist but none is intact, or the one to resume was written by
+    another number of ranks or without engine states. `why`: what asks for the resume. Any rank."""
+    problems = []
+    for _, path in reversed(complete_checkpoints(ckpt_path)):
+        problem = verify_checkpoint(path)
+        if problem is not None:
+            problems.append((path, problem))
+            continue
+        saved = load_trainer_state(path)
+        if saved["world_size"] != world_size:
+            raise UsageError(f"{why}: checkpoint {path} was written by {saved['world_size']} ranks and this run has "
+                             f"{world_size}: resume with {saved['world_size']} ranks (its exact optimizer and RNG "
+                             "states are per rank), or start a new --ckpt_path")
+        if not saved.get("has_engine_states", True):
+            raise UsageError(f"{why}: checkpoint {path} holds no DeepSpeed states (written with --disable_ds_ckpt) "
+                             "and cannot be resumed exactly; start a new --ckpt_path (its HF weights can be "
+                             "--pretrain)")
+        return
+    if problems:
+        raise UsageError(f"{why}: no intact checkpoint under {ckpt_path}:\n" +
+                         "\n".join(f"  {p}: {why_bad}" for p, why_bad in problems))
+
+
 def pick_checkpoint(ckpt_path: str, *, resuming: bool, explicit_path: bool,
                     restarted: bool) -> tuple[int, str | None, list[str]]:
     """(steps done, checkpoint directory or None, lines to print) for a starting run: removes stale

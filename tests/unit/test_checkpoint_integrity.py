@@ -202,3 +202,21 @@ def test_rerun_into_the_same_save_path_is_refused(tmp_path):
     assert MetricsLogger(str(tmp_path), None, 8, enabled=False).continue_from(0, resuming=False) is None
     (tmp_path / "metrics.jsonl").write_text("")
     assert MetricsLogger(str(tmp_path), None, 8, enabled=True).continue_from(0, resuming=False) is None
+
+
+def test_a_checkpoint_that_cannot_be_resumed_is_refused_before_any_engine(tmp_path):
+    """`check_resumable` (called with the output checks, before engines start) says what the resume would
+    fail on later: no intact checkpoint, or one written by another number of ranks."""
+    from rlhf.utils.checkpoint_files import check_resumable
+
+    check_resumable(str(tmp_path / "none"), 1, why="--load_checkpoint")  # nothing yet: the run starts at 0
+    fake_checkpoint(tmp_path, 2, world_size=2)
+    check_resumable(str(tmp_path), 2, why="--load_checkpoint")
+    with pytest.raises(UsageError, match=rf"^--load_checkpoint: checkpoint {tmp_path}/global_step2 was written by 2 "
+                                         "ranks and this run has 1: resume with 2 ranks"):
+        check_resumable(str(tmp_path), 1, why="--load_checkpoint")
+    (tmp_path / "global_step2" / "rng" / "rank0.pt").write_bytes(b"")
+    with pytest.raises(UsageError, match=rf"^torchrun restart: no intact checkpoint under {tmp_path}:\n  "
+                                         rf"{tmp_path}/global_step2: .*rank0.pt has 0 bytes"):
+        check_resumable(str(tmp_path), 2, why="torchrun restart")
+    assert (tmp_path / "global_step2").is_dir()  # read only: nothing removed

@@ -166,7 +166,7 @@ def _demo_cfg(*argv):
 
 def _check_outputs(cfg):
     """What every training job checks of its outputs before any engine (`rlhf.core.run.start`)."""
-    check_outputs(cfg.logging, cfg.checkpoint, default_ckpt_path(cfg))
+    check_outputs(cfg.logging, cfg.checkpoint, default_ckpt_path(cfg), world_size=1)
 
 
 def test_unwritable_output_directories_fail_before_engines(tmp_path):
@@ -269,6 +269,6 @@ def test_use_wandb_without_its_package_fails_before_any_engine(tmp_path, monkeyp
                         find_spec(name))
     logging = LoggingConfig(save_path=str(tmp_path / "out"), use_wandb="True")
     with pytest.raises(UsageError, match=r"^--use_wandb needs the wandb package: pip install wandb"):
-        core_run.check_outputs(logging, CheckpointConfig(), CheckpointConfig().ckpt_path)
+        core_run.check_outputs(logging, CheckpointConfig(), CheckpointConfig().ckpt_path, 1)
     core_run.check_outputs(LoggingConfig(save_path=str(tmp_path / "out")), CheckpointConfig(),
-                              CheckpointConfig().ckpt_path)
+                              CheckpointConfig().ckpt_path, 1)
