@@ -13,12 +13,14 @@ import warnings
 import torch
 
 from rlhf.config.errors import UsageError
+from rlhf.models.model_files import check_model_files
 
 
 def check_local_model(path: str, flag: str = "--pretrain") -> None:
     """`path` must be a local HF model directory: models are never downloaded at run time (every rank would
     race to fetch it, and cluster nodes often have no internet)."""
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        check_model_files(path, flag)  # config, weights and their headers: a damaged copy fails now
         return
     if not os.path.exists(path) and path.count("/") == 1 and not path.startswith((".", "/")):
         raise UsageError(f"{flag} {path}: the model must be a local path; {path!r} looks like a Hugging Face hub "

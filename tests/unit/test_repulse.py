@@ -164,13 +164,13 @@ def test_rm_max_len_truncates_what_reward_models_see():
     from types import SimpleNamespace
 
     from rlhf.data.records import Rollout
-    from rlhf.trainers.experience import ExperienceMaker
+    from rlhf.trainers.experience import ExperienceMaker, Scored
 
     seen = []
     stub = SimpleNamespace(
         _by_role=lambda role, compute, shape: compute(slice(None)),
         actor=SimpleNamespace(logprobs=lambda seq, mask: torch.zeros(seq.shape[0], seq.shape[1] - 1)),
-        _rewards=lambda batch: (seen.append(batch) or torch.zeros(batch.num_samples), None, None))
+        _rewards=lambda batch: Scored(seen.append(batch) or torch.zeros(batch.num_samples), None, {}))
     stub._logprobs = lambda batch, with_ref: ExperienceMaker._logprobs(stub, batch, with_ref)
     B, T = 2, 6
     batch = Rollout(torch.arange(B * T).reshape(B, T), torch.ones(B, T, dtype=torch.long), torch.ones(B, T - 1),
