@@ -4,45 +4,145 @@ or `--remote_rm_url reward.py`. Answers POST /get_reward with {"rewards": [...]}
 sends). Single process, CPU or one GPU; for tests and small deployments.
 
 Every failure is an HTTP answer with a JSON {"error": ...} body, never a dropped connection: 400 for a
-malformed request, 401 without the bearer token (`--api_key` or env RLHF_RM_API_KEY), 408 for a body
-not received within `--request_timeout`, 411/413 for a missing or over-cap (`--max_request_mb`)
-Content-Length, 422 when the reward source rejects the samples (ValueError), 500 for any other scoring
-error, and 503 when all `--max_connections` handler threads are busy."""
+malformed request, 401 without the bearer token (`--api_key` or env RLHF_RM_API_KEY), 405 (with `Allow: POST`)
+for any other method, 408 for a body not received within `--request_timeout` of connecting, 411/413 for a
+missing or over-cap (`--max_request_mb`) Content-Length, 413 also for more than `--max_queries` queries or
+scoring past `--max_score_s`, 422 when the reward source rejects the samples (ValueError), 500 for any other
+scoring error, and 503 when all `--max_connections` connections are taken by trusted requests. A 500 is a fault
+of the source on these samples, which the same request hits again: the client (rlhf.rewards.remote) does not
+retry it, nor any 4xx but 408/429; it retries connection errors, timeouts, 502, 503 and 504.
+
+Slow clients. A connection must deliver its whole request, headers and body, within `--request_timeout` of
+being accepted: one deadline, not a timeout per read, so a byte every few seconds does not extend it (headers
+not in by then: closed without an answer). The bearer token is checked the moment its header line arrives: a
+wrong one is answered 401 at once; a right one makes the connection trusted. Until then (without `--api_key`:
+until its headers are complete) a connection is pending, and a slow-header attack is made of pending
+connections. So at most `--max_connections_per_ip` pending connections are kept per source IP: a connection
+from an IP at that cap, or one that finds every slot taken, closes the oldest pending connection (of that IP,
+else of all) to make room; trusted connections are never closed for room, and when all slots hold them a
+newcomer gets 503. Closing the oldest, not refusing the newest, is what keeps a keyed client served when the
+attacker shares its address (a NAT, or 127.0.0.1 in the tests): an honest client sends its headers with the
+connection and is trusted within milliseconds, long before enough newer connections from its IP make it the
+oldest; a slow one stays pending and is the first to go. Not covered: without `--api_key` every client is
+trusted once its headers are in, so slow bodies can hold slots until `--request_timeout`; and a flood of
+connections from one IP, faster than a client can send its headers, closes honest ones too (they are retried)."""
 
 from __future__ import annotations
 
 import argparse
 import hmac
+import io
 import json
 import os
 import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from threading import BoundedSemaphore, Lock, Thread
 
 import torch
 
-from rlhf.rewards.base import RewardInputs, RewardSource
+from rlhf.rewards.base import RewardInputs, RewardResult, RewardSource
 from rlhf.rewards.remote import API_KEY_ENV
+from rlhf.rewards.reward_func import RewardFuncFile, RewardFuncTimeout
 
 _DRAIN_S = 1.0  # after an early error reply, read (and drop) the unsent body this long so the client sees the reply
 
 
 class RequestError(Exception):
-    """A request the server refuses before scoring: its HTTP status and a message for the client."""
+    """A request the server refuses: its HTTP status and a message for the client."""
 
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
         self.code = code
 
 
-def build_source(args: argparse.Namespace) -> tuple[RewardSource, object | None]:
-    if args.remote_rm_url:
-        from rlhf.rewards.reward_func import RewardFuncFile
+class _NoRequest(ConnectionAbortedError):
+    """The connection ends with no request to answer: the server closed it to make room while it was pending,
+    or the client closed it before the end of its headers."""
 
-        return RewardFuncFile(args.remote_rm_url), None
+
+@dataclass(frozen=True, kw_only=True)
+class ServerLimits:
+    """What one request and one client may take (see the module docstring); one flag each."""
+
+    max_request_mb: float = 64.0
+    """largest request body, MB (--max_request_mb); a larger Content-Length is answered 413"""
+    request_timeout_s: float = 60.0
+    """seconds from accepting a connection to having its whole request, headers and body (--request_timeout)"""
+    max_connections: int = 32
+    """connections handled at once, one thread each (--max_connections); beyond that: 503"""
+    max_connections_per_ip: int = 8
+    """pending connections (headers or token not yet in) kept per source IP (--max_connections_per_ip)"""
+    max_queries: int = 16384
+    """queries in one request (--max_queries); more are answered 413"""
+    max_score_s: float = 60.0
+    """seconds one request may hold the scoring lock (--max_score_s); past it the rest is refused (413)"""
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--max_request_mb", self.max_request_mb), ("--request_timeout", self.request_timeout_s),
+                            ("--max_connections", self.max_connections), ("--max_queries", self.max_queries),
+                            ("--max_connections_per_ip", self.max_connections_per_ip),
+                            ("--max_score_s", self.max_score_s)):
+            if not value > 0:
+                raise ValueError(f"{flag} must be > 0, got {value}")
+
+
+@dataclass(eq=False)
+class _Connection:
+    """An accepted connection and its handler thread. `deadline` (time.monotonic()) bounds every read of its
+    request; `pending`: not yet trusted, so it may be closed to make room; `evicted`: it was (no slot held)."""
+
+    sock: socket.socket
+    ip: str
+    deadline: float
+    pending: bool = True
+    evicted: bool = False
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A connection's socket reads, all bounded by `conn.deadline`: one deadline, not a timeout per read."""
+
+    def __init__(self, conn: _Connection) -> None:
+        super().__init__()
+        self.conn = conn
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        left = self.conn.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("request deadline passed")
+        self.conn.sock.settimeout(left)
+        received = self.conn.sock.recv_into(buffer)
+        if self.conn.evicted:  # the server shut the socket down to make room, which ended this read
+            raise _NoRequest
+        return received
+
+
+class _RequestReader(io.BufferedReader):
+    """A handler's rfile over a `_DeadlineReader`. Every line read with readline (the request line and the
+    headers; the body is read with read1) passes through `on_line`, which may end the header block early."""
+
+    def __init__(self, raw: _DeadlineReader, on_line: Callable[[bytes], bytes]) -> None:
+        super().__init__(raw)
+        self.on_line = on_line
+
+    def readline(self, size: int = -1) -> bytes:
+        line = super().readline(size)
+        if not line.endswith(b"\n") and not 0 <= size <= len(line):  # neither a whole line nor one cut at `size`
+            raise _NoRequest  # the stream ended mid-header (http.server would take that for the end of the headers)
+        return self.on_line(line)
+
+
+def build_source(args: argparse.Namespace) -> tuple[RewardSource, object | None]:
+    if args.remote_rm_url:  # one call per request, abandoned after --max_score_s (it runs on in a daemon thread)
+        return RewardFuncFile(args.remote_rm_url, timeout_s=args.max_score_s), None
     from rlhf.models.loading import load_tokenizer
     from rlhf.models.micro_batches import MicroBatcher
     from rlhf.models.value import load_scalar_head_model, stored_reward_norm
@@ -85,35 +185,54 @@ def build_prm_source(args: argparse.Namespace, paths: list[str], device: torch.d
 
 
 class RewardServer(ThreadingHTTPServer):
-    """Serves one reward source. Scoring is serialised (one model, one lock); at most `max_connections`
-    connections are handled at once, and one beyond that is answered 503 at once (the client retries it
-    like any transient error) rather than queued behind stalled uploads: at most 2 * max_connections
-    threads, each dropped after `request_timeout_s` without progress."""
+    """Serves one reward source, one request per connection (HTTP/1.0). At most `limits.max_connections`
+    connections hold a slot (a handler thread); admission closes the oldest pending connection when a newcomer's
+    IP is at `limits.max_connections_per_ip` or every slot is taken (module docstring). A newcomer that finds
+    every slot trusted is answered 503 at once on a short-lived thread (at most max_connections of those) rather
+    than queued; beyond that it is closed unanswered. Scoring is serialised chunk by chunk (one model, one lock):
+    `score_chunk` queries per call of the source, 0 for the whole request in one call."""
 
-    def __init__(self, address: tuple[str, int], source: RewardSource, tokenizer=None, *, max_len: int = 4096,
-                 max_request_mb: float = 64.0, request_timeout_s: float = 60.0, max_connections: int = 32,
+    request_queue_size = 128  # listen backlog (socketserver's is 5): a burst of connects waits, no SYN is dropped
+
+    def __init__(self, address: tuple[str, int], source: RewardSource, tokenizer=None, *,
+                 limits: ServerLimits = ServerLimits(), max_len: int = 4096, score_chunk: int = 0,
                  api_key: str | None = None) -> None:
-        if max_request_mb <= 0 or request_timeout_s <= 0 or max_connections < 1:
-            raise ValueError("--max_request_mb and --request_timeout must be > 0 and --max_connections >= 1")
-        self.source, self.tokenizer, self.max_len = source, tokenizer, max_len
-        self.max_request_mb, self.request_timeout_s, self.max_connections = (max_request_mb, request_timeout_s,
-                                                                             max_connections)
-        self.max_request_bytes = int(max_request_mb * 2**20)
+        self.source, self.tokenizer, self.max_len, self.limits = source, tokenizer, max_len, limits
+        self.score_chunk = score_chunk
+        self.max_request_bytes = int(limits.max_request_mb * 2**20)
         self.api_key = api_key or None
         self.score_lock = Lock()
-        self._slots = BoundedSemaphore(max_connections)
-        self._refusal_slots = BoundedSemaphore(max_connections)  # 503 answers in flight (short-lived threads)
-        self._count_lock = Lock()
-        self.num_connections = 0  # connections being handled now (each holds one thread)
+        self._lock = Lock()  # guards _connections and their pending/evicted flags
+        self._connections: dict[socket.socket, _Connection] = {}  # live handler threads, in accept order
+        self._refusal_slots = BoundedSemaphore(limits.max_connections)  # 503 answers in flight (short-lived threads)
+        self.num_evicted = 0  # pending connections closed to make room, since start
         super().__init__(address, RewardHandler)
 
+    @property
+    def num_connections(self) -> int:
+        """Connections holding a slot now (pending or trusted)."""
+        with self._lock:
+            return sum(not c.evicted for c in self._connections.values())
+
+    @property
+    def num_pending(self) -> int:
+        """Connections holding a slot whose headers (or token) are not yet in."""
+        with self._lock:
+            return sum(c.pending and not c.evicted for c in self._connections.values())
+
     def process_request(self, request: socket.socket, client_address) -> None:
-        if self._slots.acquire(blocking=False):
-            self._count(+1)
+        conn = _Connection(request, client_address[0], time.monotonic() + self.limits.request_timeout_s)
+        admitted, victim = self._admit(conn)
+        if victim is not None:
+            try:  # wakes its handler's blocked read, which then raises _NoRequest
+                victim.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # its handler has just finished and closed it
+                pass
+        if admitted:
             try:
                 super().process_request(request, client_address)  # starts the handler thread
             except BaseException:
-                self._release()
+                self._release(request)
                 raise
         elif self._refusal_slots.acquire(blocking=False):
             # answered on its own short-lived thread: a reply written before the request was read would be
@@ -126,11 +245,41 @@ class RewardServer(ThreadingHTTPServer):
         else:  # flooded: not even a 503
             self.shutdown_request(request)
 
+    def _admit(self, conn: _Connection) -> tuple[bool, _Connection | None]:
+        """Whether `conn` gets a slot, and the pending connection to close for it: the oldest of its IP when
+        that IP is at the per-IP cap, else the oldest of all when every slot is taken (none: no slot, 503)."""
+        with self._lock:
+            holders = [c for c in self._connections.values() if not c.evicted]
+            pending = [c for c in holders if c.pending]
+            same_ip = [c for c in pending if c.ip == conn.ip]
+            full = len(holders) >= self.limits.max_connections
+            victim = (same_ip[0] if len(same_ip) >= self.limits.max_connections_per_ip
+                      else pending[0] if full and pending else None)
+            if victim is None and full:
+                return False, None
+            if victim is not None:
+                victim.evicted = True
+                self.num_evicted += 1
+            self._connections[conn.sock] = conn
+            return True, victim
+
+    def connection(self, sock: socket.socket) -> _Connection:
+        with self._lock:
+            return self._connections[sock]
+
+    def trust(self, conn: _Connection) -> bool:
+        """Mark `conn` trusted (never closed to make room); False if it has been closed for room already."""
+        with self._lock:
+            if conn.evicted:
+                return False
+            conn.pending = False
+            return True
+
     def process_request_thread(self, request: socket.socket, client_address) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._release()
+            self._release(request)
 
     def _refuse(self, request: socket.socket, client_address) -> None:
         try:
@@ -141,24 +290,47 @@ class RewardServer(ThreadingHTTPServer):
             self.shutdown_request(request)
             self._refusal_slots.release()
 
-    def _count(self, delta: int) -> None:
-        with self._count_lock:
-            self.num_connections += delta
-
-    def _release(self) -> None:
-        self._count(-1)
-        self._slots.release()
+    def _release(self, request: socket.socket) -> None:
+        with self._lock:
+            del self._connections[request]
 
 
 class RewardHandler(BaseHTTPRequestHandler):
-    """One connection: check the token, read a bounded body within the deadline, score, answer JSON."""
+    """One connection: check the token as it arrives, read a bounded body by the deadline, score, answer JSON."""
 
     server: RewardServer
     _body_unread = False  # an answer sent before the body was read must drain it (see `_drain`)
+    _key_seen = _key_ok = False  # the Authorization header line has arrived; it held the server's token
 
     def setup(self) -> None:
-        self.timeout = self.server.request_timeout_s  # StreamRequestHandler applies it to every socket read/write
+        self.timeout = self.server.limits.request_timeout_s  # for the answer's writes; reads follow the deadline
         super().setup()
+        self.rfile.close()  # replaced by one whose reads share the request's deadline
+        self.conn = self._connection()
+        self.rfile = _RequestReader(_DeadlineReader(self.conn), self._header_line)
+
+    def _connection(self) -> _Connection:
+        return self.server.connection(self.request)
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except _NoRequest:  # closed mid-headers, by the client or to make room: nobody to answer
+            self.close_connection = True
+
+    def _header_line(self, line: bytes) -> bytes:
+        """Checks the bearer token the moment its header line arrives. A right one trusts the connection; after a
+        wrong one this returns the end of the header block, so the 401 goes out without waiting for the rest."""
+        name, colon, value = line.partition(b":")
+        if self._key_seen or not colon or self.server.api_key is None or name.strip().lower() != b"authorization":
+            return line
+        self._key_seen = True
+        self._key_ok = hmac.compare_digest(value.strip(), f"Bearer {self.server.api_key}".encode())
+        if not self._key_ok:
+            return b"\r\n"
+        if not self.server.trust(self.conn):
+            raise _NoRequest
+        return line
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
         try:
@@ -168,43 +340,51 @@ class RewardHandler(BaseHTTPRequestHandler):
             self._reply(err.code, {"error": str(err)})
             return
         except TimeoutError:
-            self._reply(408, {"error": f"request body not received within --request_timeout "
-                                       f"{self.server.request_timeout_s}s"})
-            return
-        if not inputs.queries:
-            self._reply(200, {"rewards": [], "scores": [], "extra_logs": {}})
+            self._reply(408, {"error": f"request not received within --request_timeout "
+                                       f"{self.server.limits.request_timeout_s}s of connecting"})
             return
         try:
             result = self._score(inputs)
+        except RequestError as err:
+            self._reply(err.code, {"error": str(err)})
+            return
         except ValueError as err:  # the source rejects these samples: retrying cannot help
             self._reply(422, {"error": str(err)})
             return
         except Exception as err:  # any scoring failure must reach the client as an answer, not a dropped socket
             self.log_message("scoring failed:\n%s", traceback.format_exc())
-            self._reply(500, {"error": f"scoring failed: {type(err).__name__}: {err}"})
+            self._reply(500, {"error": f"scoring failed: {type(err).__name__}: {err} (a fault of the reward "
+                                       "source on these samples; retrying the same request fails again)"})
             return
         self._reply(200, {"rewards": result.rewards_B.tolist(), "scores": result.scores_B.tolist(),
                           "extra_logs": {k: v.tolist() for k, v in result.extra_logs.items()}})
 
+    def _not_allowed(self) -> None:
+        self._body_unread = True
+        self._reply(405, {"error": f"method {self.command} not allowed: POST a JSON body to /get_reward"},
+                    {"Allow": "POST"})
+
+    do_GET = do_HEAD = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (a malformed request line or header block, an unknown method), as JSON."""
+        self._body_unread = True
+        self._reply(int(code), {"error": message or HTTPStatus(code).phrase})
+
     def _check_auth(self) -> None:
-        key = self.server.api_key
-        if key is None:
-            return
-        given = self.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        """After the headers: 401 unless the token's line was right (`_header_line`); without --api_key the
+        connection is trusted from here. Raises _NoRequest if it was closed for room before."""
+        if self.server.api_key is not None and not self._key_ok:
             self._body_unread = True
             raise RequestError(401, "missing or wrong 'Authorization: Bearer <key>' header (the server's "
                                     f"--api_key / {API_KEY_ENV}; the trainer sends {API_KEY_ENV})")
+        if not self.server.trust(self.conn):
+            raise _NoRequest
 
     def _read_json(self) -> dict:
         length = self._content_length()
-        deadline = time.monotonic() + self.server.request_timeout_s
         chunks, received = [], 0
-        while received < length:  # one deadline for the whole body: a trickle cannot hold the thread forever
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            self.connection.settimeout(left)
+        while received < length:  # each read is bounded by the request's deadline (`_DeadlineReader`)
             chunk = self.rfile.read1(min(length - received, 1 << 20))
             if not chunk:
                 raise RequestError(400, f"body ended after {received} of {length} bytes (Content-Length)")
@@ -233,12 +413,16 @@ class RewardHandler(BaseHTTPRequestHandler):
             raise RequestError(400, f"Content-Length {length} is negative")
         if length > self.server.max_request_bytes:
             raise RequestError(413, f"body of {length} bytes exceeds the server's cap of "
-                                    f"{self.server.max_request_mb} MB (--max_request_mb); send smaller batches")
+                                    f"{self.server.limits.max_request_mb} MB (--max_request_mb); send smaller batches")
         self._body_unread = False  # from here the body is read (or the read fails and the connection closes)
         return length
 
     def _parse(self, request: dict) -> RewardInputs:
         queries = request.get("query")
+        max_queries = self.server.limits.max_queries
+        if isinstance(queries, list) and len(queries) > max_queries:
+            raise RequestError(413, f"{len(queries)} queries exceed the server's limit of {max_queries} per "
+                                    "request (--max_queries); send smaller batches")
         if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
             raise RequestError(400, "'query' must be a list of strings (got "
                                     f"{'no query' if queries is None else type(queries).__name__})")
@@ -252,26 +436,52 @@ class RewardHandler(BaseHTTPRequestHandler):
         ids = mask = torch.zeros(n, 1, dtype=torch.long)
         return RewardInputs(queries, prompts, labels, ids, mask)
 
-    def _score(self, inputs: RewardInputs):
+    def _score(self, inputs: RewardInputs) -> RewardResult:
+        """Scores in chunks of `score_chunk` queries, each under the scoring lock, so other requests' chunks
+        interleave; once this request has held the lock past --max_score_s, the rest is refused (413) unscored."""
+        server, n = self.server, len(inputs.queries)
+        budget_s, size = server.limits.max_score_s, server.score_chunk or max(n, 1)
+        parts, spent_s = [], 0.0
+        for start in range(0, n, size):
+            if spent_s > budget_s:
+                raise RequestError(413, f"scoring stopped after {spent_s:.1f}s, past the server's budget of "
+                                        f"{budget_s:g}s per request (--max_score_s), with {start} of {n} queries "
+                                        "scored; send fewer queries per request (or raise the server's limit)")
+            chunk = _rows(inputs, slice(start, start + size))
+            with server.score_lock:
+                began = time.monotonic()
+                try:
+                    parts.append(self._score_chunk(chunk))
+                except RewardFuncTimeout:  # the call runs on in its thread, without the lock
+                    raise RequestError(413, f"reward_func did not return within the server's budget of "
+                                            f"{budget_s:g}s per request (--max_score_s) for {n} queries; send "
+                                            "fewer queries per request (or raise the server's limit)") from None
+                finally:
+                    spent_s += time.monotonic() - began
+        return _concat(parts)
+
+    def _score_chunk(self, inputs: RewardInputs) -> RewardResult:
         tokenizer = self.server.tokenizer
-        if tokenizer is not None:
+        if tokenizer is not None:  # under the lock: a fast tokenizer refuses concurrent calls ("Already borrowed")
             enc = tokenizer(inputs.queries, padding=True, truncation=True, max_length=self.server.max_len,
                             return_tensors="pt", add_special_tokens=False)
             inputs.sequences_BT, inputs.attention_mask_BT = enc["input_ids"], enc["attention_mask"]
-        with self.server.score_lock:
-            return self.server.source.score(inputs)
+        return self.server.source.score(inputs)
 
-    def _reply(self, code: int, body: dict) -> None:
+    def _reply(self, code: int, body: dict, headers: dict[str, str] | None = None) -> None:
         data = json.dumps(body).encode()
-        self.connection.settimeout(self.server.request_timeout_s)  # the body read may have left a shorter one
+        self.connection.settimeout(self.server.limits.request_timeout_s)  # reads may have left a shorter one
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         if code >= 400:
             self.send_header("Connection", "close")
             self.close_connection = True
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
         self.wfile.flush()
         if self._body_unread:
             self._drain()
@@ -279,14 +489,12 @@ class RewardHandler(BaseHTTPRequestHandler):
     def _drain(self) -> None:
         """An answer sent before the body was read: stop writing and read (dropping) what the client is
         still sending for a moment, so closing does not reset the connection before it reads the answer."""
-        deadline = time.monotonic() + min(_DRAIN_S, self.server.request_timeout_s)
+        self.conn.deadline = time.monotonic() + min(_DRAIN_S, self.server.limits.request_timeout_s)
         try:
             self.connection.shutdown(socket.SHUT_WR)
-            while (left := deadline - time.monotonic()) > 0:
-                self.connection.settimeout(left)
-                if not self.rfile.read1(1 << 16):
-                    return
-        except OSError:  # includes the timeout: give up, the connection closes either way
+            while self.rfile.read1(1 << 16):
+                pass
+        except OSError:  # includes the deadline (TimeoutError) and _NoRequest: the connection closes either way
             return
 
     def log_request(self, code="-", size="-") -> None:  # quiet for answered requests
@@ -297,16 +505,30 @@ class RewardHandler(BaseHTTPRequestHandler):
 
 
 class BusyHandler(RewardHandler):
-    """A connection over `--max_connections`: answers 503 to whatever request arrives within a second."""
+    """A connection with no slot: answers 503 to whatever request arrives within a second."""
 
-    def setup(self) -> None:
-        super().setup()
-        self.connection.settimeout(min(_DRAIN_S, self.server.request_timeout_s))
+    def _connection(self) -> _Connection:  # not in the server's table: it holds no slot and is never evicted
+        return _Connection(self.request, "", time.monotonic() + min(_DRAIN_S, self.server.limits.request_timeout_s))
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
         self._body_unread = True
-        self._reply(503, {"error": f"reward server busy: all {self.server.max_connections} connections "
+        self._reply(503, {"error": f"reward server busy: all {self.server.limits.max_connections} connections "
                                    "(--max_connections) are in use; retry later"})
+
+
+def _rows(inputs: RewardInputs, rows: slice) -> RewardInputs:
+    return RewardInputs(inputs.queries[rows], inputs.prompts[rows], inputs.labels[rows], inputs.sequences_BT[rows],
+                        inputs.attention_mask_BT[rows])
+
+
+def _concat(parts: list[RewardResult]) -> RewardResult:
+    """One result from the chunks' results, in order (no parts: an empty result)."""
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        return RewardResult(torch.zeros(0), torch.zeros(0))
+    return RewardResult(torch.cat([p.rewards_B for p in parts]), torch.cat([p.scores_B for p in parts]),
+                        {k: torch.cat([p.extra_logs[k] for p in parts]) for k in parts[0].extra_logs})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -327,34 +549,55 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--normalize_reward", action="store_true",
                         help="serve (reward - mean) / std with the statistics stored by train_rm")
     parser.add_argument("--max_len", type=int, default=4096)
-    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--batch_size", type=int, default=16,
+                        help="queries per model forward, and per turn at the scoring lock")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=5000)
-    parser.add_argument("--max_request_mb", type=float, default=64.0, help="larger request bodies get HTTP 413")
-    parser.add_argument("--request_timeout", type=float, default=60.0,
-                        help="seconds to receive a request (headers: per read; body: in total); then it is dropped")
-    parser.add_argument("--max_connections", type=int, default=32,
-                        help="concurrent connections (handler threads); more are answered HTTP 503")
+    add_limit_flags(parser)
     parser.add_argument("--api_key", default=None,
                         help=f"require 'Authorization: Bearer <key>' (default: env {API_KEY_ENV}; the env var "
                              "keeps the key out of the process list)")
     args = parser.parse_args(argv)
     if bool(args.reward_pretrain) == bool(args.remote_rm_url):
         parser.error("give exactly one of --reward_pretrain or --remote_rm_url")
-    if args.max_request_mb <= 0 or args.request_timeout <= 0 or args.max_connections < 1:
-        parser.error("--max_request_mb and --request_timeout must be > 0 and --max_connections >= 1")
+    try:
+        limits = ServerLimits(max_request_mb=args.max_request_mb, request_timeout_s=args.request_timeout,
+                              max_connections=args.max_connections, max_connections_per_ip=args.max_connections_per_ip,
+                              max_queries=args.max_queries, max_score_s=args.max_score_s)
+    except ValueError as err:
+        parser.error(str(err))
     try:
         source, tokenizer = build_source(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    server = RewardServer((args.host, args.port), source, tokenizer, max_len=args.max_len,
-                          max_request_mb=args.max_request_mb, request_timeout_s=args.request_timeout,
-                          max_connections=args.max_connections, api_key=args.api_key or os.environ.get(API_KEY_ENV))
+    server = RewardServer((args.host, args.port), source, tokenizer, limits=limits, max_len=args.max_len,
+                          score_chunk=args.batch_size if tokenizer is not None else 0,
+                          api_key=args.api_key or os.environ.get(API_KEY_ENV))
     auth = "bearer token required" if server.api_key else "no authentication (set --api_key or " + API_KEY_ENV + ")"
     print(f"serving rewards on http://{args.host}:{server.server_address[1]}/get_reward ({auth})", flush=True)
     server.serve_forever()
 
+
+def add_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """The `ServerLimits` flags, defaults from its fields."""
+    d = ServerLimits()
+    parser.add_argument("--max_request_mb", type=float, default=d.max_request_mb,
+                        help="larger bodies get HTTP 413 (default %(default)s)")
+    parser.add_argument("--request_timeout", type=float, default=d.request_timeout_s,
+                        help="seconds (default %(default)s) from connecting to receive the whole request, headers and "
+                             "body (one deadline); a late body gets HTTP 408, late headers a closed connection")
+    parser.add_argument("--max_connections", type=int, default=d.max_connections,
+                        help="concurrent connections (handler threads, default %(default)s); beyond them, when all "
+                             "are trusted, HTTP 503")
+    parser.add_argument("--max_connections_per_ip", type=int, default=d.max_connections_per_ip,
+                        help="pending connections (headers, or the bearer token, not yet received) kept per source "
+                             "IP (default %(default)s); one more closes that IP's oldest pending connection")
+    parser.add_argument("--max_queries", type=int, default=d.max_queries,
+                        help="queries per request (default %(default)s); more get HTTP 413")
+    parser.add_argument("--max_score_s", type=float, default=d.max_score_s,
+                        help="seconds of scoring per request (default %(default)s; checked between --batch_size "
+                             "chunks; a reward_func call is abandoned); past it the rest gets HTTP 413")
 
 if __name__ == "__main__":
     main()

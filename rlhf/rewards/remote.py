@@ -18,12 +18,15 @@ import urllib.request
 from rlhf.rewards.base import RewardInputs, RewardResult, result_from_output
 
 API_KEY_ENV = "RLHF_RM_API_KEY"
-_RETRIED_4XX = (408, 429)  # request timeout, too many requests: the server may accept the same request later
+# what the same request can pass on a later try: the server (or a proxy before it) was slow, busy or unreachable.
+# Not a 500: serve_rm answers 500 for a fault of its reward source on these samples, which a retry hits again.
+_RETRIED_HTTP = (408, 429, 502, 503, 504)
 
 
 class RemoteRewardClient:
-    """A `RewardSource` that posts each batch to `url`. Transient failures (connection errors, timeouts,
-    truncated or garbled answers, HTTP 5xx, 408, 429) are retried with backoff; other 4xx raise at once.
+    """A `RewardSource` that posts each batch to `url`. Failures a retry can pass (connection errors, timeouts,
+    truncated or garbled answers, HTTP 408, 429, 502, 503, 504) are retried with backoff; any other HTTP error
+    raises at once: ValueError for a 4xx (the request's fault), RuntimeError for a 5xx such as serve_rm's 500.
     `api_key` (default: env RLHF_RM_API_KEY) is sent as `Authorization: Bearer <key>`."""
 
     def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 0.5,
@@ -47,9 +50,8 @@ class RemoteRewardClient:
                 out = self._post(payload)
             except urllib.error.HTTPError as err:
                 detail = f"HTTP {err.code}: {_error_text(err)}"
-                if err.code < 500 and err.code not in _RETRIED_4XX:  # rejected: the same request fails again
-                    hint = f" (set {API_KEY_ENV} to the server's key)" if err.code == 401 else ""
-                    raise ValueError(f"reward server {self.url} answered {detail}{hint}") from err
+                if err.code not in _RETRIED_HTTP:  # the same request fails again
+                    raise self._refused(err.code, detail) from err
                 last_error = detail
             except (OSError, http.client.HTTPException, json.JSONDecodeError, UnicodeDecodeError) as err:
                 # OSError: refused/reset/timed out; HTTPException: truncated (IncompleteRead) or no answer
@@ -60,6 +62,13 @@ class RemoteRewardClient:
                 time.sleep(self.backoff_s * 2**attempt)
         raise RuntimeError(f"reward server {self.url} failed {self.retries} times (timeout {self.timeout_s}s); "
                            f"last error: {last_error}")
+
+    def _refused(self, code: int, detail: str) -> Exception:
+        if code >= 500:
+            return RuntimeError(f"reward server {self.url} answered {detail} (a server error that the same request "
+                                "meets again: not retried)")
+        hint = f" (set {API_KEY_ENV} to the server's key)" if code == 401 else ""
+        return ValueError(f"reward server {self.url} answered {detail}{hint}")
 
 
 def _error_text(err: urllib.error.HTTPError) -> str:

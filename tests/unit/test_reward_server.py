@@ -1,7 +1,10 @@
-"""serve_rm's failure answers and limits (500 with the message, 400/413/401, read timeout, bounded
-threads) and the HTTP client's retries, token and error messages. Servers run in-process in a thread."""
+"""serve_rm's failure answers and limits (500 with the message, 400/401/405/413, the request deadline, bounded
+threads, per-IP pending connections under a slow-header attack, --max_queries, --max_score_s) and the HTTP
+client's retries, token and error messages. Servers run in-process in a thread."""
 
+import argparse
 import json
+import select
 import socket
 import threading
 import time
@@ -13,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from rlhf.cli.serve_rm import RewardServer
+from rlhf.cli.serve_rm import RewardServer, ServerLimits, build_source
 from rlhf.rewards import RemoteRewardClient, RewardInputs
 from rlhf.rewards.base import RewardResult
 from rlhf.rewards.remote import API_KEY_ENV
@@ -23,18 +26,26 @@ INPUTS = RewardInputs(["ab", "abcd"], ["", ""], [None, None], torch.zeros(2, 1),
 
 
 class LengthReward:
-    """Reward = number of characters in the query."""
+    """Reward = number of characters in the query; extra log "words" = its number of words; sleeps `delay_s`
+    per call; counts its calls."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s, self.calls = delay_s, 0
 
     def score(self, batch: RewardInputs) -> RewardResult:
+        self.calls += 1
+        time.sleep(self.delay_s)
         rewards = torch.tensor([float(len(q)) for q in batch.queries])
-        return RewardResult(rewards, rewards.clone())
+        return RewardResult(rewards, rewards.clone(), {"words": torch.tensor([float(len(q.split())) for q in
+                                                                              batch.queries])})
 
 
 class Raises:
     def __init__(self, err: Exception) -> None:
-        self.err = err
+        self.err, self.calls = err, 0
 
     def score(self, batch: RewardInputs) -> RewardResult:
+        self.calls += 1
         raise self.err
 
 
@@ -49,8 +60,9 @@ def serving(server):
         server.server_close()
 
 
-def reward_server(source=None, **limits) -> RewardServer:
-    return RewardServer(("127.0.0.1", 0), source or LengthReward(), None, **limits)
+def reward_server(source=None, *, api_key: str | None = None, score_chunk: int = 0, **limits) -> RewardServer:
+    return RewardServer(("127.0.0.1", 0), source or LengthReward(), None, limits=ServerLimits(**limits),
+                        score_chunk=score_chunk, api_key=api_key)
 
 
 def post(url: str, body: bytes, headers: dict | None = None, timeout: float = 10.0) -> tuple[int, dict]:
@@ -80,14 +92,45 @@ def read_all(sock: socket.socket) -> bytes:
     return data
 
 
-def test_any_scoring_error_is_a_500_with_the_message(capsys):
-    with serving(reward_server(Raises(KeyError("no_such_column")))) as url:
+def port_of(url: str) -> int:
+    return int(url.split(":")[2].split("/")[0])
+
+
+def partial_request(url: str, head: bytes) -> socket.socket:
+    """A client that sends the start of a request (`head`) and then nothing."""
+    sock = socket.create_connection(("127.0.0.1", port_of(url)), timeout=10)
+    sock.sendall(head)
+    return sock
+
+
+def closed_by_server(sock: socket.socket, wait_s: float) -> bool:
+    """Whether the server closes `sock` within `wait_s` seconds without sending anything."""
+    if not select.select([sock], [], [], wait_s)[0]:
+        return False
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def wait_for(condition, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_any_scoring_error_is_a_500_with_the_message_that_the_client_does_not_retry(capsys):
+    source = Raises(KeyError("no_such_column"))
+    with serving(reward_server(source)) as url:
         code, body = post(url, GOOD)
         assert code == 500
         assert "KeyError" in body["error"] and "no_such_column" in body["error"]
-        # the client retries 500s and then names the server and its message
-        with pytest.raises(RuntimeError, match=rf"reward server {url} failed 2 times.*HTTP 500.*no_such_column"):
-            RemoteRewardClient(url, timeout_s=5, retries=2, backoff_s=0.01).score(INPUTS)
+        # the same samples fail the same way: the client names the server and its message after one try
+        with pytest.raises(RuntimeError, match=rf"reward server {url} answered HTTP 500: .*no_such_column.*"
+                                               "not retried"):
+            RemoteRewardClient(url, timeout_s=5, retries=3, backoff_s=0.01).score(INPUTS)
+        assert source.calls == 2  # post() once, the client once
     assert "no_such_column" in capsys.readouterr().err  # the traceback is logged server-side
 
 
@@ -112,7 +155,8 @@ def test_malformed_requests_are_400s_naming_the_problem(body, expected):
     with serving(reward_server()) as url:
         code, answer = post(url, body)
         assert code == 400 and expected in answer["error"]
-        assert post(url, GOOD) == (200, {"rewards": [2.0, 4.0], "scores": [2.0, 4.0], "extra_logs": {}})
+        assert post(url, GOOD) == (200, {"rewards": [2.0, 4.0], "scores": [2.0, 4.0],
+                                         "extra_logs": {"words": [1.0, 1.0]}})
 
 
 @pytest.mark.parametrize("size", [20_000, 4_000_000])  # the larger one overflows the socket buffers
@@ -160,11 +204,9 @@ def test_a_trickled_body_cannot_outlive_the_timeout():
 def test_connections_beyond_the_cap_are_refused_at_once_and_served_later():
     server = reward_server(max_connections=2, request_timeout_s=1.5)
     with serving(server) as url:
-        stalls = [stalled_upload(url) for _ in range(2)]
-        deadline = time.monotonic() + 5
-        while server.num_connections < 2:
-            assert time.monotonic() < deadline, "the stalled uploads never reached the server"
-            time.sleep(0.01)
+        stalls = [stalled_upload(url) for _ in range(2)]  # headers in: trusted, not closed to make room
+        wait_for(lambda: server.num_connections == 2 and server.num_pending == 0,
+                 "the stalled uploads never reached the server")
         started = time.monotonic()
         code, answer = post(url, GOOD)
         assert code == 503 and "--max_connections" in answer["error"]
@@ -197,6 +239,182 @@ def test_api_key_is_required_when_set_and_never_logged(monkeypatch, capsys):
         torch.testing.assert_close(out.rewards_B, torch.tensor([2.0, 4.0]))
     captured = capsys.readouterr()
     assert key not in captured.out + captured.err
+
+
+def test_trickled_headers_cannot_outlive_the_request_deadline():
+    with serving(reward_server(request_timeout_s=1.0)) as url:
+        sock = partial_request(url, b"POST /get_reward HTTP/1.1\r\nX-Slow: ")
+        started, closed_after_s = time.monotonic(), None
+        for _ in range(25):  # one header byte every 0.2 s: each read is in time, the whole request is not
+            try:
+                sock.sendall(b"x")
+            except OSError:  # reset: the server closed it
+                closed_after_s = time.monotonic() - started
+                break
+            if closed_by_server(sock, 0.2):
+                closed_after_s = time.monotonic() - started
+                break
+        sock.close()
+        assert closed_after_s is not None and 0.5 < closed_after_s < 4
+        assert post(url, GOOD)[0] == 200
+
+
+def test_a_wrong_token_is_answered_401_as_soon_as_its_header_arrives():
+    with serving(reward_server(api_key="s3cret", request_timeout_s=30)) as url:
+        # the rest of the headers never comes: the 401 must not wait for them (nor for the 30 s deadline)
+        sock = partial_request(url, b"POST /get_reward HTTP/1.1\r\nAuthorization: Bearer wrong\r\nX-Slow: ")
+        sock.settimeout(5)
+        started = time.monotonic()
+        answer = read_all(sock)
+        assert answer.startswith(b"HTTP/1.0 401") and b"Authorization: Bearer <key>" in answer
+        assert time.monotonic() - started < 3
+        sock.close()
+
+
+def test_pending_connections_per_ip_are_capped_by_closing_the_oldest():
+    server = reward_server(api_key="k", max_connections_per_ip=2, request_timeout_s=30)
+    with serving(server) as url:
+        # the right token, then the rest of the headers late: trusted from the token's line on
+        keyed = partial_request(url, b"POST /get_reward HTTP/1.1\r\nAuthorization: Bearer k\r\n")
+        wait_for(lambda: server.num_connections == 1 and server.num_pending == 0, "the keyed client was not trusted")
+        slow = [partial_request(url, b"POST /get_reward HTTP/1.1\r\nX-Slow: ") for _ in range(4)]
+        wait_for(lambda: server.num_evicted == 2, "the slow clients were not capped")
+        assert (server.num_connections, server.num_pending) == (3, 2)
+        assert [closed_by_server(sock, 0.5) for sock in slow] == [True, True, False, False]  # the oldest went
+        keyed.sendall(b"Content-Length: %d\r\n\r\n" % len(GOOD) + GOOD)
+        assert read_all(keyed).startswith(b"HTTP/1.0 200")
+        for sock in [keyed, *slow]:
+            sock.close()
+
+
+def trickle_headers(port: int, interval_s: float, stop: threading.Event, connected: list) -> None:
+    """A slow-header client: a request line, then one header byte every `interval_s`; when the server closes
+    the connection it opens another (at most 20), until `stop`."""
+    for _ in range(20):
+        try:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        except OSError:  # not accepted in time: try again
+            continue
+        connected.append(sock)
+        try:
+            sock.sendall(b"POST /get_reward HTTP/1.1\r\nX-Slow: ")
+            while not stop.wait(interval_s):
+                sock.sendall(b"x")
+                if closed_by_server(sock, 0):
+                    break
+        except OSError:  # reset by the server
+            pass
+        finally:
+            sock.close()
+        if stop.is_set():
+            return
+
+
+def test_a_keyed_client_is_served_while_40_slow_clients_are_connected(capsys):
+    """The slow-header attack: 40 clients on the keyed client's own address, each sending a header byte every
+    0.5 s and reconnecting when closed. Default --max_connections (32) and --max_connections_per_ip (8); a 30 s
+    --request_timeout, so no slot is freed by the deadline while the test runs."""
+    key, stop, connected = "s3cret", threading.Event(), []
+    server = reward_server(api_key=key, request_timeout_s=30)
+    with serving(server) as url:
+        attackers = [threading.Thread(target=trickle_headers, args=(port_of(url), 0.5, stop, connected), daemon=True)
+                     for _ in range(40)]
+        for thread in attackers:
+            thread.start()
+        try:
+            # all 40 in, and 20 more since: the closed ones are coming back
+            wait_for(lambda: len(connected) >= 60 and server.num_evicted >= 52, "the attack did not start")
+            latencies_s = []
+            for _ in range(5):
+                started = time.monotonic()
+                answer = post(url, GOOD, {"Authorization": f"Bearer {key}"}, timeout=10)
+                latencies_s.append(time.monotonic() - started)
+                assert answer[0] == 200 and answer[1]["rewards"] == [2.0, 4.0]
+            assert post(url, GOOD)[0] == 401  # and without the token: refused, not queued
+            assert server.num_pending <= 8 and server.num_connections <= 32
+            assert all(thread.is_alive() for thread in attackers)  # the attack ran throughout
+        finally:
+            stop.set()
+            for thread in attackers:
+                thread.join(timeout=10)
+    assert max(latencies_s) < 5  # a bound for a loaded machine, not a performance goal
+    with capsys.disabled():
+        print(f"\nkeyed client under 40 slow clients: latency {' '.join(f'{s * 1000:.0f}' for s in latencies_s)} ms, "
+              f"{len(connected)} slow connections, {server.num_evicted} closed to make room")
+
+
+def test_other_methods_get_a_json_405_naming_post():
+    with serving(reward_server()) as url:
+        for method in ("GET", "PUT", "DELETE"):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=5)
+            assert err.value.code == 405 and err.value.headers["Allow"] == "POST"
+            assert err.value.headers["Content-Type"] == "application/json"
+            assert json.loads(err.value.read()) == {"error": f"method {method} not allowed: POST a JSON body "
+                                                             "to /get_reward"}
+        sock = partial_request(url, b"BREW /get_reward HTTP/1.0\r\n\r\n")  # unknown to HTTP: 501, also JSON
+        head, _, body = read_all(sock).partition(b"\r\n\r\n")
+        sock.close()
+        assert head.startswith(b"HTTP/1.0 501") and "BREW" in json.loads(body)["error"]
+        assert post(url, GOOD)[0] == 200
+
+
+def test_more_queries_than_max_queries_is_a_413_naming_the_flag():
+    source = LengthReward()
+    with serving(reward_server(source)) as url:  # the default --max_queries
+        body = json.dumps({"query": ["w"] * 200_000}).encode()  # about 1 MB
+        code, answer = post(url, body)
+        assert code == 413
+        assert answer["error"] == ("200000 queries exceed the server's limit of 16384 per request (--max_queries); "
+                                   "send smaller batches")
+        with pytest.raises(ValueError, match=rf"reward server {url} answered HTTP 413: 20000 queries exceed"):
+            RemoteRewardClient(url, timeout_s=5, retries=3, backoff_s=5.0).score(  # not retried: no 5 s sleep
+                RewardInputs(["w"] * 20_000, [""] * 20_000, [None] * 20_000, torch.zeros(1, 1), torch.ones(1, 1)))
+        assert source.calls == 0
+        assert post(url, GOOD)[0] == 200
+
+
+def test_scoring_in_chunks_gives_the_whole_request_result():
+    queries = ["a", "bb c", "ddd", "e f g h", "iiiii"]
+    body = json.dumps({"query": queries}).encode()
+    with serving(reward_server(score_chunk=0)) as url:
+        whole = post(url, body)
+    source = LengthReward()
+    with serving(reward_server(source, score_chunk=2)) as url:
+        assert post(url, body) == whole == (200, {"rewards": [1.0, 4.0, 3.0, 7.0, 5.0],
+                                                  "scores": [1.0, 4.0, 3.0, 7.0, 5.0],
+                                                  "extra_logs": {"words": [1.0, 2.0, 1.0, 4.0, 1.0]}})
+    assert source.calls == 3
+
+
+def test_scoring_past_max_score_s_is_a_413_and_frees_the_lock():
+    source = LengthReward(delay_s=0.1)  # 0.1 s per chunk of 2 queries: 10 chunks = 1 s, budget 0.25 s
+    server = reward_server(source, score_chunk=2, max_score_s=0.25)
+    with serving(server) as url:
+        code, answer = post(url, json.dumps({"query": ["ab"] * 20}).encode())
+        assert code == 413 and "budget of 0.25s per request (--max_score_s)" in answer["error"]
+        assert source.calls <= 3  # 3 chunks take >= 0.3 s: the budget stops it before the 4th
+        assert f"with {2 * source.calls} of 20 queries scored" in answer["error"]
+        assert server.score_lock.acquire(blocking=False)
+        server.score_lock.release()
+        assert post(url, GOOD)[0] == 200  # one chunk: within the budget
+
+
+def test_a_reward_func_past_max_score_s_is_a_413_and_frees_the_lock(tmp_path):
+    path = tmp_path / "reward.py"
+    path.write_text("import time\n\ndef reward_func(queries, prompts, labels):\n"
+                    "    if 'slow' in queries:\n        time.sleep(3)\n    return [float(len(q)) for q in queries]\n")
+    source, tokenizer = build_source(argparse.Namespace(remote_rm_url=str(path), max_score_s=0.3))
+    server = RewardServer(("127.0.0.1", 0), source, tokenizer, limits=ServerLimits(max_score_s=0.3))
+    with serving(server) as url:
+        started = time.monotonic()
+        code, answer = post(url, json.dumps({"query": ["slow", "ab"]}).encode())
+        assert code == 413 and answer["error"].startswith("reward_func did not return within the server's "
+                                                          "budget of 0.3s per request (--max_score_s) for 2 queries")
+        assert time.monotonic() - started < 2.5  # answered without waiting for the call (it runs on, unlocked)
+        assert server.score_lock.acquire(blocking=False)
+        server.score_lock.release()
+        assert post(url, GOOD) == (200, {"rewards": [2.0, 4.0], "scores": [2.0, 4.0], "extra_logs": {}})
 
 
 class _Scripted(BaseHTTPRequestHandler):
@@ -232,7 +450,8 @@ def scripted(script: list[str]):
         yield url, handler
 
 
-@pytest.mark.parametrize("script", [["truncate"], ["close"], ["503"], ["408"], ["429"], ["truncate", "500"]])
+@pytest.mark.parametrize("script", [["truncate"], ["close"], ["502"], ["503"], ["504"], ["408"], ["429"],
+                                    ["truncate", "502"]])
 def test_client_retries_transient_failures_then_succeeds(script):
     with scripted(script) as (url, handler):
         out = RemoteRewardClient(url, timeout_s=5, retries=3, backoff_s=0.01).score(INPUTS)
@@ -244,6 +463,13 @@ def test_client_retries_transient_failures_then_succeeds(script):
 def test_client_does_not_retry_other_4xx(code):
     with scripted([code] * 3) as (url, handler):
         with pytest.raises(ValueError, match=rf"reward server {url} answered HTTP {code}: scripted {code}"):
+            RemoteRewardClient(url, timeout_s=5, retries=3, backoff_s=0.01).score(INPUTS)
+        assert handler.calls == 1
+
+
+def test_client_does_not_retry_a_500():
+    with scripted(["500"] * 3) as (url, handler):
+        with pytest.raises(RuntimeError, match=rf"reward server {url} answered HTTP 500: scripted 500 .*not retried"):
             RemoteRewardClient(url, timeout_s=5, retries=3, backoff_s=0.01).score(INPUTS)
         assert handler.calls == 1
 
