@@ -52,7 +52,7 @@ stage() {
   touch "$out/$name.done"
 }
 
-torchrun_() { torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" "$@"; }
+torchrun_() { python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" "$@"; }
 
 generate() {  # OUTPUT_PATH POLICY [extra batch_inference flags]
   local output=$1 policy=$2

@@ -9,7 +9,7 @@ generate_and_score() {
   # common.sh again before each stage: a port free now
   # shellcheck source=launch/examples/common.sh
   source "$here/common.sh" "$out"
-  torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.batch_inference \
+  python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.batch_inference \
     --eval_task generate_vllm "${cpu[@]}" --zero_stage 0 \
     --pretrain "$policy" --dataset "$tiny/prompts.jsonl" --input_key input --input_template "{} " \
     --max_new_tokens 8 --prompt_max_len 16 --temperature "$temperature" --best_of_n 8 \
@@ -18,7 +18,7 @@ generate_and_score() {
 
   # shellcheck source=launch/examples/common.sh
   source "$here/common.sh" "$out"
-  torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.batch_inference \
+  python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.batch_inference \
     --eval_task rm "${cpu[@]}" --zero_stage 0 \
     --pretrain "$tiny/reward_model" --max_len 32 \
     --dataset "$dir/generate/generate.jsonl" --dataset_probs 1.0 \

@@ -52,7 +52,7 @@ for ((i = 0; i < iters; i++)); do
   fi
   echo "iterative DPO: iteration $i of $iters, policy $policy"
   generate_and_score "$policy" "$dir" "$i" 1.0 iter_dpo
-  torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_dpo \
+  python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_dpo \
     --max_len 32 \
     --dataset "$dir/rm/iter_dpo.jsonl" --dataset_probs 1.0 \
     --prompt_key prompt --chosen_key chosen --rejected_key rejected \

@@ -11,9 +11,9 @@ common=(--param_dtype fp32 --attn_implementation sdpa --pretrain "$tiny/policy"
         --dataset "$tiny/sft.jsonl" --eval_dataset "$tiny/sft_eval.jsonl" --eval_split train
         --input_key input --output_key output --input_template "{} " --max_len 32
         --train_batch_size 32 --micro_train_batch_size 8 --learning_rate 3e-3 --lr_warmup_ratio 0.05)
-torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_sft \
+python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_sft \
   "${common[@]}" --max_epochs 2 --zero_stage 2 --save_path "$out/teacher"
-exec torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_kd \
+exec python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_kd \
   "${common[@]}" --teacher_model "$out/teacher" --kd_coef 0.4 --teacher_offload \
   --max_epochs 1 --zero_stage 2 --eval_steps 8 \
   --save_path "$out/student" --use_tensorboard "$out/student/tensorboard" \

@@ -11,7 +11,7 @@ set -euo pipefail
 # shellcheck source=launch/examples/common.sh
 source "$(dirname "$0")/common.sh"
 shift
-exec torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_orpo \
+exec python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_orpo \
   --save_path "$out" --save_steps -1 --logging_steps 1 --eval_steps -1 \
   --train_batch_size 32 --micro_train_batch_size 8 \
   --pretrain "$tiny/policy" \

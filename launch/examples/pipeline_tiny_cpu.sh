@@ -44,7 +44,7 @@ stage rm bash "$here/rm_tiny_cpu.sh" "$out/rm" --pretrain "$out/sft"
 # (c) The PPO example's algorithm, every role colocated on the 2 ranks (common.sh again: a port free now).
 # shellcheck source=launch/examples/common.sh
 source "$here/common.sh" "$out"
-exec torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_ppo \
+exec python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_ppo \
   --param_dtype fp32 --attn_implementation sdpa \
   --pretrain "$out/sft" --reward_pretrain "$out/rm" \
   --colocate_all_models \

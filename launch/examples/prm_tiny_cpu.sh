@@ -7,7 +7,7 @@ set -euo pipefail
 # shellcheck source=launch/examples/common.sh
 source "$(dirname "$0")/common.sh"
 shift
-exec torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_prm \
+exec python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_prm \
   --param_dtype fp32 --attn_implementation sdpa \
   --pretrain "$tiny/policy" \
   --dataset "$tiny/prm.jsonl" --eval_dataset "$tiny/prm_eval.jsonl" --eval_split train \

@@ -50,7 +50,7 @@ for ((i = 0; i < iters; i++)); do
   fi
   echo "rejection sampling: iteration $i of $iters, policy $policy"
   generate_and_score "$policy" "$dir" "$i" 0.9 rs
-  torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_sft \
+  python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_sft \
     --max_len 32 \
     --dataset "$dir/rm/rs.jsonl" --dataset_probs 1.0 --input_key input --output_key output --input_template "{}" \
     --train_batch_size 32 --micro_train_batch_size 8 \

@@ -11,7 +11,7 @@ set -euo pipefail
 # shellcheck source=launch/examples/common.sh
 source "$(dirname "$0")/common.sh"
 shift
-exec torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_sft \
+exec python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_sft \
   --max_len 32 \
   --dataset "$tiny/sft.jsonl" --eval_dataset "$tiny/sft_eval.jsonl" \
   --input_key input --output_key output --input_template "{} " \
