@@ -58,28 +58,60 @@ def value_loss_BT1(values_BT1: torch.Tensor, old_values_BT1: torch.Tensor, retur
     return 0.5 * torch.maximum(unclipped, (clipped_values - returns_BT1).square())
 
 
-def importance_weights_BT1(old_logprobs_BT1: torch.Tensor, rollout_logprobs_BT1: torch.Tensor, low: float,
-                           high: float, icepop: bool) -> torch.Tensor:
-    """Off-policy correction against the rollout engine: w = exp(logp_old - logp_roll), truncated to
-    [low, high] (TIS) or zeroed outside it (ICEPOP). Detached."""
-    w = torch.exp(old_logprobs_BT1 - rollout_logprobs_BT1).detach()
-    if icepop:
-        return w * ((w >= low) & (w <= high)).float()
-    return w.clamp(low, high)
+def _tis_BT1(log_ratio_BT1: torch.Tensor, action_mask_BT1: torch.Tensor, low: float,
+             high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """TIS: every token's ratio truncated to [low, high]."""
+    w = torch.exp(log_ratio_BT1)
+    return w.clamp(low, high), (w < low) | (w > high)
+
+
+def _icepop_BT1(log_ratio_BT1: torch.Tensor, action_mask_BT1: torch.Tensor, low: float,
+                high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """ICEPOP: a token whose ratio lies outside [low, high] gets weight 0, the others their ratio."""
+    w = torch.exp(log_ratio_BT1)
+    outside = (w < low) | (w > high)
+    return w * (~outside).float(), outside
+
+
+def _seq_mask_tis_BT1(log_ratio_BT1: torch.Tensor, action_mask_BT1: torch.Tensor, low: float,
+                      high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """seq-mask-tis (OpenRLHF v0.9.5's `PolicyLoss`): a sequence whose geometric-mean ratio exp(mean_t log_ratio)
+    over its action tokens lies outside [low, high] gets weight 0 on every token; the tokens of the others keep
+    their own ratio, not truncated (v0.9.5's comment says "TIS (token-level clamp)", its code does not clamp)."""
+    count_B1 = action_mask_BT1.sum(-1, keepdim=True).clamp(min=1)
+    seq_ratio_B1 = torch.exp((log_ratio_BT1 * action_mask_BT1).sum(-1, keepdim=True) / count_B1)
+    outside_B1 = (seq_ratio_B1 < low) | (seq_ratio_B1 > high)
+    return torch.exp(log_ratio_BT1) * (~outside_B1).float(), outside_B1.expand_as(log_ratio_BT1)
+
+
+IS_CORRECTIONS = {"tis": _tis_BT1, "icepop": _icepop_BT1, "seq-mask-tis": _seq_mask_tis_BT1}
+"""--vllm_is_correction_type -> (log_ratio_BT1, action_mask_BT1, low, high) -> (weights_BT1, outside_BT1)."""
+
+
+def importance_weights_BT1(old_logprobs_BT1: torch.Tensor, rollout_logprobs_BT1: torch.Tensor,
+                           action_mask_BT1: torch.Tensor, low: float, high: float,
+                           kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Off-policy correction against the rollout engine from the ratios exp(logp_old - logp_roll): the token
+    weights of the `kind` in `IS_CORRECTIONS` and a 0/1 indicator of the tokens it cut (a ratio, or with
+    seq-mask-tis the token's sequence, outside [low, high]). Detached, float."""
+    log_ratio = (old_logprobs_BT1 - rollout_logprobs_BT1).detach()
+    weights, outside = IS_CORRECTIONS[kind](log_ratio, action_mask_BT1, low, high)
+    return weights, outside.float()
 
 
 def rollout_mismatch_BT1(old_logprobs_BT1: torch.Tensor, rollout_logprobs_BT1: torch.Tensor,
-                         correction: tuple[float, float, bool] | None) -> dict[str, torch.Tensor]:
+                         action_mask_BT1: torch.Tensor,
+                         correction: tuple[float, float, str] | None) -> dict[str, torch.Tensor]:
     """Per-token values whose action-token means are the rollout-mismatch metrics: how far the engine's
-    log-probs are from the actor's and, with the off-policy `correction` (low, high, icepop), the weights it
-    applies and whether each token fell outside [low, high]. Detached."""
+    log-probs are from the actor's and, with the off-policy `correction` (low, high, kind), the weights it
+    applies and which tokens it cut (see `importance_weights_BT1`). Detached."""
     old, rollout = old_logprobs_BT1.detach(), rollout_logprobs_BT1
     values = {"rollout/logprob_abs_diff": (old - rollout).abs()}
     if correction is not None:
-        low, high, icepop = correction
-        raw = torch.exp(old - rollout)
-        values["rollout/is_weight_mean"] = importance_weights_BT1(old, rollout, low, high, icepop)
-        values["rollout/is_clipped_frac"] = ((raw < low) | (raw > high)).float()
+        low, high, kind = correction
+        weights, outside = importance_weights_BT1(old, rollout, action_mask_BT1, low, high, kind)
+        values["rollout/is_weight_mean"] = weights
+        values["rollout/is_clipped_frac"] = outside
     return values
 
 
@@ -99,11 +131,12 @@ def sequence_mean_over_global_count(values_BT1: torch.Tensor, mask_BT1: torch.Te
 def policy_token_loss_BT1(logprobs_BT1: torch.Tensor, old_logprobs_BT1: torch.Tensor,
                           rollout_logprobs_BT1: torch.Tensor | None, advantages_BT1: torch.Tensor,
                           action_mask_BT1: torch.Tensor, *, loss_type: str, clip_low: float, clip_high: float,
-                          dual_clip: float | None, is_correction: tuple[float, float, bool] | None
+                          dual_clip: float | None, is_correction: tuple[float, float, str] | None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The actor's per-token loss (OpenRLHF v0.9.5's `PolicyLoss`), its 0/1 clipped indicator and a 0/1 indicator
     of tokens whose log-ratio was clamped (`LOG_RATIO_LIMIT`). PPO: the clipped ratio against the old policy,
-    times the rollout correction's weights (`is_correction`: (low, high, icepop)). GSPO: one ratio per sequence,
+    times the rollout correction's weights (`is_correction`: (low, high, kind of `IS_CORRECTIONS`)). GSPO: one
+    ratio per sequence,
     against the rollout engine's log-probs when the correction is on (and no token weights), else the old
     policy's."""
     if loss_type == "gspo":
@@ -116,7 +149,8 @@ def policy_token_loss_BT1(logprobs_BT1: torch.Tensor, old_logprobs_BT1: torch.Te
     token_loss, clipped = ppo_clip_loss_BT1(logprobs_BT1, old_logprobs_BT1, advantages_BT1, clip_low, clip_high,
                                             dual_clip)
     if is_correction is not None:
-        low, high, icepop = is_correction
-        token_loss = token_loss * importance_weights_BT1(old_logprobs_BT1, rollout_logprobs_BT1, low, high, icepop)
+        low, high, kind = is_correction
+        weights, _ = importance_weights_BT1(old_logprobs_BT1, rollout_logprobs_BT1, action_mask_BT1, low, high, kind)
+        token_loss = token_loss * weights
     clamped = ((logprobs_BT1 - old_logprobs_BT1).abs() > LOG_RATIO_LIMIT).float().detach()
     return token_loss, clipped, clamped

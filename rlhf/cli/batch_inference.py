@@ -169,7 +169,8 @@ class InferenceRun(RunParts):
     def prepare(self, cfg: BatchInferenceConfig, launch: LaunchEnv) -> dict[Role, tuple[int, ...]]:
         self.demo_line = _demo_line(cfg)
         self.tp_size = check_before_engines(cfg, launch.world_size)
-        self.tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code,
+                                        use_fast=not cfg.model.disable_fast_tokenizer)
         self.role = Role.REWARD if cfg.eval_task == "rm" else Role.ROLLOUT
         self.items = (load_scoring_samples(cfg, self.tokenizer) if self.role is Role.REWARD
                       else load_generation_prompts(cfg, self.tokenizer))

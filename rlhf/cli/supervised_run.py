@@ -170,7 +170,8 @@ class SupervisedRun(JobParts):
         if job.check is not None:
             job.check(cfg)
         d, b = cfg.data, cfg.batch
-        self.tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code,
+                                        use_fast=not cfg.model.disable_fast_tokenizer)
         self.samples = read_samples(job, cfg, self.tokenizer, d.dataset, d.dataset_split, d.dataset_probs,
                                     "--dataset")
         self.eval_samples = (read_samples(job, cfg, self.tokenizer, d.eval_dataset, d.eval_split, None,

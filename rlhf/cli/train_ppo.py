@@ -53,7 +53,7 @@ def build_rollout_engine(cfg: TrainPPOConfig, device: torch.device, tokenizer, n
     kind, why = rollout_engine_choice(cfg)
     if kind == "vllm":
         return VLLMEngine(m.pretrain, dtype=dtype, tp_size=r.vllm_tensor_parallel_size, seed=cfg.seed,
-                          max_model_len=cfg.data.prompt_max_len + r.generate_max_len,
+                          max_model_len=cfg.max_model_len,
                           kv_cache_bytes=r.vllm_kv_cache_bytes, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                           enforce_eager=r.enforce_eager, enable_prefix_caching=r.enable_prefix_caching,
                           enable_sleep=r.vllm_enable_sleep, trust_remote_code=m.trust_remote_code,
@@ -156,14 +156,14 @@ class PPORun(JobParts):
         return ()
 
     def train_prompts(self, cfg: TrainPPOConfig, tokenizer) -> list[Prompt]:
-        return load_prompts(cfg.data, tokenizer)
+        return load_prompts(cfg.data, tokenizer, seed=cfg.seed)
 
     def eval_prompts(self, cfg: TrainPPOConfig, tokenizer) -> dict[str, list[Prompt]]:
         """The evaluations' prompts, read before any engine starts: "eval" (--eval_dataset), where given."""
         if cfg.data.eval_dataset is None:
             return {}
         return {"eval": load_prompts(dataclasses.replace(cfg.data, prompt_data=cfg.data.eval_dataset,
-                                                         prompt_split=cfg.data.eval_split,
+                                                         prompt_data_probs=None, prompt_split=cfg.data.eval_split,
                                                          max_samples=cfg.data.eval_max_samples), tokenizer,
                                      "--eval_dataset")}
 
@@ -171,13 +171,15 @@ class PPORun(JobParts):
         plan = check_before_engines(cfg, launch.world_size, self.extra_roles(cfg))
         self.reward_source = build_reward_source(cfg)
         self.agent = load_agent(cfg.agent.agent_func_path) if cfg.agent.agent_func_path else None
-        self.tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code,
+                                        use_fast=not cfg.model.disable_fast_tokenizer)
         self.sampler = PromptSampler(self.train_prompts(cfg, self.tokenizer), cfg.batch.rollout_batch_size, cfg.seed)
         self.prompts_for_eval = self.eval_prompts(cfg, self.tokenizer)
         return plan
 
     def topology(self, cfg: TrainPPOConfig, plan: dict[Role, tuple[int, ...]]) -> Topology:
-        return Topology(plan, rollout_tp=cfg.rollout.vllm_tensor_parallel_size, ring_size=cfg.engine.ring_attn_size)
+        return Topology(plan, rollout_tp=cfg.rollout.vllm_tensor_parallel_size, ring_size=cfg.engine.ring_attn_size,
+                        hpz_size=cfg.engine.hpz_size)
 
     def algorithm_line(self, run: Started) -> str:
         return describe_algorithm(run.cfg, run.topology)

@@ -47,7 +47,8 @@ class RepulseRun(PPORun):
         rp = cfg.repulse
         if rp.evaluate_heldout_sampling:
             out["heldout"] = load_prompts(dataclasses.replace(cfg.data, prompt_data=rp.heldout_prompt_data,
-                                                              input_key=rp.heldout_input_key), tokenizer,
+                                                              prompt_data_probs=None, input_key=rp.heldout_input_key),
+                                          tokenizer,
                                           "--heldout_prompt_data")
         return out
 

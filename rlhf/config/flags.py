@@ -29,11 +29,13 @@ IGNORED_FLAGS: dict[str, str] = {
     "vllm_sync_with_ray": "weights move in-process here; there is no Ray",
     "vllm_sync_backend": "weights are loaded into each rank's own engine in-process; no sync backend",
     "save_value_network": "train_ppo always saves the critic (HF format, under --save_path/critic)",
+    "use_ms": "models and datasets are read from local paths only; nothing is downloaded (from ModelScope or the "
+              "Hugging Face hub): pass local directories",
 }
 """Flag -> why it is ignored, in every job (a root config adds its own: `JobConfig.IGNORED_FLAGS`). Value-taking
 flags consume their value."""
 
-IGNORED_SWITCHES = {"vllm_sync_with_ray", "save_value_network"}
+IGNORED_SWITCHES = {"vllm_sync_with_ray", "save_value_network", "use_ms"}
 
 
 REPULSE_FLAGS = tuple((
@@ -48,6 +50,46 @@ REPULSE_FLAGS = tuple((
 """The RePULSe fork's `train_ppo` flags, which `train_ppo` does not know: an unknown-flag error names the module
 that does (a unit test keeps the list equal to that module's own flags)."""
 ELSEWHERE = "python -m rlhf.cli.train_repulse (the RePULSe fork's train_ppo)"
+
+
+JOB_CONFIGS = {
+    "train_ppo": ("rlhf.config.ppo_config", "TrainPPOConfig"),
+    "train_sft": ("rlhf.config.supervised_config", "TrainSFTConfig"),
+    "train_rm": ("rlhf.config.supervised_config", "TrainRMConfig"),
+    "train_prm": ("rlhf.config.supervised_config", "TrainPRMConfig"),
+    "train_kd": ("rlhf.config.supervised_config", "TrainKDConfig"),
+    "train_dpo": ("rlhf.config.preference_config", "TrainDPOConfig"),
+    "train_kto": ("rlhf.config.preference_config", "TrainKTOConfig"),
+    "train_simpo": ("rlhf.config.preference_config", "TrainSimPOConfig"),
+    "train_orpo": ("rlhf.config.preference_config", "TrainORPOConfig"),
+    "batch_inference": ("rlhf.config.inference_config", "BatchInferenceConfig"),
+}
+"""Job (`python -m rlhf.cli.<job>`) -> (module, name) of its config root, imported only to say which other jobs
+have a flag that the parsed one does not (an OpenRLHF script passed to the wrong job gets that, not a look-alike
+of this job's flags)."""
+
+
+TOOL_FLAGS = {
+    "lora_combiner": ("model_path", "lora_path", "output_path", "is_rm", "param_dtype", "bf16", "value_head_prefix",
+                      "trust_remote_code", "force"),
+    "serve_rm": ("reward_pretrain", "remote_rm_url", "value_head_prefix", "bf16", "prm", "placeholder_token",
+                 "reward_tokens", "prm_reduction", "normalize_reward", "max_len", "batch_size", "host", "port"),
+}
+"""The OpenRLHF flags of the tools with parsers of their own (a unit test keeps these equal to their --help)."""
+
+
+def jobs_with_flag(name: str, config_cls: type) -> list[str]:
+    """The jobs and tools other than `config_cls`'s whose parsers know --`name` (as a flag, an ignored flag or a
+    refused one)."""
+    import importlib
+
+    jobs = []
+    for job, (module, root) in JOB_CONFIGS.items():
+        cls = getattr(importlib.import_module(module), root)
+        if cls is not config_cls and (name in ignored_flags(cls)[0] or name in cls.PENDING_FLAGS
+                                      or any(s.flag == name for s in flag_specs(cls))):
+            jobs.append(job)
+    return jobs + [tool for tool, flags in TOOL_FLAGS.items() if name in flags]
 
 
 def ignored_flags(config_cls: type) -> tuple[dict[str, str], set[str]]:
@@ -176,8 +218,9 @@ def _strip_ignored(argv: Sequence[str], config_cls: type) -> list[str]:
     return kept
 
 
-def _explain_unknown(unknown: list[str], known_flags: list[str], pending: tuple[str, ...]) -> list[str]:
+def _explain_unknown(unknown: list[str], known_flags: list[str], config_cls: type, prog: str) -> list[str]:
     """One line per unknown flag or stray value, each with its fix."""
+    pending = config_cls.PENDING_FLAGS
     lines = []
     for i, token in enumerate(unknown):
         if not token.startswith("--"):
@@ -190,6 +233,11 @@ def _explain_unknown(unknown: list[str], known_flags: list[str], pending: tuple[
             continue
         if name in REPULSE_FLAGS and name not in known_flags:
             lines.append(f"--{name} is a flag of {ELSEWHERE}: run that module instead")
+            continue
+        elsewhere = jobs_with_flag(name, config_cls)
+        if elsewhere:
+            lines.append(f"unknown flag --{name}: {prog} has no such flag ({', '.join(elsewhere)} "
+                         f"{'has' if len(elsewhere) == 1 else 'have'} it); see --help")
             continue
         hint = difflib.get_close_matches(name, known_flags, n=1)
         lines.append(f"unknown flag --{name}" + (f"; did you mean --{hint[0]}?" if hint else "; see --help"))
@@ -227,7 +275,7 @@ def parse_config(config_cls: type, argv: Sequence[str] | None = None, prog: str 
     parser, specs = build_parser(config_cls, prog)
     namespace, unknown = parser.parse_known_args(_strip_ignored(argv, config_cls))
     if unknown:
-        exit_usage(_explain_unknown(unknown, [s.flag for s in specs], config_cls.PENDING_FLAGS))
+        exit_usage(_explain_unknown(unknown, [s.flag for s in specs], config_cls, prog))
     values: dict = {}
     for spec in specs:
         _set(values, spec.path, getattr(namespace, spec.flag))

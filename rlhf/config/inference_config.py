@@ -17,8 +17,6 @@ from rlhf.config.supervised_config import DEMO_TEMPLATE, ScalarHeadModelConfig
 EVAL_TASKS = ("generate_vllm", "generate", "rm")
 POST_PROCESSORS = ("rs", "csft", "iter_dpo")
 
-INFERENCE_PENDING_FLAGS = tuple("disable_fast_tokenizer use_ms".split())
-"""OpenRLHF batch_inference flags whose features are not built yet: refused, never silently ignored."""
 
 DEMO_LENGTHS = {"prompt_max_len": 32, "max_new_tokens": 8, "max_len": 64}
 """Lengths the embedded demo runs with where the defaults (sized for real models) are still set: the tiny
@@ -148,7 +146,7 @@ class ScoringConfig:
 class BatchInferenceConfig(JobConfig):
     """Everything `batch_inference` needs."""
 
-    PENDING_FLAGS: ClassVar[tuple[str, ...]] = INFERENCE_PENDING_FLAGS
+    PENDING_FLAGS: ClassVar[tuple[str, ...]] = ()
     eval_task: str | None = opt(None, "generate_vllm (in-process vLLM on every rank), generate (HF transformers "
                                 "generate) or rm (score --input_key + --output_key rows with a reward model)")
     seed: int = opt(1234, "random seed: each prompt samples from a seed derived from it and the prompt's index")

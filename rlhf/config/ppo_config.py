@@ -14,6 +14,7 @@ from typing import ClassVar
 
 from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_PROMPTS, EMBEDDED_REWARD
 from rlhf.config.shared_config import (
+    DEEPSPEED_PENDING_FLAGS,
     CheckpointConfig,
     EngineConfig,
     JobConfig,
@@ -21,6 +22,7 @@ from rlhf.config.shared_config import (
     ModelConfig,
     OptimConfig,
     RolePlacement,
+    check_grad_accum,
     opt,
     replace_quietly,
     require,
@@ -29,6 +31,7 @@ from rlhf.config.shared_config import (
 
 ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline", "rloo", "group_norm", "dr_grpo")
 GROUP_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
+IS_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +94,8 @@ class RolloutConfig:
     temperature: float = opt(1.0, "sampling temperature")
     top_p: float = opt(1.0, "nucleus sampling probability mass")
     generate_max_len: int = opt(1024, "maximum number of generated tokens per sample")
+    max_len: int | None = opt(None, "vLLM's max_model_len, the tokens of prompt + response an engine plans for "
+                              "(default: --prompt_max_len + --generate_max_len; as in OpenRLHF, nothing else reads it)")
     n_samples_per_prompt: int = opt(1, "samples per prompt (a group, for group estimators)")
     eval_temperature: float = opt(0.6, "sampling temperature of the --eval_dataset evaluation")
     eval_n_samples_per_prompt: int = opt(4, "samples per --eval_dataset prompt (pass@k uses all of them)")
@@ -129,6 +134,7 @@ class RolloutConfig:
         require(self.temperature > 0, "--temperature must be > 0")
         require(0 < self.top_p <= 1, "--top_p must lie in (0, 1]")
         require(self.generate_max_len >= 1, "--generate_max_len must be >= 1")
+        require(self.max_len is None or self.max_len >= 1, "--max_len must be >= 1")
         require(self.n_samples_per_prompt >= 1, "--n_samples_per_prompt must be >= 1")
         require(self.rollout_engine in ("auto", "vllm", "hf"), "--rollout_engine: choose auto, vllm or hf")
 
@@ -137,8 +143,11 @@ class RolloutConfig:
 class DataConfig:
     """Prompt dataset and chat formatting."""
 
-    prompt_data: str | None = opt(None, "prompt dataset: a local JSON/JSONL file or directory (required with "
-                                  "--pretrain; without it: the embedded demo prompts)")
+    prompt_data: str | None = opt(None, "prompt datasets, comma separated: local JSON/JSONL/parquet files or "
+                                  "directories, HF save_to_disk directories, or json@DIR (required with --pretrain; "
+                                  "without it: the embedded demo prompts)")
+    prompt_data_probs: str | None = opt(None, "sampling probabilities of the comma-separated --prompt_data sources, "
+                                        "comma separated (mixed as the supervised jobs' --dataset_probs)")
     prompt_split: str = opt("train", "split to read when --prompt_data is a directory with splits")
     input_key: str = opt("input", "dataset column holding the prompt")
     label_key: str | None = opt(None, "dataset column passed to reward_func as labels")
@@ -200,8 +209,9 @@ class AlgoConfig:
                                             "OpenRLHF flag)")
     enable_vllm_is_correction: bool = opt(False, "importance-weight tokens by exp(logp_old - logp_rollout)")
     vllm_is_truncated_threshold: tuple[float, float] = opt((0.5, 5.0), "TIS/ICEPOP interval LOW HIGH", nargs=2)
-    vllm_is_correction_type: str = opt("tis", "tis (truncate weights to the interval) or icepop (zero tokens "
-                                       "outside it)")
+    vllm_is_correction_type: str = opt("tis", "tis (truncate weights to the interval), icepop (zero tokens "
+                                       "outside it) or seq-mask-tis (zero whole sequences whose geometric-mean "
+                                       "weight is outside it; the others keep their token weights)")
     use_icepop: bool = opt(False, "same as --vllm_is_correction_type icepop")
     freezing_actor_steps: int = opt(-1, "train only the critic for this many steps (critic warm-up)")
 
@@ -221,9 +231,10 @@ class AlgoConfig:
         require(0 <= self.gamma <= 1 and 0 <= self.lambd <= 1, "--gamma and --lambd must lie in [0, 1]")
         if self.stop_properly_penalty_coef is not None and self.stop_properly_penalty_coef >= 0:
             require(self.stop_properly_penalty_coef <= 1, "--stop_properly_penalty_coef must be <= 1 or < 0")
-        require(self.vllm_is_correction_type in ("tis", "icepop"),
-                 f"--vllm_is_correction_type {self.vllm_is_correction_type!r}: choose tis or icepop "
-                 "(seq-mask-tis is not implemented in this build)")
+        require(self.vllm_is_correction_type in IS_CORRECTION_TYPES,
+                f"--vllm_is_correction_type {self.vllm_is_correction_type!r}: choose tis, icepop or seq-mask-tis")
+        require(not (self.use_icepop and self.vllm_is_correction_type == "seq-mask-tis"),
+                "--use_icepop contradicts --vllm_is_correction_type seq-mask-tis: give one of them")
         lo, hi = self.vllm_is_truncated_threshold
         require(0 <= lo < hi, "--vllm_is_truncated_threshold needs 0 <= LOW < HIGH")
         if self.reward_clip_range is not None:
@@ -237,16 +248,16 @@ class AlgoConfig:
         return (self.eps_clip, self.eps_clip)
 
     @property
-    def icepop(self) -> bool:
-        """Whether the rollout correction zeroes (ICEPOP) rather than truncates (TIS) out-of-range weights."""
-        return self.use_icepop or self.vllm_is_correction_type == "icepop"
+    def is_correction_type(self) -> str:
+        """The rollout correction's kind: --vllm_is_correction_type, icepop with --use_icepop."""
+        return "icepop" if self.use_icepop else self.vllm_is_correction_type
 
     @property
-    def is_correction(self) -> tuple[float, float, bool] | None:
-        """(low, high, icepop) of the off-policy correction against the rollout engine, None when off."""
+    def is_correction(self) -> tuple[float, float, str] | None:
+        """(low, high, kind) of the off-policy correction against the rollout engine, None when off."""
         if not self.enable_vllm_is_correction:
             return None
-        return (*self.vllm_is_truncated_threshold, self.icepop)
+        return (*self.vllm_is_truncated_threshold, self.is_correction_type)
 
     @property
     def needs_ref(self) -> bool:
@@ -357,11 +368,17 @@ class PlacementConfig:
 class TrainPPOConfig(JobConfig):
     """Everything `train_ppo` needs, one sub-config per component."""
 
-    PENDING_FLAGS: ClassVar[tuple[str, ...]] = tuple((
-        "ds_tensor_parallel_size max_len prompt_data_probs "
-        "vllm_generate_batch_size"
-    ).split())
+    PENDING_FLAGS: ClassVar[tuple[str, ...]] = (*DEEPSPEED_PENDING_FLAGS, "enable_ema", "ema_beta")
     """OpenRLHF train_ppo flags whose features are not built yet: refused, never silently ignored."""
+    IGNORED_FLAGS: ClassVar[dict[str, str]] = {
+        "actor_init_on_gpu": "OpenRLHF v0.9.5 defines it and nothing reads it; the actor is built on its ranks' "
+                             "devices here",
+        "perf": "OpenRLHF v0.9.5 defines it and nothing reads it; the time/* metrics (generation, experience, "
+                "train, weight_sync, step) are logged every step here",
+        "vllm_generate_batch_size": "OpenRLHF v0.9.5 sets it (default --rollout_batch_size) and nothing reads it; "
+                                    "each engine generates its share of a step's prompts in one call here",
+    }
+    IGNORED_SWITCHES: ClassVar[frozenset[str]] = frozenset({"actor_init_on_gpu", "perf"})
 
     model: PPOModelConfig = field(default_factory=PPOModelConfig)
     optim: PPOOptimConfig = field(default_factory=PPOOptimConfig)
@@ -378,6 +395,7 @@ class TrainPPOConfig(JobConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_grad_accum(self.model, self.engine)
         if self.ppo_update:
             require(self.optim.actor_learning_rate > 0, "--actor_learning_rate must be positive")
         self._check_async()
@@ -420,6 +438,13 @@ class TrainPPOConfig(JobConfig):
                           "are renormalised over the top-p nucleus while the actor's cover the whole vocabulary, "
                           "so the importance weights compare different distributions (biased low); use "
                           "--top_p 1 with the correction", stacklevel=2)
+        if self.rollout.max_len is not None:
+            longest = self.data.prompt_max_len + self.rollout.generate_max_len
+            require(self.rollout.max_len >= longest,
+                    f"--max_len {self.rollout.max_len} (vLLM's max_model_len) cannot hold a prompt of --prompt_max_len "
+                    f"{self.data.prompt_max_len} tokens and a response of --generate_max_len "
+                    f"{self.rollout.generate_max_len} (vLLM would cut responses short or refuse long prompts): give "
+                    f"--max_len {longest} or more, or drop it (that sum is the default)")
         e = self.engine
         if e.use_dynamic_batch:
             longest = self.data.prompt_max_len + self.rollout.generate_max_len
@@ -479,6 +504,12 @@ class TrainPPOConfig(JobConfig):
     def episodes(self) -> int:
         """Passes over the prompts."""
         return self.batch.num_episodes
+
+    @property
+    def max_model_len(self) -> int:
+        """Tokens of prompt + response each vLLM engine plans for: --max_len, else --prompt_max_len +
+        --generate_max_len (OpenRLHF's rule)."""
+        return self.rollout.max_len or self.data.prompt_max_len + self.rollout.generate_max_len
 
     @property
     def critic_init(self) -> str:

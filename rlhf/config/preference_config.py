@@ -12,12 +12,14 @@ from typing import ClassVar
 
 from rlhf.assets import EMBEDDED_PAIRS, EMBEDDED_PAIRS_EVAL
 from rlhf.config.shared_config import (
+    DEFAULT_MIN_LR_RATIO,
     CheckpointConfig,
     EngineConfig,
     JobConfig,
     LoggingConfig,
     ModelConfig,
     RolePlacement,
+    check_grad_accum,
     opt,
     require,
     role_placement,
@@ -64,6 +66,7 @@ class PreferenceBaseConfig(JobConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_grad_accum(self.model, self.engine)
         require(self.aux_loss_coef >= 0, "--aux_loss_coef must be >= 0")
         if self.aux_loss_coef:
             warnings.warn(f"--aux_loss_coef {self.aux_loss_coef} has no effect in the preference jobs of this build: "
@@ -94,9 +97,22 @@ class PreferenceJobConfig(PreferenceBaseConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
+class DPOOptimConfig(LearningRateConfig):
+    """train_dpo's optimizer settings: OpenRLHF v0.9.5 lets only this job set the cosine schedule's floor."""
+
+    min_lr_ratio: float = opt(DEFAULT_MIN_LR_RATIO, "with --lr_scheduler cosine_with_min_lr: the learning rate decays "
+                              "to this fraction of --learning_rate")
+
+    @property
+    def lr_floor_ratio(self) -> float:
+        return self.min_lr_ratio
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainDPOConfig(PreferenceJobConfig):
     """Everything `train_dpo` needs."""
 
+    optim: DPOOptimConfig = field(default_factory=lambda: DPOOptimConfig(learning_rate=1e-5))
     data: PairDataConfig = field(default_factory=lambda: PairDataConfig(max_len=512, eval_split="test"))
     logging: LoggingConfig = field(default_factory=lambda: LoggingConfig(wandb_project="openrlhf_train_dpo"))
     checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(

@@ -18,6 +18,15 @@ import torch
 from rlhf.config.errors import UsageError
 
 PARAM_DTYPES = ("bf16", "fp16", "fp32")
+DEFAULT_MIN_LR_RATIO = 0.1
+"""cosine_with_min_lr's floor as a fraction of the learning rate (OpenRLHF v0.9.5's, fixed but in train_dpo)."""
+
+DEEPSPEED_PENDING_FLAGS = tuple("ds_tensor_parallel_size deepcompile use_ds_universal_ckpt".split())
+"""OpenRLHF's DeepSpeed flags that this build cannot honour, refused by every training job: AutoTP tensor
+parallelism (our roles are data-parallel over their ranks, with ring attention for long sequences), DeepCompile
+(a CUDA-only compiler pass over the engine), and loading universal checkpoints (our checkpoints resume on the
+world size that wrote them)."""
+
 
 def opt(default: Any, help: str, flag: str | None = None, nargs: str | int | None = None) -> Any:
     """A config field with its CLI metadata. `flag` defaults to the field name."""
@@ -111,6 +120,10 @@ class ModelConfig:
                                    "flash-attn: SDPA, with a warning")
     flash_attn: bool = opt(False, "same as --attn_implementation flash_attention_2 (older OpenRLHF scripts)")
     gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
+    gradient_checkpointing_use_reentrant: bool = opt(False, "with --gradient_checkpointing: torch's reentrant "
+                                                     "checkpoint variant (default: the non-reentrant one)")
+    disable_fast_tokenizer: bool = opt(False, "load the slow (Python/sentencepiece) tokenizer instead of the fast "
+                                       "one (use_fast=False)")
     trust_remote_code: bool = opt(False, "allow model/tokenizer code shipped inside the model directory")
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
@@ -143,7 +156,8 @@ class OptimConfig:
     """AdamW, LR schedule and gradient clipping (every job; the learning rates are per job)."""
 
     lr_warmup_ratio: float = opt(0.03, "fraction of optimizer steps spent in linear warm-up")
-    lr_scheduler: str = opt("cosine_with_min_lr", "transformers LR scheduler name")
+    lr_scheduler: str = opt("cosine_with_min_lr", "transformers LR scheduler name (cosine_with_min_lr decays to "
+                            "0.1 x the learning rate, as OpenRLHF)")
     adam_betas: tuple[float, float] = opt((0.9, 0.95), "AdamW betas", nargs=2)
     l2: float = opt(0.0, "AdamW weight decay")
     max_norm: float = opt(1.0, "gradient clipping norm (0 disables)")
@@ -152,9 +166,16 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         require(0 <= self.lr_warmup_ratio < 1, "--lr_warmup_ratio must lie in [0, 1)")
+        require(0 <= self.lr_floor_ratio <= 1, "--min_lr_ratio must lie in [0, 1]")
         require(len(self.adam_betas) == 2, "--adam_betas takes two numbers, e.g. --adam_betas 0.9 0.95")
         require(self.max_norm >= 0, "--max_norm must be >= 0")
         require(self.max_nonfinite_steps >= 0, "--max_nonfinite_steps must be >= 0")
+
+    @property
+    def lr_floor_ratio(self) -> float:
+        """cosine_with_min_lr's floor as a fraction of the learning rate: 0.1, which OpenRLHF v0.9.5 hard-codes in
+        every job but train_dpo (its --min_lr_ratio, `DPOOptimConfig`)."""
+        return DEFAULT_MIN_LR_RATIO
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,9 +195,21 @@ class EngineConfig:
                               "--use_dynamic_batch does)")
     ring_head_stride: int = opt(1, "kv heads per ring pass (more heads per pass: fewer, larger messages)")
     use_liger_kernel: bool = opt(False, "patch models with Liger's fused kernels (RMSNorm, RoPE, SwiGLU; CUDA only)")
+    zpg: int = opt(1, "ZeRO++ hierarchical partitioning (DeepSpeed zero_hpz_partition_size): at --zero_stage 3 each "
+                   "group of this many consecutive ranks of a model keeps a secondary copy of its parameter shards, "
+                   "so forward gathers stay inside the group (e.g. the GPUs of one node); 1: off")
+    grad_accum_dtype: str | None = opt(None, "dtype gradients are accumulated and reduced in (DeepSpeed "
+                                       "data_types.grad_accum_dtype): fp32, bf16 or fp16 (default: the parameter "
+                                       "dtype; needs --zero_stage 1-3 to differ from it)")
 
     def __post_init__(self) -> None:
         require(self.zero_stage in (0, 1, 2, 3), f"--zero_stage {self.zero_stage}: choose 0, 1, 2 or 3")
+        require(self.zpg >= 1, f"--zpg {self.zpg} must be >= 1 (1: no ZeRO++ hierarchical partitioning)")
+        if self.zpg > 1 and self.zero_stage != 3:
+            warnings.warn(f"--zpg {self.zpg} has no effect at --zero_stage {self.zero_stage}: ZeRO++ hierarchical "
+                          "partitioning splits ZeRO-3's parameter shards; use --zero_stage 3", stacklevel=2)
+        require(self.grad_accum_dtype in (None, *PARAM_DTYPES),
+                f"--grad_accum_dtype {self.grad_accum_dtype!r}: choose fp32, bf16 or fp16")
         require(self.ring_attn_size >= 1, "--ring_attn_size must be >= 1")
         require(self.ring_head_stride >= 1, "--ring_head_stride must be >= 1")
         needs_packing = [flag for flag, on in (("--ring_attn_size > 1", self.ring_attn_size > 1),
@@ -186,6 +219,26 @@ class EngineConfig:
                           stacklevel=2)
             object.__setattr__(self, "packing_samples", True)
         require(self.train_max_tokens_per_gpu >= 1, "--train_max_tokens_per_gpu must be >= 1")
+
+    @property
+    def hpz_size(self) -> int:
+        """Ranks per ZeRO++ secondary-partition group: --zpg at ZeRO-3, else 1 (none)."""
+        return self.zpg if self.zero_stage == 3 else 1
+
+
+def check_grad_accum(model: ModelConfig, engine: EngineConfig) -> None:
+    """--grad_accum_dtype against the parameter dtype and ZeRO stage (every training job's root calls it)."""
+    accum = engine.grad_accum_dtype
+    if accum is None or accum == model.param_dtype:
+        return
+    require(engine.zero_stage > 0, f"--grad_accum_dtype {accum} differs from --param_dtype {model.param_dtype}, "
+            "which DeepSpeed without ZeRO cannot do (it accumulates in the parameter dtype): use --zero_stage 1-3 "
+            "or drop --grad_accum_dtype")
+    bf16_optimizer = engine.zero_stage == 1 and model.param_dtype == "bf16" and accum == "fp32"
+    require(not bf16_optimizer or engine.adam_offload,
+            "--grad_accum_dtype fp32 with bf16 parameters at --zero_stage 1 makes DeepSpeed switch to its "
+            "BF16_Optimizer, whose gradients this build's non-finite checks and offload do not read: use "
+            "--zero_stage 2 (or 3), or --adam_offload")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,6 +251,8 @@ class LoggingConfig:
     wandb_project: str = opt("openrlhf_train_ppo", "wandb project")
     wandb_group: str | None = opt(None, "wandb group")
     wandb_run_name: str | None = opt(None, "wandb run name")
+    wandb_org: str | None = opt(None, "wandb entity (team or user) the run is logged under (default: your default "
+                                "entity)")
     logging_steps: int = opt(1, "log every N steps")
     eval_steps: int = opt(-1, "with --eval_dataset, evaluate every N steps, besides before the first step and "
                           "after the last (-1: train_ppo only then; the supervised and preference jobs also once "

@@ -21,6 +21,7 @@ from rlhf.assets import (
     EMBEDDED_SFT_EVAL,
 )
 from rlhf.config.shared_config import (
+    DEEPSPEED_PENDING_FLAGS,
     CheckpointConfig,
     EngineConfig,
     JobConfig,
@@ -28,15 +29,13 @@ from rlhf.config.shared_config import (
     ModelConfig,
     OptimConfig,
     RolePlacement,
+    check_grad_accum,
     opt,
     require,
     role_placement,
 )
 
-SUPERVISED_PENDING_FLAGS = tuple((
-    "ds_tensor_parallel_size use_ms "
-    "use_ds_universal_ckpt deepcompile zpg grad_accum_dtype"
-).split())
+SUPERVISED_PENDING_FLAGS = DEEPSPEED_PENDING_FLAGS
 """OpenRLHF flags of the supervised jobs whose features are not built yet: refused, never silently ignored."""
 
 DEMO_TEMPLATE = "{} "
@@ -137,6 +136,10 @@ class TrainSFTConfig(JobConfig):
     """Everything `train_sft` needs."""
 
     PENDING_FLAGS: ClassVar[tuple[str, ...]] = SUPERVISED_PENDING_FLAGS
+    IGNORED_FLAGS: ClassVar[dict[str, str]] = {
+        "train_split": "OpenRLHF v0.9.5 defines it but reads the training split from --dataset_split; so does "
+                       "train_sft here",
+    }
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: LearningRateConfig = field(default_factory=LearningRateConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -149,6 +152,7 @@ class TrainSFTConfig(JobConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_grad_accum(self.model, self.engine)
         require(self.aux_loss_coef >= 0, "--aux_loss_coef must be >= 0")
         if self.data.multiturn and not self.data.apply_chat_template:
             require(False, "--multiturn finds the assistant turns with the chat template: add --apply_chat_template")
@@ -183,6 +187,11 @@ class TrainRMConfig(JobConfig):
     """Everything `train_rm` needs."""
 
     PENDING_FLAGS: ClassVar[tuple[str, ...]] = SUPERVISED_PENDING_FLAGS
+    IGNORED_FLAGS: ClassVar[dict[str, str]] = {
+        "compute_fp32_loss": "the pairwise loss always runs in float32 here (the scalar head's rewards are cast to "
+                             "float32 before it), which is what this flag asks OpenRLHF for",
+    }
+    IGNORED_SWITCHES: ClassVar[frozenset[str]] = frozenset({"compute_fp32_loss"})
     model: ScalarHeadModelConfig = field(default_factory=ScalarHeadModelConfig)
     optim: LearningRateConfig = field(default_factory=lambda: LearningRateConfig(learning_rate=9e-6))
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -197,6 +206,7 @@ class TrainRMConfig(JobConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_grad_accum(self.model, self.engine)
         require(self.loss in PAIRWISE_LOSS_NAMES, f"--loss {self.loss!r}: choose sigmoid or logexp")
         require(self.aux_loss_coef >= 0, "--aux_loss_coef must be >= 0")
         if self.aux_loss_coef:
@@ -241,6 +251,7 @@ class TrainPRMConfig(JobConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_grad_accum(self.model, self.engine)
         require(self.aux_loss_coef >= 0, "--aux_loss_coef must be >= 0")
 
     def with_demo_defaults(self) -> TrainPRMConfig:
@@ -293,6 +304,7 @@ class TrainKDConfig(JobConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_grad_accum(self.model, self.engine)
         require(self.aux_loss_coef >= 0, "--aux_loss_coef must be >= 0")
         if self.teacher.num_ranks:
             require(self.engine.ring_attn_size == 1, "a teacher on its own ranks serves whole sequences: drop "

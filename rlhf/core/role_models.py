@@ -79,4 +79,6 @@ def role_model(build: Callable[[], torch.nn.Module], model: ModelConfig, engine:
         fp16=model.param_dtype == "fp16", micro_batch_size=micro_batch_size,
         grad_accum_steps=max(grad_accum_steps, 1), num_optimizer_steps=max(num_optimizer_steps, 1), device=device,
         dp_group=topology.group(role), mpu=mpu, trainable=trainable,
-        gradient_checkpointing=model.gradient_checkpointing and trainable, name=name or role.value, adapt=adapt)
+        gradient_checkpointing=model.gradient_checkpointing and trainable,
+        checkpoint_reentrant=model.gradient_checkpointing_use_reentrant, hpz_group=topology.hpz_group(role),
+        name=name or role.value, adapt=adapt)

@@ -1,4 +1,5 @@
-"""Prompt datasets for RL: read local JSON/JSONL (or a directory of them), format, tokenize, filter.
+"""Prompt datasets for RL: read local data (as the supervised jobs' --dataset, mixed by --prompt_data_probs),
+format, tokenize, filter.
 
 Nothing here downloads. Formatting follows OpenRLHF: `--apply_chat_template` renders the prompt as a
 user turn (or uses the row's message list as is) with a generation prompt; otherwise
@@ -8,15 +9,14 @@ user turn (or uses the row's message list as is) with a generation prompt; other
 
 from __future__ import annotations
 
-import glob
-import os
 import random
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from rlhf.config.ppo_config import DataConfig
-from rlhf.data.sources import read_json_file
+from rlhf.data.sources import Row
+from rlhf.data.sources import read_rows as read_dataset_rows
 
 
 @dataclass(frozen=True)
@@ -30,30 +30,12 @@ class Prompt:
     datasource: str = "default"
 
 
-def _resolve_files(source: str, split: str, flag: str = "--prompt_data") -> list[str]:
-    path = source.split("@", 1)[1] if source.startswith("json@") else source
-    if os.path.isfile(path):
-        return [path]
-    if os.path.isdir(path):
-        files = sorted(glob.glob(os.path.join(path, f"{split}*.json*")))
-        files = files or sorted(glob.glob(os.path.join(path, "*.json*")))
-        if not files:
-            raise ValueError(f"{flag} {source}: directory has no .json/.jsonl files "
-                             f"(looked for {split}*.json* then *.json*)")
-        return files
-    raise ValueError(f"{flag} {source}: no such file or directory (hub names are not downloaded; "
-                     "pass a local JSON/JSONL file or directory)")
-
-
-def read_rows(cfg: DataConfig, flag: str = "--prompt_data") -> list[tuple[str, int, dict]]:
-    """(file, 1-based row number, row) for the first `max_samples` rows of the prompt data (`flag` names it)."""
-    rows = []
-    for path in _resolve_files(cfg.prompt_data, cfg.prompt_split, flag):
-        for i, row in enumerate(read_json_file(path), 1):
-            rows.append((path, i, row))
-            if len(rows) >= cfg.max_samples:
-                return rows
-    return rows
+def read_rows(cfg: DataConfig, flag: str = "--prompt_data", seed: int = 42) -> list[Row]:
+    """The rows of the prompt data (`flag` names it), read, mixed by --prompt_data_probs with `seed` (OpenRLHF
+    blends prompt datasets with --seed) and capped at `max_samples` as the supervised jobs' --dataset is
+    (`rlhf.data.sources.read_rows`)."""
+    return read_dataset_rows(cfg.prompt_data, probs=cfg.prompt_data_probs, split=cfg.prompt_split,
+                             max_samples=cfg.max_samples, seed=seed, flag=flag)
 
 
 def _format(row: dict, where: str, cfg: DataConfig, tokenizer) -> str:
@@ -83,16 +65,17 @@ def _empty_prompt_problem(text: str, ids: list[int], tokenizer) -> str | None:
     return None
 
 
-def load_prompts(cfg: DataConfig, tokenizer, flag: str = "--prompt_data") -> list[Prompt]:
-    """Formatted, tokenized prompts of `cfg.prompt_data` (named `flag` in messages); rows over `prompt_max_len`
-    tokens are dropped with a warning; rows that are empty after formatting, tokenize to nothing or only to
-    special tokens are an error naming each one (file and row)."""
+def load_prompts(cfg: DataConfig, tokenizer, flag: str = "--prompt_data", seed: int = 42) -> list[Prompt]:
+    """Formatted, tokenized prompts of `cfg.prompt_data` (named `flag` in messages; mixed with `seed`, the run's
+    --seed, see `read_rows`); rows over `prompt_max_len` tokens are dropped with a warning; rows that are empty
+    after formatting, tokenize to nothing or only to special tokens are an error naming each one (file and
+    row)."""
     if cfg.tokenizer_chat_template:
         tokenizer.chat_template = cfg.tokenizer_chat_template
     prompts, too_long, empty = [], 0, []
-    rows = read_rows(cfg, flag)
-    for path, rowno, row in rows:
-        where = f"{path}, row {rowno}"
+    rows = read_rows(cfg, flag, seed)
+    for record in rows:
+        row, where = record.data, record.where
         text = _format(row, where, cfg, tokenizer)
         label = None
         if cfg.label_key is not None:
@@ -138,10 +121,10 @@ def load_texts(source: str, key: str, max_samples: int) -> list[str]:
     """The `key` column of a local JSON/JSONL file or directory (pretraining texts for the ptx loss)."""
     cfg = DataConfig(prompt_data=source, input_key=key, max_samples=max_samples)
     texts = []
-    for path, rowno, row in read_rows(cfg):
-        if not isinstance(row, dict) or not isinstance(row.get(key), str):
-            raise ValueError(f"{path}, row {rowno}: no text column {key!r}; pass the right one with --input_key")
-        texts.append(row[key])
+    for record in read_rows(cfg, "--pretrain_data"):
+        if not isinstance(record.data.get(key), str):
+            raise ValueError(f"{record.where}: no text column {key!r}; pass the right one with --input_key")
+        texts.append(record.data[key])
     return texts
 
 

@@ -138,14 +138,16 @@ class Topology:
 
     Creates, in this order: one group per role in `plan` (Role order; DeepSpeed reduces gradients
     over it), one group per rollout engine (`rollout_tp` consecutive ranks each), when some role
-    runs on a subgroup one single-rank group per rank, and with `ring_size` > 1 the ring-attention
-    (sequence-parallel) groups: `ring_size` consecutive ranks of each role's ranks.
+    runs on a subgroup one single-rank group per rank, with `ring_size` > 1 the ring-attention
+    (sequence-parallel) groups: `ring_size` consecutive ranks of each role's ranks, and with `hpz_size` > 1
+    (--zpg at ZeRO-3) the ZeRO++ secondary-partition groups: `hpz_size` consecutive ranks of each role's ranks.
 
     With ring attention the ranks of one ring hold the same samples (each a shard of their tokens),
     so a role's data-parallel size is its rank count / `ring_size`.
     """
 
-    def __init__(self, plan: dict[Role, tuple[int, ...]], rollout_tp: int = 1, ring_size: int = 1) -> None:
+    def __init__(self, plan: dict[Role, tuple[int, ...]], rollout_tp: int = 1, ring_size: int = 1,
+                 hpz_size: int = 1) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         if self.world_size % rollout_tp:
@@ -166,18 +168,28 @@ class Topology:
         self.has_subgroups = any(len(r) != self.world_size for r in self.plan.values())
         self._self_groups = [dist.new_group([r]) for r in range(self.world_size)] if self.has_subgroups else []
         self.ring_size = ring_size
-        self._ring_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        if ring_size > 1:
-            for role in Role:
-                if role in self.plan and role is not Role.ROLLOUT:
-                    ranks = self.plan[role]
-                    if len(ranks) % ring_size:
-                        raise ValueError(f"the {len(ranks)} {role.value} ranks do not split into rings of "
-                                         f"--ring_attn_size {ring_size}; change the role's rank count or the ring size")
-                    for start in range(0, len(ranks), ring_size):
-                        ring = ranks[start:start + ring_size]
-                        if ring not in self._ring_groups:
-                            self._ring_groups[ring] = dist.new_group(list(ring))
+        self._ring_groups = (self._blocks_of_each_role(ring_size, f"rings of --ring_attn_size {ring_size}",
+                                                       "the ring size") if ring_size > 1 else {})
+        self.hpz_size = hpz_size
+        self._hpz_groups = (self._blocks_of_each_role(hpz_size, f"groups of --zpg {hpz_size}", "--zpg")
+                            if hpz_size > 1 else {})
+
+    def _blocks_of_each_role(self, size: int, blocks_of: str, fix: str) -> dict[tuple[int, ...], dist.ProcessGroup]:
+        """A group for every `size` consecutive ranks of each role but ROLLOUT (roles on the same ranks share
+        them), created in Role order; a role whose rank count `size` does not divide is an error naming
+        `blocks_of` and the `fix`."""
+        blocks: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for role in Role:
+            if role in self.plan and role is not Role.ROLLOUT:
+                ranks = self.plan[role]
+                if len(ranks) % size:
+                    raise ValueError(f"the {len(ranks)} {role.value} ranks do not split into {blocks_of}; change "
+                                     f"the role's rank count or {fix}")
+                for start in range(0, len(ranks), size):
+                    block = ranks[start:start + size]
+                    if block not in blocks:
+                        blocks[block] = dist.new_group(list(block))
+        return blocks
 
     @property
     def self_group(self) -> dist.ProcessGroup | None:
@@ -211,6 +223,14 @@ class Topology:
             return None
         start = self.plan[role].index(self.rank) // self.ring_size * self.ring_size
         return self._ring_groups[self.plan[role][start:start + self.ring_size]]
+
+    def hpz_group(self, role: Role) -> dist.ProcessGroup | None:
+        """This rank's ZeRO++ secondary-partition group for `role` (--zpg consecutive ranks of it); None when
+        --zpg is 1."""
+        if self.hpz_size == 1:
+            return None
+        start = self.plan[role].index(self.rank) // self.hpz_size * self.hpz_size
+        return self._hpz_groups[self.plan[role][start:start + self.hpz_size]]
 
     def leads(self, role: Role) -> bool:
         """Whether this is the first rank of `role` (the one that writes its files and reports its norms)."""

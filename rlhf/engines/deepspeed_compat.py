@@ -1,4 +1,4 @@
-"""The two DeepSpeed calls that assume one world-wide data-parallel group, scoped for role subgroups.
+"""The DeepSpeed calls that assume one world-wide data-parallel group, scoped for role subgroups.
 
 ZeRO-3 on a process subgroup (actor on ranks 0-1, critic on 2-3) breaks on (1) bare `barrier()`
 calls while the ZeRO-3 optimizer sets up its partitions, which wait for ranks of other roles, and
@@ -7,8 +7,8 @@ cross-check that broadcasts from global rank 0, which is not a member of every r
 (1) is scoped to the role's group while an engine is built. (2) is skipped: every rank of a role runs
 the same forwards in the same order by construction (the trainer's stages are SPMD), which is what
 the check verifies. Building a transformers model under ZeRO-3 on a subgroup needs two more scopes
-(`zero3_construction`). `tests/unit/test_deepspeed_compat.py` fails if DeepSpeed or transformers move
-any of these.
+(`zero3_construction`), and ZeRO++ hierarchical partitioning (--zpg) one more (`hpz_scoped_to`).
+`tests/unit/test_deepspeed_compat.py` fails if DeepSpeed or transformers move any of these.
 """
 
 from __future__ import annotations
@@ -39,6 +39,27 @@ def barriers_scoped_to(group: dist.ProcessGroup | None) -> Iterator[None]:
         yield
     finally:
         ds_comm.barrier = original_barrier
+
+
+@contextmanager
+def hpz_scoped_to(group: dist.ProcessGroup | None) -> Iterator[None]:
+    """While a ZeRO-3 model is built and its engine started, DeepSpeed's ZeRO++ secondary-partition group (a
+    module global it reads only then: `zero.Init`, the stage-3 optimizer and the frozen engine's offload) is
+    `group`. Left alone, DeepSpeed would create that group itself, once per process, from consecutive ranks of
+    the whole world: a collective that ranks of other roles never join, with groups that need not lie inside
+    the model's data-parallel group, and a second model on the same rank would fail its "already initialized"
+    assertion. No effect when `group` is None (--zpg 1)."""
+    from deepspeed.utils import groups
+
+    if group is None:
+        yield
+        return
+    previous = groups._ZERO_PARAM_INTRA_PARALLEL_GROUP
+    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = group
+    try:
+        yield
+    finally:
+        groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = previous
 
 
 def _skip_order_check(ints: list[int]) -> None:
@@ -79,8 +100,10 @@ class _TorchWithGroupRank:
 
 
 @contextmanager
-def zero3_construction(config: dict, group: dist.ProcessGroup | None) -> Iterator[None]:
-    """Build a transformers model under ZeRO-3 with its parameters partitioned over `group`.
+def zero3_construction(config: dict, group: dist.ProcessGroup | None,
+                       hpz_group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Build a transformers model under ZeRO-3 with its parameters partitioned over `group` (and with --zpg,
+    secondary partitions over `hpz_group`, see `hpz_scoped_to`).
 
     (a) transformers opens its own `deepspeed.zero.Init` over the whole world; for a role on a subgroup
     that broadcasts to ranks that are building other roles and deadlocks. We open the Init over the
@@ -100,8 +123,9 @@ def zero3_construction(config: dict, group: dist.ProcessGroup | None) -> Iterato
     if group is not None:
         hf_deepspeed.torch = _TorchWithGroupRank(group)
     try:
-        with initialization.no_init_weights(), \
-                deepspeed.zero.Init(config_dict_or_path=config, data_parallel_group=group), set_zero3_state():
+        with initialization.no_init_weights(), hpz_scoped_to(hpz_group), \
+                deepspeed.zero.Init(config_dict_or_path=config, data_parallel_group=group,
+                                    zero_param_parallel_group=hpz_group), set_zero3_state():
             yield
     finally:
         hf_deepspeed.torch = original_torch

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from rlhf.config.errors import UsageError
 from rlhf.config.shared_config import EngineConfig, OptimConfig
-from rlhf.engines.deepspeed_compat import barriers_scoped_to, zero3_construction
+from rlhf.engines.deepspeed_compat import barriers_scoped_to, hpz_scoped_to, zero3_construction
 from rlhf.models import lora
 
 
@@ -31,7 +31,8 @@ def ds_config(engine: EngineConfig, optim: OptimConfig, *, bf16: bool, micro_bat
               grad_accum_steps: int, fp16: bool = False) -> dict:
     """The DeepSpeed JSON config for one trainable model (pure)."""
     zero: dict = {"stage": engine.zero_stage, "overlap_comm": engine.overlap_comm,
-                  "reduce_bucket_size": "auto" if engine.zero_stage == 3 else 5e8}
+                  "reduce_bucket_size": "auto" if engine.zero_stage == 3 else 5e8,
+                  "zero_hpz_partition_size": engine.zpg}
     if engine.zero_stage == 3:
         zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=5e7,
                     stage3_max_live_parameters=1e9, stage3_gather_16bit_weights_on_model_save=True)
@@ -45,6 +46,7 @@ def ds_config(engine: EngineConfig, optim: OptimConfig, *, bf16: bool, micro_bat
         "zero_optimization": zero,
         "bf16": {"enabled": bf16},
         "fp16": {"enabled": fp16},
+        "data_types": {"grad_accum_dtype": engine.grad_accum_dtype},
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 1 << 30,
@@ -55,7 +57,7 @@ def ds_config(engine: EngineConfig, optim: OptimConfig, *, bf16: bool, micro_bat
 def _scheduler(optimizer, optim: OptimConfig, num_optimizer_steps: int):
     from transformers import get_scheduler
 
-    kwargs = {"min_lr_rate": 0.1} if optim.lr_scheduler == "cosine_with_min_lr" else None
+    kwargs = {"min_lr_rate": optim.lr_floor_ratio} if optim.lr_scheduler == "cosine_with_min_lr" else None
     return get_scheduler(optim.lr_scheduler, optimizer,
                          num_warmup_steps=math.ceil(optim.lr_warmup_ratio * num_optimizer_steps),  # as OpenRLHF
                          num_training_steps=num_optimizer_steps, scheduler_specific_kwargs=kwargs)
@@ -184,12 +186,15 @@ class DeepSpeedModel:
     (DeepSpeed partitions them when the engine starts).
     Trainable models get AdamW over their trainable parameters and the LR schedule; frozen ones (reference,
     reward) are plain modules below ZeRO-3 and parameter-sharded DeepSpeed engines at ZeRO-3.
+    `hpz_group` (--zpg > 1 at ZeRO-3): this rank's ZeRO++ secondary-partition group, --zpg consecutive ranks of
+    `dp_group` (`Topology.hpz_group`). `checkpoint_reentrant`: torch's reentrant activation checkpointing.
     """
 
     def __init__(self, build: Callable[[], torch.nn.Module], engine_cfg: EngineConfig, optim_cfg: OptimConfig, *,
                  learning_rate: float, bf16: bool, micro_batch_size: int, grad_accum_steps: int, fp16: bool = False,
                  num_optimizer_steps: int, device: torch.device, dp_group: dist.ProcessGroup | None = None,
                  mpu: GroupMPU | None = None, trainable: bool = True, gradient_checkpointing: bool = False,
+                 checkpoint_reentrant: bool = False, hpz_group: dist.ProcessGroup | None = None,
                  name: str = "model", adapt: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> None:
         self.name = name
         self.max_nonfinite_steps = optim_cfg.max_nonfinite_steps
@@ -201,6 +206,8 @@ class DeepSpeedModel:
         self.zero_stage = engine_cfg.zero_stage
         self.adam_offload = engine_cfg.adam_offload
         self.trainable = trainable
+        self.hpz_group = hpz_group if engine_cfg.hpz_size > 1 else None
+        assert engine_cfg.hpz_size == 1 or hpz_group is not None, "--zpg at ZeRO-3 needs the topology's hpz group"
         self.config = ds_config(engine_cfg, optim_cfg, bf16=bf16, fp16=fp16, micro_batch_size=micro_batch_size,
                                 grad_accum_steps=grad_accum_steps)
         deepspeed.init_distributed(dist_backend="nccl" if "nccl" in dist.get_backend() else "gloo",
@@ -210,9 +217,9 @@ class DeepSpeedModel:
             model = adapt(model)
         self.adapted = lora.is_adapted(model)
         if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpoint_reentrant})
         self.scheduler = None
-        with barriers_scoped_to(self.mpu_group):
+        with barriers_scoped_to(self.mpu_group), hpz_scoped_to(self.hpz_group):
             if trainable:
                 # frozen (LoRA base) weights get no optimizer states
                 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=learning_rate,
@@ -231,7 +238,7 @@ class DeepSpeedModel:
     def _build(self, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
         if self.zero_stage != 3:
             return build()
-        with zero3_construction(self.config, self.dp_group):
+        with zero3_construction(self.config, self.dp_group, self.hpz_group):
             return build()
 
     @property

@@ -41,15 +41,34 @@ def _looks_like_vocabulary(name: str) -> bool:
                                                 or ext in (".model", ".tiktoken"))
 
 
-def read_tokenizer(path: str, trust_remote_code: bool = False, flag: str = "--pretrain"):
-    """The tokenizer saved in `path`, as saved. A directory with no tokenizer files at all is a UsageError
-    naming the directory and the files it lacks (transformers would blame a missing sentencepiece or tiktoken
-    package instead); any other failure keeps transformers' error."""
+def slow_tokenizer_kwargs(path: str, transformers_major: int) -> dict:
+    """`AutoTokenizer.from_pretrained` arguments for --disable_fast_tokenizer. transformers 4 keeps a slow
+    (Python) class per model: use_fast=False, as OpenRLHF. transformers 5 has dropped them and ignores use_fast;
+    its closest equivalent is the sentencepiece backend, which a directory with a sentencepiece model
+    (tokenizer.model) can use; elsewhere the fast tokenizer is the only one, with a warning."""
+    if transformers_major < 5:
+        return {"use_fast": False}
+    if os.path.isfile(os.path.join(path, "tokenizer.model")):
+        return {"backend": "sentencepiece"}
+    warnings.warn(f"--disable_fast_tokenizer has no effect on {path}: transformers {transformers_major} has no "
+                  "slow tokenizers, and this directory has no sentencepiece model (tokenizer.model) for its "
+                  "sentencepiece backend; loading the fast tokenizer", stacklevel=3)
+    return {}
+
+
+def read_tokenizer(path: str, trust_remote_code: bool = False, flag: str = "--pretrain", use_fast: bool = True):
+    """The tokenizer saved in `path`, as saved (`use_fast` False: --disable_fast_tokenizer, see
+    `slow_tokenizer_kwargs`). A directory with no tokenizer files at all is a UsageError naming the directory and
+    the files it lacks (transformers would blame a missing sentencepiece or tiktoken package instead); any other
+    failure keeps transformers' error."""
+    import transformers
     from transformers import AutoTokenizer
 
     check_local_model(path, flag)
+    kind = {} if use_fast else slow_tokenizer_kwargs(path, int(transformers.__version__.split(".")[0]))
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True,
+                                             **kind)
     except (OSError, ValueError, TypeError) as err:
         if any(_looks_like_vocabulary(name) for name in os.listdir(path)):
             raise
@@ -60,10 +79,10 @@ def read_tokenizer(path: str, trust_remote_code: bool = False, flag: str = "--pr
                          f"from into {path}") from err
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False, flag: str = "--pretrain"):
+def load_tokenizer(path: str, trust_remote_code: bool = False, flag: str = "--pretrain", use_fast: bool = True):
     """Tokenizer with a pad token (EOS when the model has none) and right padding (`read_tokenizer`, whose
     errors name `flag`)."""
-    tok = read_tokenizer(path, trust_remote_code, flag)
+    tok = read_tokenizer(path, trust_remote_code, flag, use_fast)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "right"

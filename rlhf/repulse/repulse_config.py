@@ -168,8 +168,8 @@ class TrainRepulseConfig(TrainPPOConfig):
     """The RePULSe fork's `train_ppo`: PPO (with the fork's evaluations and sample counts) or, with
     --do_harmlessness_training, RePULSe and its baselines."""
 
-    IGNORED_FLAGS: ClassVar[dict[str, str]] = FORK_IGNORED_FLAGS
-    IGNORED_SWITCHES: ClassVar[frozenset[str]] = FORK_IGNORED_SWITCHES
+    IGNORED_FLAGS: ClassVar[dict[str, str]] = {**TrainPPOConfig.IGNORED_FLAGS, **FORK_IGNORED_FLAGS}
+    IGNORED_SWITCHES: ClassVar[frozenset[str]] = TrainPPOConfig.IGNORED_SWITCHES | FORK_IGNORED_SWITCHES
 
     placement: RepulsePlacementConfig = field(default_factory=RepulsePlacementConfig)
     repulse: RepulseConfig = field(default_factory=RepulseConfig)

@@ -194,7 +194,7 @@ def the_single_prompt(cfg: TrainRepulseConfig, tokenizer) -> Prompt:
     rp = cfg.repulse
     if rp.custom_prompt is not None:
         return single_prompt(cfg.data, rp.custom_prompt, tokenizer)
-    prompts = load_prompts(cfg.data, tokenizer)
+    prompts = load_prompts(cfg.data, tokenizer, seed=cfg.seed)
     texts = sorted({p.text for p in prompts})
     if len(texts) != 1:
         raise UsageError(f"--new_custom_single_prompt trains on one prompt, but --prompt_data {cfg.data.prompt_data} "

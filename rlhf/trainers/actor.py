@@ -95,7 +95,8 @@ class Actor:
             if exp.old_logprobs_BT1 is None:  # the experience step had no actor forward to measure them with
                 rollout = exp.rollout_logprobs_BT1.to(self.device)
                 terms.update({name: token_sum_over_global_count(v, action, num_tokens) for name, v in
-                              rollout_mismatch_BT1(out.logprobs_BT1, rollout, self.algo.is_correction).items()})
+                              rollout_mismatch_BT1(out.logprobs_BT1, rollout, action,
+                                                   self.algo.is_correction).items()})
             if exp.ref_logprobs_BT1 is not None:  # optional terms appear only when they apply
                 kl = kl_estimate(out.logprobs_BT1, exp.ref_logprobs_BT1.to(self.device), self.algo.kl_estimator)
                 terms["train_kl"] = token_sum_over_global_count(kl, action, num_tokens)

@@ -205,7 +205,7 @@ class ExperienceMaker:
 
     def _rollout_mismatch(self, old: torch.Tensor, rollout: torch.Tensor, action: torch.Tensor) -> dict[str, float]:
         """How far the engine's log-probs are from the actor's, and what the off-policy correction does."""
-        values = rollout_mismatch_BT1(old, rollout, self.cfg.algo.is_correction)
+        values = rollout_mismatch_BT1(old, rollout, action, self.cfg.algo.is_correction)
         return {name: _token_mean(v, action) for name, v in values.items()}
 
     def _advantages(self, rewards_B: torch.Tensor, action: torch.Tensor, kl: torch.Tensor | None,

@@ -92,8 +92,8 @@ def batchers_for(cfg: TrainPPOConfig, topology: Topology, role: Role) -> tuple[M
 
 
 def check_models(cfg: TrainPPOConfig) -> None:
-    """Every model's positions hold --prompt_max_len + --generate_max_len; with ring attention,
-    --ring_head_stride divides its key/value heads."""
+    """Every model's positions hold --prompt_max_len + --generate_max_len (the policy's also a larger --max_len,
+    which vLLM plans for); with ring attention, --ring_head_stride divides its key/value heads."""
     m = cfg.model
     paths = [("--pretrain", m.pretrain)] + [("--reward_pretrain", p) for p in cfg.reward.reward_paths]
     if cfg.uses_critic and m.critic_pretrain:
@@ -101,6 +101,9 @@ def check_models(cfg: TrainPPOConfig) -> None:
     check_model_configs(paths, m, cfg.engine, longest=cfg.data.prompt_max_len + cfg.rollout.generate_max_len,
                         length_flags=f"--prompt_max_len {cfg.data.prompt_max_len} + --generate_max_len "
                                      f"{cfg.rollout.generate_max_len}")
+    if cfg.rollout.max_len is not None:
+        check_model_configs(paths[:1], m, cfg.engine, longest=cfg.max_model_len,
+                            length_flags=f"--max_len {cfg.max_model_len} (vLLM's max_model_len)")
 
 
 NO_VLLM = "vLLM is not installed"
@@ -147,7 +150,8 @@ def describe_algorithm(cfg: TrainPPOConfig, topology: Topology) -> str:
     parts.append("models: " + "; ".join(models))
     if a.enable_vllm_is_correction:
         low, high = a.vllm_is_truncated_threshold
-        kind = "ICEPOP (tokens outside zeroed)" if a.icepop else "TIS (truncated)"
+        kind = {"tis": "TIS (truncated)", "icepop": "ICEPOP (tokens outside zeroed)",
+                "seq-mask-tis": "seq-mask-TIS (sequences whose geometric mean is outside zeroed)"}[a.is_correction_type]
         parts.append(f"rollout correction {kind} in [{low}, {high}]")
     if actor_forward_skippable(cfg):
         parts.append("one actor update per batch (old log-probs from the training forward, no experience forward)")

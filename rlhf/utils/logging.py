@@ -19,6 +19,7 @@ class WandbSettings:
     group: str | None = None
     run_name: str | None = None
     config: dict = field(default_factory=dict)
+    entity: str | None = None  # --wandb_org: the team or user; None: the login's default entity
 
     def start(self):
         try:
@@ -27,7 +28,8 @@ class WandbSettings:
             raise ValueError("--use_wandb needs the wandb package: pip install wandb") from err
         if self.key.lower() != "true":
             wandb.login(key=self.key)
-        return wandb.init(project=self.project, group=self.group, name=self.run_name, config=self.config)
+        return wandb.init(entity=self.entity, project=self.project, group=self.group, name=self.run_name,
+                          config=self.config)
 
 
 def check_no_earlier_run(out_dir: str) -> None:

@@ -224,10 +224,10 @@ def test_gspo_with_rollout_correction_takes_the_ratio_against_the_rollout_engine
 
     logp, old, rollout = torch.full((1, 2), -1.0), torch.full((1, 2), -1.5), torch.full((1, 2), -1.1)
     loss, _, _ = policy_token_loss_BT1(logp, old, rollout, torch.ones(1, 2), torch.ones(1, 2), loss_type="gspo",
-                                       clip_low=0.2, clip_high=0.2, dual_clip=None, is_correction=(0.5, 5.0, False))
+                                       clip_low=0.2, clip_high=0.2, dual_clip=None, is_correction=(0.5, 5.0, "tis"))
     torch.testing.assert_close(loss, torch.full((1, 2), -math.exp(0.1)))
     ppo, _, _ = policy_token_loss_BT1(logp, old, rollout, torch.ones(1, 2), torch.ones(1, 2), loss_type="ppo",
-                                      clip_low=0.2, clip_high=0.2, dual_clip=None, is_correction=(0.5, 5.0, False))
+                                      clip_low=0.2, clip_high=0.2, dual_clip=None, is_correction=(0.5, 5.0, "tis"))
     torch.testing.assert_close(ppo, torch.full((1, 2), -1.2 * math.exp(-0.4)))  # PPO keeps its TIS weights
 
 
@@ -247,10 +247,34 @@ def test_importance_weights_tis_and_icepop():
 
     old = torch.log(torch.tensor([[1.0, 3.0, 0.2]]))
     roll = torch.zeros(1, 3)
-    tis = importance_weights_BT1(old, roll, 0.5, 2.0, icepop=False)
+    tis, cut = importance_weights_BT1(old, roll, torch.ones(1, 3), 0.5, 2.0, "tis")
     torch.testing.assert_close(tis, torch.tensor([[1.0, 2.0, 0.5]]))
-    icepop = importance_weights_BT1(old, roll, 0.5, 2.0, icepop=True)
+    icepop, cut_icepop = importance_weights_BT1(old, roll, torch.ones(1, 3), 0.5, 2.0, "icepop")
     torch.testing.assert_close(icepop, torch.tensor([[1.0, 0.0, 0.0]]))
+    assert cut.tolist() == cut_icepop.tolist() == [[0.0, 1.0, 1.0]]
+
+
+def test_seq_mask_tis_masks_whole_sequences_by_their_geometric_mean_ratio():
+    """--vllm_is_correction_type seq-mask-tis, interval [0.5, 2], ratios r = exp(logp_old - logp_rollout).
+    Sequence A, r = (3, 1/3): geometric mean sqrt(3 x 1/3) = 1 is inside, so its tokens keep their own ratios 3 and
+    1/3, not truncated (TIS would give 2 and 0.5). Sequence B, r = (4, 2) and a padding token with r = 1/8:
+    geometric mean over its action tokens sqrt(8) = 2.83 > 2, so every token gets weight 0 (with the padding token
+    counted the mean would be (4 x 2 x 1/8)^(1/3) = 1, inside). With old = current policy and A = 1 the PPO token
+    loss is -1, so the corrected loss is minus the weights."""
+    from rlhf.algorithms.losses import importance_weights_BT1, policy_token_loss_BT1, rollout_mismatch_BT1
+
+    ratios = torch.tensor([[3.0, 1 / 3, 1.0], [4.0, 2.0, 1 / 8]])
+    action = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    roll = torch.full((2, 3), -1.0)
+    old = roll + torch.log(ratios)
+    weights, cut = importance_weights_BT1(old, roll, action, 0.5, 2.0, "seq-mask-tis")
+    torch.testing.assert_close(weights, torch.tensor([[3.0, 1 / 3, 1.0], [0.0, 0.0, 0.0]]))
+    assert cut.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
+    loss, _, _ = policy_token_loss_BT1(old, old, roll, torch.ones(2, 3), action, loss_type="ppo", clip_low=0.2,
+                                       clip_high=0.2, dual_clip=None, is_correction=(0.5, 2.0, "seq-mask-tis"))
+    torch.testing.assert_close(loss * action, torch.tensor([[-3.0, -1 / 3, 0.0], [0.0, 0.0, 0.0]]))
+    metrics = rollout_mismatch_BT1(old, roll, action, (0.5, 2.0, "seq-mask-tis"))
+    assert float((metrics["rollout/is_clipped_frac"] * action).sum() / action.sum()) == 0.5  # B's 2 of 4 tokens
 
 
 def test_entropy_and_sequence_mean():

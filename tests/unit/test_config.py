@@ -84,7 +84,13 @@ def test_ignored_flag_warns_and_consumes_its_value():
                                                        "--reward_pretrain"),
     (["--param_dtype", "fp8"], "--param_dtype 'fp8': choose bf16, fp16 or fp32"),
     (["--bf16", "--param_dtype", "fp32"], "--bf16 contradicts --param_dtype fp32"),
-    (["--vllm_is_correction_type", "seq-mask-tis"], "seq-mask-tis is not implemented"),
+    (["--vllm_is_correction_type", "clamp"], "--vllm_is_correction_type 'clamp': choose tis, icepop or seq-mask-tis"),
+    (["--max_len", "100", "--prompt_max_len", "64", "--generate_max_len", "64"],
+     "--max_len 100 (vLLM's max_model_len) cannot hold a prompt of --prompt_max_len 64 tokens"),
+    (["--zpg", "0"], "--zpg 0 must be >= 1"),
+    (["--grad_accum_dtype", "fp8"], "--grad_accum_dtype 'fp8': choose fp32, bf16 or fp16"),
+    (["--grad_accum_dtype", "fp32", "--zero_stage", "0"], "--grad_accum_dtype fp32 differs from --param_dtype bf16"),
+    (["--grad_accum_dtype", "fp32", "--zero_stage", "1"], "makes DeepSpeed switch to its BF16_Optimizer"),
     (["--eval_steps", "0"], "--eval_steps must be -1 (the default schedule) or >= 1"),
     (["--dist_timeout", "0"], "--dist_timeout must be > 0"),
     (["--watchdog_interval", "-1"], "--watchdog_interval must be >= 0"),
@@ -252,7 +258,11 @@ def test_embedded_demo_only_without_pretrain():
 def test_openrlhf_compatible_values_are_accepted():
     cfg = parse("--eval_steps", "-1", "--param_dtype", "fp16", "--flash_attn")
     assert cfg.model.dtype == torch.float16 and cfg.model.attn == "flash_attention_2"
-    assert parse("--vllm_is_correction_type", "icepop").algo.icepop
+    assert parse("--vllm_is_correction_type", "icepop").algo.is_correction_type == "icepop"
+    assert parse("--use_icepop").algo.is_correction_type == "icepop"
+    assert parse("--vllm_is_correction_type", "seq-mask-tis").algo.is_correction_type == "seq-mask-tis"
+    with pytest.raises(ValueError, match="--use_icepop contradicts --vllm_is_correction_type seq-mask-tis"):
+        parse("--use_icepop", "--vllm_is_correction_type", "seq-mask-tis")
     with pytest.warns(UserWarning, match="--eval_steps 10 has no effect: there is no --eval_dataset"):
         parse("--eval_steps", "10")
 

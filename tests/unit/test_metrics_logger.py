@@ -23,7 +23,8 @@ def test_metrics_logger_writes_jsonl_tensorboard_and_wandb(tmp_path, monkeypatch
     logger.close()
     assert read_metrics(tmp_path) == [{"step": 1, "reward_mean": 0.5, "time/step": 1.25}]
     assert calls[0] == ("login", "k3y")
-    assert calls[1] == ("init", {"project": "proj", "group": "grp", "name": "run1", "config": {"seed": 1}})
+    assert calls[1] == ("init", {"entity": None, "project": "proj", "group": "grp", "name": "run1",
+                                 "config": {"seed": 1}})
     assert calls[2] == ("log", 1, {"reward_mean": 0.5, "time/step": 1.25})
     assert calls[3] == ("finish",)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
