@@ -27,7 +27,7 @@ from rlhf.config.errors import UsageError
 from rlhf.config.shared_config import CheckpointConfig, LoggingConfig, replace_quietly
 from rlhf.core.checkpointer import Checkpointer, restarted_by_launcher
 from rlhf.core.loop import Job, Loop
-from rlhf.distributed.launch_env import LaunchEnv, init_distributed, read_launch_env
+from rlhf.distributed.launch_env import LaunchEnv, finish_heartbeat, init_distributed, read_launch_env
 from rlhf.distributed.topology import Role, Topology
 from rlhf.engines.deepspeed_compat import install_subgroup_patches
 from rlhf.models.loading import resolve_attention
@@ -237,3 +237,4 @@ def run_job(parts: JobParts, cfg: Any, parse_warnings: Sequence[warnings.Warning
     finally:
         logger.close()
     dist.barrier()
+    finish_heartbeat()

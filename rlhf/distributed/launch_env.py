@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rlhf.distributed.heartbeat import Heartbeat
+
 
 @dataclass(frozen=True)
 class LaunchEnv:
@@ -112,6 +114,10 @@ def cuda_device_index(local_rank: int, local_world_size: int, num_visible: int) 
                      "or set CUDA_VISIBLE_DEVICES per process")
 
 
+HEARTBEAT = None
+"""This process's `Heartbeat` (started by `init_distributed` in a world of several ranks)."""
+
+
 def init_distributed(launch: LaunchEnv, timeout_minutes: float = 30) -> torch.device:
     """Initialise the default group (NCCL for CUDA tensors plus gloo for CPU tensors on a GPU machine,
     gloo on CPU) and return this rank's device. `timeout_minutes` (`--dist_timeout`): how long a
@@ -138,9 +144,19 @@ def init_distributed(launch: LaunchEnv, timeout_minutes: float = 30) -> torch.de
         backend = "gloo"
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=timeout_minutes)
-        dist.init_process_group(backend=backend, store=_store(launch, timeout), rank=launch.rank,
-                                world_size=launch.world_size, timeout=timeout)
+        store = _store(launch, timeout)
+        dist.init_process_group(backend=backend, store=store, rank=launch.rank, world_size=launch.world_size,
+                                timeout=timeout)
+        if launch.world_size > 1:  # a stopped peer ends the run within --dist_timeout, naming it
+            global HEARTBEAT
+            HEARTBEAT = Heartbeat(store, launch.rank, launch.world_size, timeout.total_seconds()).start()
     return device
+
+
+def finish_heartbeat() -> None:
+    """This rank's work is done (after the run's last collective): its peers stop watching it."""
+    if HEARTBEAT is not None:
+        HEARTBEAT.stop()
 
 
 def _store(launch: LaunchEnv, timeout: datetime.timedelta) -> dist.Store:

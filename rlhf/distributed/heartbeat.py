@@ -1,0 +1,102 @@
+"""Ends a run whose peer stopped: each rank's daemon thread writes a heartbeat (a counter and the stage it is in)
+to the rendezvous store every `period_s` and reads the next rank's (rank r watches r + 1 mod the world: every
+rank is watched, and the store sees two operations per rank and tick). A peer whose counter has not moved for
+`timeout_s` (`--dist_timeout`) is stopped (SIGSTOP, a frozen host, a rank hung holding the GIL): the thread
+prints one line naming the silent rank, the stage it was last in and the stage this rank waits in, then ends
+this process with exit status 1, upon which the launcher (torchrun, `srun --kill-on-bad-exit`) stops the
+rest. A collective in DeepSpeed's or NCCL's hands may wait past the group's timeout; this does not. A store
+that stops answering for `timeout_s` (its host is gone) ends the rank the same way. Ranks that finished
+(`stop()`) are not waited for. Counters, not clocks: hosts' clocks may disagree.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TextIO
+
+import torch.distributed as dist
+
+from rlhf.utils import watchdog
+
+EXIT_STATUS = 1
+DONE = "done"
+
+
+class Heartbeat:
+    """One rank's heartbeat and its watch over the peers. `check()` is one tick (tests call it with a fake
+    `clock`); `start()` runs it every `period_s` on a daemon thread; `exit` ends the process."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float, *,
+                 period_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 out: TextIO | None = None, exit: Callable[[int], None] = os._exit) -> None:
+        self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        self.period_s = period_s if period_s is not None else min(10.0, timeout_s / 4)
+        self.clock, self.out, self.exit = clock, out, exit
+        self._count = 0
+        start = clock()
+        watched = [(rank + 1) % world_size] if world_size > 1 else []
+        self._seen: dict[int, tuple[str | None, float]] = {r: (None, start) for r in watched}
+        self._store_ok_at = start
+        self._stop = threading.Event()
+
+    def _key(self, rank: int) -> str:
+        return f"heartbeat/{rank}"
+
+    def beat(self, value: str | None = None) -> None:
+        self._count += 1
+        self.store.set(self._key(self.rank), value or f"{self._count}|{watchdog.describe()}")
+
+    def check(self) -> list[int]:
+        """Write this rank's heartbeat, read the peers'; returns the silent ranks (and ends the process when
+        there are any)."""
+        now = self.clock()
+        try:
+            self.beat()
+            values = [self.store.get(k) if self.store.check([k]) else b"" for k in map(self._key, self._seen)]
+            self._store_ok_at = now
+        except (RuntimeError, dist.DistStoreError) as err:
+            if now - self._store_ok_at > self.timeout_s:
+                self._end(f"the rendezvous store has not answered for {now - self._store_ok_at:.0f} s ({err}): "
+                          "its host (torchrun's agent, or rank 0 under srun) is gone")
+            return []
+        silent = []
+        for (peer, (last, since)), raw in zip(list(self._seen.items()), values):
+            value = raw.decode() if raw else None
+            if value != last:
+                self._seen[peer] = (value, now)
+            elif value != DONE and now - since > self.timeout_s:
+                silent.append(peer)
+        if silent:
+            described = "; ".join(f"rank {r} {self._last_stage(r)}" for r in silent)
+            self._end(f"no heartbeat for more than {self.timeout_s:.0f} s (--dist_timeout) from {described}")
+        return silent
+
+    def _last_stage(self, rank: int) -> str:
+        value = self._seen[rank][0]
+        return f"(last seen {value.split('|', 1)[1]})" if value else "(never reported)"
+
+    def _end(self, why: str) -> None:
+        print(f"\n[rank {self.rank}] {why}; this rank is {watchdog.describe()}: ending the run (exit "
+              f"{EXIT_STATUS}); the last complete checkpoint is intact", file=self.out or sys.stderr, flush=True)
+        self.exit(EXIT_STATUS)
+
+    def start(self) -> Heartbeat:
+        self.beat()  # at once: a peer that starts its watch first finds this rank's key
+        threading.Thread(target=self._run, name="rlhf-heartbeat", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        """This rank is done: peers stop waiting for its heartbeat."""
+        self._stop.set()
+        try:
+            self.beat(DONE)
+        except (RuntimeError, dist.DistStoreError):
+            pass
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.check()

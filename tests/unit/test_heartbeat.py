@@ -1,0 +1,66 @@
+"""The heartbeat that ends a run whose peer stopped (`rlhf.distributed.heartbeat`), on an in-memory store with
+a fake clock: a peer whose counter stops moving for longer than the timeout ends this rank with one line naming
+it and its last stage; a finished peer is not waited for; a store that stops answering ends it too."""
+
+import io
+
+import torch.distributed as dist
+
+from rlhf.distributed.heartbeat import Heartbeat
+from rlhf.utils import watchdog
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def pair(store, clock, out, exits):
+    return [Heartbeat(store, rank, 2, timeout_s=30, period_s=5, clock=clock, out=out, exit=exits.append)
+            for rank in (0, 1)]
+
+
+def test_a_stopped_peer_ends_the_rank_naming_it_and_its_stage():
+    store, clock, out, exits = dist.HashStore(), Clock(), io.StringIO(), []
+    zero, one = pair(store, clock, out, exits)
+    with watchdog.stage("step"), watchdog.stage("train"):
+        for _ in range(4):  # both beat: nobody is silent
+            clock.now += 5
+            assert one.check() == [] and zero.check() == []
+        for _ in range(6):  # rank 1 stopped (SIGSTOP): its counter no longer moves; 30 s is not yet too long
+            clock.now += 5
+            assert zero.check() == []
+        clock.now += 5
+        assert zero.check() == [1]
+    assert exits == [1]
+    line = out.getvalue()
+    assert line.startswith("\n[rank 0] no heartbeat for more than 30 s (--dist_timeout) from rank 1 (last seen in "
+                           "stage 'step/train' since ")
+    assert "; this rank is in stage 'step/train' since " in line and line.endswith(
+        ": ending the run (exit 1); the last complete checkpoint is intact\n")
+
+
+def test_a_finished_peer_is_not_waited_for_and_a_silent_store_ends_the_rank():
+    store, clock, out, exits = dist.HashStore(), Clock(), io.StringIO(), []
+    zero, one = pair(store, clock, out, exits)
+    one.stop()
+    for _ in range(20):
+        clock.now += 5
+        assert zero.check() == []
+    assert exits == []
+
+    class DeadStore:
+        def set(self, key, value):
+            raise dist.DistStoreError("connection reset by peer")
+
+    lost = Heartbeat(DeadStore(), 0, 2, timeout_s=30, clock=clock, out=out, exit=exits.append)
+    for _ in range(6):
+        clock.now += 5
+        lost.check()
+    assert exits == []
+    clock.now += 5
+    lost.check()
+    assert exits == [1] and "the rendezvous store has not answered for 35 s" in out.getvalue()
