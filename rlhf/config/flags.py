@@ -160,7 +160,10 @@ _VALUE_KINDS = {"int": "an integer", "float": "a number"}
 
 
 class _FlagParser(argparse.ArgumentParser):
-    """argparse, with its errors rephrased as `--flag: problem; fix` and reported by `exit_usage`."""
+    """argparse, with its errors rephrased as `--flag: problem; fix` and reported by `exit_usage`. `argv`: the
+    arguments being parsed (to tell a negative number taken for a flag)."""
+
+    argv: Sequence[str] = ()
 
     def error(self, message: str) -> NoReturn:
         exit_usage(self._rephrase(message))
@@ -176,6 +179,9 @@ class _FlagParser(argparse.ArgumentParser):
         if m := re.fullmatch(r"invalid (\w+) value: (.*)", problem):
             return f"{flag} {m.group(2)} is not {_VALUE_KINDS.get(m.group(1), 'a ' + m.group(1))}; give one{e_g}"
         if m := re.fullmatch(r"expected (one|\d+) arguments?", problem):
+            after = list(self.argv)[list(self.argv).index(flag) + 1:] if flag in self.argv else []
+            if after and re.fullmatch(r"-(\d|\.\d|inf|nan).*", after[0]):  # argparse takes -1e-3 for a flag
+                return f"{flag} takes a value, and {after[0]} reads as a flag: write {flag}={after[0]}"
             return f"{flag} takes {'a value' if m.group(1) == 'one' else m.group(1) + ' values'}{e_g}"
         if problem.startswith("ignored explicit argument"):
             return f"{flag} is a switch and takes no value: write {flag} alone"
@@ -273,7 +279,8 @@ def parse_config(config_cls: type, argv: Sequence[str] | None = None, prog: str 
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, specs = build_parser(config_cls, prog)
-    namespace, unknown = parser.parse_known_args(_strip_ignored(argv, config_cls))
+    parser.argv = _strip_ignored(argv, config_cls)
+    namespace, unknown = parser.parse_known_args(parser.argv)
     if unknown:
         exit_usage(_explain_unknown(unknown, [s.flag for s in specs], config_cls, prog))
     values: dict = {}

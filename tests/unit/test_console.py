@@ -43,6 +43,8 @@ def error_lines(text):
     (["--seed", "abc"], "error: --seed 'abc' is not an integer; give one, e.g. --seed 42"),
     (["--adam_betas", "0.9"], "error: --adam_betas takes 2 values, e.g. --adam_betas 0.9 0.95"),
     (["--zero_stage", "4"], "error: --zero_stage 4: choose 0, 1, 2 or 3"),
+    (["--init_kl_coef", "-1e-3"], "error: --init_kl_coef takes a value, and -1e-3 reads as a flag: write "
+                                     "--init_kl_coef=-1e-3"),
 ])
 def test_usage_errors_are_one_line_on_rank0(single_process, capsys, argv, line):
     single_process.setenv("RANK", "0")
