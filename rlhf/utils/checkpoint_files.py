@@ -258,14 +258,17 @@ class CheckpointWriteError(RuntimeError):
 
 
 def describe_write_failure(directory: str, what: str, err: BaseException) -> str:
-    """One line for a failed checkpoint write: 'no space left on DIR' when the disk is (nearly) full.
-    torch.save reports a full disk as `RuntimeError: basic_ios::clear: iostream error`, without an errno,
-    so the free space is checked as well."""
+    """One line for a failed checkpoint write: 'no space left on DIR' when a file write failed on a (nearly) full
+    disk. torch.save reports a full disk as `RuntimeError: basic_ios::clear: iostream error`, without an errno,
+    so the free space is checked as well; an error that is not a file write (a collective whose peer died, e.g.
+    the rank that met the full disk) is reported as it is, even on a full disk."""
     try:
         free = shutil.disk_usage(directory).free
     except OSError:
         free = None
-    full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (free is not None and free < LOW_SPACE_BYTES)
+    file_write = isinstance(err, OSError) or "iostream error" in str(err)
+    low = free is not None and free < LOW_SPACE_BYTES
+    full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (file_write and low)
     room = "unknown" if free is None else f"{free / (1 << 20):.0f} MiB"
     if full:
         return (f"no space left on {directory} ({room} free) while writing {what}; the checkpoint was not "

@@ -145,6 +145,15 @@ def test_full_disk_is_reported_as_no_space_left(tmp_path, monkeypatch):
     with pytest.raises(CheckpointWriteError, match=r"writing rng/rank1.pt into .* failed \(10240 MiB free\)"):
         writer.save_rank_state(1)
 
+    def peer_gone(*args, **kwargs):  # another rank's view: the rank that met the full disk left the collective
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+
+    monkeypatch.setattr(torch, "save", peer_gone)
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: SimpleNamespace(free=4096))
+    with pytest.raises(CheckpointWriteError, match=r"^writing rng/rank1.pt into .* failed \(0 MiB free\): .*"
+                                                   "Connection closed by peer"):
+        writer.save_rank_state(1)
+
 
 def test_rng_state_loads_with_weights_only_and_restores_every_generator(tmp_path):
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
