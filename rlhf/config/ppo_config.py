@@ -48,6 +48,21 @@ class PPOOptimConfig(OptimConfig):
 
     actor_learning_rate: float = opt(1e-6, "actor learning rate")
     critic_learning_rate: float = opt(9e-6, "critic learning rate")
+    enable_ema: bool = opt(False, "keep an exponential moving average of the actor's weights (after every optimizer "
+                           "step) and save it as the final model (and with --save_hf_ckpt); generation uses the "
+                           "live weights")
+    ema_beta: float = opt(0.992, "with --enable_ema: average = beta x average + (1 - beta) x weights")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(0 <= self.ema_beta <= 1, "--ema_beta must lie in [0, 1]")
+        if self.ema_beta != 0.992 and not self.enable_ema:
+            warnings.warn(f"--ema_beta {self.ema_beta} has no effect without --enable_ema", stacklevel=2)
+
+    @property
+    def actor_ema_beta(self) -> float | None:
+        """The actor's EMA coefficient, None without --enable_ema."""
+        return self.ema_beta if self.enable_ema else None
 
 
 
@@ -368,7 +383,7 @@ class PlacementConfig:
 class TrainPPOConfig(JobConfig):
     """Everything `train_ppo` needs, one sub-config per component."""
 
-    PENDING_FLAGS: ClassVar[tuple[str, ...]] = (*DEEPSPEED_PENDING_FLAGS, "enable_ema", "ema_beta")
+    PENDING_FLAGS: ClassVar[tuple[str, ...]] = DEEPSPEED_PENDING_FLAGS
     """OpenRLHF train_ppo flags whose features are not built yet: refused, never silently ignored."""
     IGNORED_FLAGS: ClassVar[dict[str, str]] = {
         "actor_init_on_gpu": "OpenRLHF v0.9.5 defines it and nothing reads it; the actor is built on its ranks' "
@@ -399,6 +414,9 @@ class TrainPPOConfig(JobConfig):
         if self.ppo_update:
             require(self.optim.actor_learning_rate > 0, "--actor_learning_rate must be positive")
         self._check_async()
+        require(not (self.optim.enable_ema and self.model.lora.enabled),
+                "--enable_ema averages the actor's full weights, and with --lora_rank only adapters are trained "
+                "(OpenRLHF pairs the adapted actor's parameters with a plain model's there): drop one of them")
         if self.logging.eval_steps != -1 and self.data.eval_dataset is None:
             warnings.warn(f"--eval_steps {self.logging.eval_steps} has no effect: there is no --eval_dataset",
                           stacklevel=2)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from rlhf.config.shared_config import EngineConfig, ModelConfig, OptimConfig
+from rlhf.core.throughput import count_work
 from rlhf.distributed.topology import Role, Topology
 from rlhf.engines.deepspeed_engine import DeepSpeedModel, GroupMPU
 from rlhf.models.layout import SequenceLayout
@@ -69,16 +70,18 @@ def model_builder(model: ModelConfig, engine: EngineConfig, layout: SequenceLayo
 def role_model(build: Callable[[], torch.nn.Module], model: ModelConfig, engine: EngineConfig, optim: OptimConfig,
                topology: Topology, role: Role, device: torch.device, *, trainable: bool, micro_batch_size: int,
                grad_accum_steps: int = 1, num_optimizer_steps: int = 1, learning_rate: float = 0.0,
-               name: str | None = None) -> DeepSpeedModel:
+               name: str | None = None, ema_beta: float | None = None) -> DeepSpeedModel:
     """`role`'s model on DeepSpeed over the role's group (build on every rank hosting the role). A trainable
-    model gets LoRA adapters when --lora_rank > 0 (frozen ones never do)."""
+    model gets LoRA adapters when --lora_rank > 0 (frozen ones never do); `ema_beta`: a moving average of its
+    weights (`DeepSpeedModel`)."""
     mpu = GroupMPU(topology.group(role), topology.self_group) if topology.has_subgroups else None
     adapt = (lambda module: apply_lora(module, model.lora)) if trainable and model.lora.enabled else None
+    counted = lambda: count_work(build(), name or role.value)  # noqa: E731  (its forwards feed perf/*)
     return DeepSpeedModel(
-        build, engine, optim, learning_rate=learning_rate, bf16=model.param_dtype == "bf16",
+        counted, engine, optim, learning_rate=learning_rate, bf16=model.param_dtype == "bf16",
         fp16=model.param_dtype == "fp16", micro_batch_size=micro_batch_size,
         grad_accum_steps=max(grad_accum_steps, 1), num_optimizer_steps=max(num_optimizer_steps, 1), device=device,
         dp_group=topology.group(role), mpu=mpu, trainable=trainable,
         gradient_checkpointing=model.gradient_checkpointing and trainable,
         checkpoint_reentrant=model.gradient_checkpointing_use_reentrant, hpz_group=topology.hpz_group(role),
-        name=name or role.value, adapt=adapt)
+        ema_beta=ema_beta, name=name or role.value, adapt=adapt)

@@ -13,6 +13,7 @@ base model's names, and `save_hf` writes the adapter.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from rlhf.config.errors import UsageError
 from rlhf.config.shared_config import EngineConfig, OptimConfig
 from rlhf.engines.deepspeed_compat import barriers_scoped_to, hpz_scoped_to, zero3_construction
+from rlhf.engines.weight_ema import WeightEMA
 from rlhf.models import lora
 
 
@@ -188,6 +190,9 @@ class DeepSpeedModel:
     reward) are plain modules below ZeRO-3 and parameter-sharded DeepSpeed engines at ZeRO-3.
     `hpz_group` (--zpg > 1 at ZeRO-3): this rank's ZeRO++ secondary-partition group, --zpg consecutive ranks of
     `dp_group` (`Topology.hpz_group`). `checkpoint_reentrant`: torch's reentrant activation checkpointing.
+    `ema_beta` (trainable, no LoRA): keep an exponential moving average of the weights (`WeightEMA`), updated
+    after every applied optimizer step, checkpointed with the engine's state, and written by `save_hf` instead
+    of the weights themselves (OpenRLHF's --enable_ema); `full_parameters` (the weight push) stays live.
     """
 
     def __init__(self, build: Callable[[], torch.nn.Module], engine_cfg: EngineConfig, optim_cfg: OptimConfig, *,
@@ -195,7 +200,8 @@ class DeepSpeedModel:
                  num_optimizer_steps: int, device: torch.device, dp_group: dist.ProcessGroup | None = None,
                  mpu: GroupMPU | None = None, trainable: bool = True, gradient_checkpointing: bool = False,
                  checkpoint_reentrant: bool = False, hpz_group: dist.ProcessGroup | None = None,
-                 name: str = "model", adapt: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> None:
+                 ema_beta: float | None = None, name: str = "model",
+                 adapt: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> None:
         self.name = name
         self.max_nonfinite_steps = optim_cfg.max_nonfinite_steps
         self.optimizer_steps = 0  # boundaries reached, applied or skipped
@@ -234,6 +240,10 @@ class DeepSpeedModel:
                 self.engine.eval()
             else:
                 self.engine = model.to(device).eval().requires_grad_(False)
+        assert ema_beta is None or (trainable and not self.adapted), "an EMA averages a trained full model"
+        self.ema = None if ema_beta is None else WeightEMA(
+            [(n, p) for n, p in self.module.named_parameters() if p.requires_grad], ema_beta,
+            zero3=self.zero_stage == 3, group=dp_group)
 
     def _build(self, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
         if self.zero_stage != 3:
@@ -297,6 +307,8 @@ class DeepSpeedModel:
                 self._skip_or_raise(f"gradient norm is {float(norm)} and the update was applied", force=True)
             self._skip_or_raise(f"gradient norm is {float(norm)} (DeepSpeed skipped the update)")
             return False
+        if self.ema is not None:
+            self.ema.update()
         return True
 
     def _local_grads_nonfinite(self) -> bool:
@@ -403,6 +415,15 @@ class DeepSpeedModel:
                                  f"{', ...' if len(bad) > 5 else ''}): refusing to save them")
         return state
 
+    def _with_averages(self, state: dict[str, torch.Tensor], is_writer: bool) -> dict[str, torch.Tensor]:
+        """`state` with each trained weight replaced by its moving average, in the weight's dtype (frozen ones
+        never move). Collective under ZeRO-3 (the averages' partitions are gathered)."""
+        for name, param in self.ema.params:
+            average = self.ema.full(name, param)
+            if is_writer:
+                state[name] = average.to(state[name].dtype)
+        return self._finite(state) if is_writer else state
+
     def offload(self) -> None:
         """Move what training alone needs to host memory until `reload`: for a trainable model the optimizer
         states, fp32 master weights and gradient partitions (`offload_include`; the low-precision weights stay,
@@ -454,6 +475,8 @@ class DeepSpeedModel:
         with barriers_scoped_to(self.mpu_group):
             self.engine.save_checkpoint(directory, tag="state", save_latest=False,
                                         exclude_frozen_parameters=self.adapted)
+        if self.ema is not None:  # this rank's averages (its partitions under ZeRO-3)
+            torch.save(self.ema.state_dict(), self._ema_file(directory))
 
     def load_state(self, directory: str) -> None:
         """Restore what `save_state` wrote (with LoRA the frozen base weights stay as loaded). Collective over
@@ -463,6 +486,15 @@ class DeepSpeedModel:
                                                   load_lr_scheduler_states=True, load_module_strict=not self.adapted)
         if path is None:
             raise ValueError(f"no DeepSpeed state under {directory}/state")
+        if self.ema is not None:
+            file = self._ema_file(directory)
+            if not os.path.isfile(file):
+                raise ValueError(f"{file} is missing: the checkpoint was written without --enable_ema; resume with "
+                                 "the flags of the run that wrote it")
+            self.ema.load_state_dict(torch.load(file, weights_only=True))
+
+    def _ema_file(self, directory: str) -> str:
+        return os.path.join(directory, f"ema_rank{dist.get_rank(self.dp_group)}.pt")
 
     def save_hf(self, path: str, tokenizer, is_writer: bool, extra_config: dict | None = None) -> None:
         """Write the model in HF format (with the tokenizer); with LoRA the adapter, as OpenRLHF saves it
@@ -475,6 +507,8 @@ class DeepSpeedModel:
             return
         assert extra_config is None, "extra_config applies to adapters (a full model's config is saved as it is)"
         state = self.gathered_state_dict(is_writer)
+        if self.ema is not None:
+            state = self._with_averages(state, is_writer)
         if is_writer:
             save_pretrained_on_this_rank(self.module, path, state)
             tokenizer.save_pretrained(path)

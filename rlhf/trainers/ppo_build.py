@@ -69,8 +69,9 @@ def _dtype(cfg: TrainPPOConfig) -> torch.dtype:
 
 def _engine(cfg: TrainPPOConfig, topology: Topology, role: Role, build, device: torch.device, *,
             trainable: bool, learning_rate: float = 0.0, name: str | None = None,
-            updates_per_batch: int = 1) -> DeepSpeedModel:
-    """`updates_per_batch`: passes over each step's samples (sizes the LR schedule)."""
+            updates_per_batch: int = 1, ema_beta: float | None = None) -> DeepSpeedModel:
+    """`updates_per_batch`: passes over each step's samples (sizes the LR schedule); `ema_beta`: see
+    `role_model`."""
     b = cfg.batch
     dp = topology.dp_size(role)
     samples = b.rollout_batch_size * cfg.samples_per_prompt * updates_per_batch
@@ -79,7 +80,7 @@ def _engine(cfg: TrainPPOConfig, topology: Topology, role: Role, build, device: 
                       micro_batch_size=b.micro_train_batch_size if trainable else b.micro_rollout_batch_size,
                       grad_accum_steps=b.train_batch_size // (b.micro_train_batch_size * dp) if trainable else 1,
                       num_optimizer_steps=steps * b.max_epochs * samples // b.train_batch_size,
-                      learning_rate=learning_rate, name=name or role.value)
+                      learning_rate=learning_rate, name=name or role.value, ema_beta=ema_beta)
 
 
 def batchers_for(cfg: TrainPPOConfig, topology: Topology, role: Role) -> tuple[MicroBatcher, MicroBatcher]:
@@ -153,6 +154,8 @@ def describe_algorithm(cfg: TrainPPOConfig, topology: Topology) -> str:
         kind = {"tis": "TIS (truncated)", "icepop": "ICEPOP (tokens outside zeroed)",
                 "seq-mask-tis": "seq-mask-TIS (sequences whose geometric mean is outside zeroed)"}[a.is_correction_type]
         parts.append(f"rollout correction {kind} in [{low}, {high}]")
+    if cfg.optim.enable_ema:
+        parts.append(f"the saved actor is the moving average of its weights (--ema_beta {cfg.optim.ema_beta})")
     if actor_forward_skippable(cfg):
         parts.append("one actor update per batch (old log-probs from the training forward, no experience forward)")
     parts.append(describe_generation(cfg))
@@ -189,10 +192,10 @@ def _model_builder(cfg: TrainPPOConfig, layout: SequenceLayout, load: Callable[[
 
 
 def build_policy(cfg: TrainPPOConfig, topology: Topology, role: Role, device: torch.device, total_steps: int,
-                 learning_rate: float, updates_per_batch: int = 1) -> Actor:
+                 learning_rate: float, updates_per_batch: int = 1, ema_beta: float | None = None) -> Actor:
     """A trainable copy of --pretrain on `role`'s ranks (the actor, or a job's other policy), with its
-    micro-batchers. `updates_per_batch`: its updates per step's samples (sizes the LR schedule). Every rank of
-    `role` calls it."""
+    micro-batchers. `updates_per_batch`: its updates per step's samples (sizes the LR schedule); `ema_beta`: a
+    moving average of its weights, which it saves (--enable_ema). Every rank of `role` calls it."""
     m = cfg.model
     infer, train = batchers_for(cfg, topology, role)
 
@@ -200,7 +203,8 @@ def build_policy(cfg: TrainPPOConfig, topology: Topology, role: Role, device: to
         return load_causal_lm(m.pretrain, m.dtype, attn, m.trust_remote_code, m.lora.load_in_4bit)
 
     model = _engine(_with_steps(cfg, total_steps), topology, role, _model_builder(cfg, train.layout, load), device,
-                    trainable=True, learning_rate=learning_rate, updates_per_batch=updates_per_batch)
+                    trainable=True, learning_rate=learning_rate, updates_per_batch=updates_per_batch,
+                    ema_beta=ema_beta)
     return Actor(model, topology.group(role), device, temperature=cfg.rollout.temperature, algo=cfg.algo,
                  infer_batcher=infer, train_batcher=train)
 
@@ -220,7 +224,8 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
     four_bit = m.lora.load_in_4bit  # the trained models' bases only (QLoRA); frozen ones load as they are
 
     if topology.hosts(Role.ACTOR):
-        actor = build_policy(cfg, topology, Role.ACTOR, device, total_steps, cfg.actor_learning_rate)
+        actor = build_policy(cfg, topology, Role.ACTOR, device, total_steps, cfg.actor_learning_rate,
+                             ema_beta=cfg.optim.actor_ema_beta)
     if Role.CRITIC in topology.plan and topology.hosts(Role.CRITIC):
         path = cfg.critic_init
         infer, train = batchers_for(cfg, topology, Role.CRITIC)

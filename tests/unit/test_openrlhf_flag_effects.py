@@ -1,7 +1,8 @@
 """What the OpenRLHF v0.9.5 flags built for issue 27 item 8 do: the DeepSpeed config keys of --zpg and
 --grad_accum_dtype, the tokenizer kind of --disable_fast_tokenizer, the checkpointing variant of
 --gradient_checkpointing_use_reentrant, the wandb entity of --wandb_org, train_dpo's --min_lr_ratio floor, PPO's
---prompt_data_probs mixing and --max_len as vLLM's max_model_len."""
+--prompt_data_probs mixing, --max_len as vLLM's max_model_len and --enable_ema's average (on a real engine:
+tests/dist/test_deepspeed_flags.py)."""
 
 from __future__ import annotations
 
@@ -175,3 +176,34 @@ def test_max_len_is_the_rollout_engines_max_model_len(monkeypatch):
         assert cfg.max_model_len == expected
         build_rollout_engine(cfg, torch.device("cpu"), tokenizer=None)
         assert seen["max_model_len"] == expected
+
+
+def test_ema_update_by_hand():
+    """ema <- beta ema + (1 - beta) w: from 1 with beta 0.992, w = 2 then 3: 1.008, then 0.992 x 1.008 + 0.024."""
+    from rlhf.engines.weight_ema import ema_update_
+
+    ema = torch.tensor([1.0], dtype=torch.float64)
+    ema_update_(ema, torch.tensor([2.0], dtype=torch.bfloat16), 0.992)
+    assert float(ema) == pytest.approx(1.008)
+    ema_update_(ema, torch.tensor([3.0]), 0.992)
+    assert float(ema) == pytest.approx(0.992 * 1.008 + 0.008 * 3.0)
+
+
+def test_enable_ema_gives_the_actor_an_average(monkeypatch):
+    """--enable_ema --ema_beta reach the actor's engine (not other policies'), the algorithm line says what is
+    saved, and LoRA (adapters only) is refused."""
+    from rlhf.trainers import ppo_build
+
+    engines = []
+    monkeypatch.setattr(ppo_build, "_engine", lambda *a, **kw: engines.append(kw) or types.SimpleNamespace())
+    monkeypatch.setattr(ppo_build, "Actor", lambda *a, **kw: None)
+    topology = types.SimpleNamespace(group=lambda role: None, ring_group=lambda role: None)
+    for argv, beta in ((["--enable_ema", "--ema_beta", "0.9"], 0.9), (["--enable_ema"], 0.992), ([], None)):
+        cfg = quiet_parse(TrainPPOConfig, *argv)
+        assert cfg.optim.actor_ema_beta == beta
+        ppo_build.build_policy(cfg, topology, None, torch.device("cpu"), 1, 1e-6, ema_beta=cfg.optim.actor_ema_beta)
+        assert engines[-1]["ema_beta"] == beta
+    with pytest.warns(UserWarning, match="--ema_beta 0.9 has no effect without --enable_ema"):
+        parse_config(TrainPPOConfig, ["--ema_beta", "0.9"])
+    with pytest.raises(ValueError, match="--enable_ema averages the actor's full weights"):
+        parse_config(TrainPPOConfig, ["--enable_ema", "--lora_rank", "8"])
