@@ -258,9 +258,12 @@ class LoggingConfig:
                           "after the last (-1: train_ppo only then; the supervised and preference jobs also once "
                           "per epoch)")
     verbose: bool = opt(False, "show all third-party library output on the console, unfiltered, from every rank")
+    peak_tflops: float | None = opt(None, "one device's peak TFLOP/s for perf/mfu (not an OpenRLHF flag; default: "
+                                    "the GPU's dense bf16 peak from a table of common GPUs; on CPU no MFU)")
 
     def __post_init__(self) -> None:
         require(self.logging_steps >= 1, "--logging_steps must be >= 1")
+        require(self.peak_tflops is None or self.peak_tflops > 0, "--peak_tflops must be > 0")
         require(self.eval_steps == -1 or self.eval_steps >= 1, "--eval_steps must be -1 (the default schedule) or >= 1")
 
 

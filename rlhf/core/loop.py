@@ -10,6 +10,7 @@ from typing import Protocol
 
 from rlhf.core.checkpointer import Checkpointer
 from rlhf.core.state import CheckpointedState
+from rlhf.core.throughput import Throughput
 from rlhf.engines.deepspeed_engine import NonFiniteError
 from rlhf.utils import watchdog
 from rlhf.utils.logging import MetricsLogger
@@ -47,6 +48,7 @@ class Loop:
     logger: MetricsLogger
     checkpointer: Checkpointer
     rank: int
+    throughput: Throughput | None = None  # adds perf/* metrics to every step (a collective)
 
     def fit(self, job: Job, start_step: int = 0, preemption: PreemptionWatch | None = None) -> bool:
         """Run steps until the end (True) or until a preemption signal, after checkpointing (False). A fresh
@@ -63,6 +65,8 @@ class Loop:
                 except NonFiniteError as err:  # name the training step too, not only the optimizer step
                     raise NonFiniteError(f"training step {done}, {err}") from None
             metrics.update(job.timer.pop())
+            if self.throughput is not None:
+                metrics.update(self.throughput.metrics(metrics))
             if self.eval_every and (done % self.eval_every == 0 or done == self.total_steps):
                 with watchdog.stage("evaluate"):
                     metrics.update(job.evaluate())

@@ -27,6 +27,7 @@ from rlhf.config.errors import UsageError
 from rlhf.config.shared_config import CheckpointConfig, LoggingConfig, replace_quietly
 from rlhf.core.checkpointer import Checkpointer, restarted_by_launcher
 from rlhf.core.loop import Job, Loop
+from rlhf.core.throughput import TOKENS_PER_S, Throughput, device_peak_tflops
 from rlhf.distributed.launch_env import LaunchEnv, finish_heartbeat, init_distributed, read_launch_env
 from rlhf.distributed.topology import Role, Topology
 from rlhf.engines.deepspeed_compat import install_subgroup_patches
@@ -224,11 +225,15 @@ def run_job(parts: JobParts, cfg: Any, parse_warnings: Sequence[warnings.Warning
         install_subgroup_patches()
     seed_everything(cfg.seed + launch.rank, cfg.full_determinism)
     job = parts.build(run)
-    logger = metrics_logger(cfg, job.steps, run.is_writer, f"{parts.name} steps", parts.bar)
+    peak, source = device_peak_tflops(run.device, cfg.logging.peak_tflops)
+    if run.is_writer:
+        print("throughput: perf/tokens_per_s, perf/tflops per rank, " + (f"perf/mfu against {peak:g} TFLOP/s "
+              f"({source})" if peak else f"no perf/mfu ({source})"), flush=True)
+    logger = metrics_logger(cfg, job.steps, run.is_writer, f"{parts.name} steps", {**parts.bar, "tok/s": TOKENS_PER_S})
     checkpointer = Checkpointer(cfg.checkpoint, default_ckpt_path=default_ckpt_path(cfg),
                                 rank=launch.rank, world_size=launch.world_size, logger=logger)
     loop = Loop(job.steps, cfg.logging.logging_steps, job.save_steps, job.eval_every, logger, checkpointer,
-                launch.rank)
+                launch.rank, Throughput(peak))
     begin_step = loop.resume(job.trainer)
     job.after_resume()
     try:

@@ -19,6 +19,7 @@ from rlhf.algorithms.shaping import group_filter
 from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.core.metrics import Reduce, add_update, per_update_means, reduce_metrics
 from rlhf.core.state import CheckpointedState
+from rlhf.core.throughput import count_generated, shape_of_pretrained
 from rlhf.data.pretrain import PtxData
 from rlhf.data.prompts import Prompt, PromptSampler
 from rlhf.data.records import Experience, Rollout
@@ -95,6 +96,7 @@ class PPOTrainer:
         self.steps_done = 0  # steps finished when `evaluate` runs
         self.agent = agent  # --agent_func_path: samples are multi-turn episodes
         self.total_steps = total_steps(cfg, sampler)  # the last step evaluates every evaluator
+        self.policy_shape = shape_of_pretrained(cfg.model.pretrain, cfg.model.trust_remote_code)  # for perf/*
 
     @property
     def samples_drawn(self) -> int:
@@ -252,6 +254,8 @@ class PPOTrainer:
                              self.tokenizer, [p.text for p in prompts[keep]], [p.label for p in prompts[keep]])
         if self.agent is not None:  # the episode outcomes replace the labels: `AgentRewards` reads them
             rollout.labels = outcomes[keep.start * spec.n:keep.stop * spec.n]
+        count_generated(self.policy_shape, rollout.prompt_lens_B + rollout.response_lens_B,
+                        float(rollout.response_lens_B.sum()))
         return rollout
 
     def _episodes(self, prompts: list[Prompt], spec: SamplingSpec, seeds: list[int]):

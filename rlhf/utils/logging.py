@@ -110,7 +110,8 @@ class MetricsLogger:
 
     def advance(self, metrics: dict[str, float]) -> None:
         if self.bar is not None:
-            shown = {label: f"{metrics[key]:.3f}" for label, key in self.bar_metrics.items() if key in metrics}
+            shown = {label: f"{metrics[key]:.3f}" if abs(metrics[key]) < 1000 else f"{metrics[key]:.0f}"
+                     for label, key in self.bar_metrics.items() if key in metrics}
             self.bar.set_postfix(**shown, step_s=f"{metrics.get('time/step', float('nan')):.2f}")
             self.bar.update(1)
 

@@ -61,6 +61,11 @@ def stage(name: str) -> Iterator[None]:
         leave()
 
 
+def current_stack() -> tuple[str, ...]:
+    """The stages this rank is in, outermost first."""
+    return _PROGRESS.stack
+
+
 def _mark() -> None:
     _PROGRESS.since_wall = time.time()
     _PROGRESS.count += 1

@@ -1,0 +1,196 @@
+"""Throughput of every job: tokens per second, TFLOP/s and MFU, per step and per stage.
+
+Every model a role builds (trained or frozen) counts the tokens of each forward it runs (`count_work`, a forward
+hook): a forward under autograd is a training one (forward and backward: 6N + 12·L·d·T FLOPs per token), one
+without is forward-only (2N + 4·L·d·T), with N the parameters that multiply each token's activations (every
+weight but the input embedding table; the output projection counts once even when tied), L the layers, d the
+hidden size and T the sequence length (PaLM's model-FLOPs convention: no causal halving, recomputation under
+gradient checkpointing not counted). Generation by the rollout engine is counted by the step
+(`count_generated`): 2N per prompt and generated token. The work is filed under the stage the rank is in
+(`rlhf.utils.watchdog`: generation, experience, train, ...). `Throughput.metrics` turns one step's work and
+stage times into metrics: `perf/tokens_per_s` (trained tokens over the world), `perf/tflops` (per rank, mean
+over ranks), `perf/mfu` (against the device's dense bf16 peak, `--peak_tflops`, or none on a CPU without it),
+and per stage `perf/{stage}_tflops`, `perf/generated_tokens_per_s`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from rlhf.utils import watchdog
+
+PEAK_BF16_TFLOPS = {  # dense bf16 tensor-core peaks from the vendors' data sheets (SXM parts where both exist)
+    "H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0, "A800": 312.0,
+    "L40S": 362.0, "L40": 181.0, "L4": 121.0, "A10": 125.0, "A6000": 155.0, "4090": 165.0, "MI300X": 1307.0,
+}
+
+
+def device_peak_tflops(device: torch.device, override: float | None) -> tuple[float | None, str]:
+    """(peak TFLOP/s of one device, where it comes from): `override` (--peak_tflops), else the table entry whose
+    name the CUDA device's name contains, else None (a CPU, an unlisted GPU)."""
+    if override:
+        return override, "--peak_tflops"
+    if device.type != "cuda":
+        return None, f"no peak for {device.type}: pass --peak_tflops for MFU"
+    name = torch.cuda.get_device_name(device)
+    for key, peak in sorted(PEAK_BF16_TFLOPS.items(), key=lambda kv: -len(kv[0])):
+        if key in name:
+            return peak, f"{name}, dense bf16"
+    return None, f"{name} is not in the peak table: pass --peak_tflops for MFU"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What FLOPs per token need of a model: N (see the module docstring), layers, hidden size."""
+
+    params: int
+    layers: int
+    hidden: int
+
+    @staticmethod
+    def of(module: torch.nn.Module) -> ModelShape:
+        """From a (possibly ZeRO-3-partitioned, possibly LoRA-wrapped) HF model: `ds_numel` is a partitioned
+        parameter's full size."""
+        base = module.get_base_model() if hasattr(module, "get_base_model") else module
+        config = base.config
+        embedding = base.get_input_embeddings().weight
+        params = sum(getattr(p, "ds_numel", p.numel()) for p in base.parameters() if p is not embedding)
+        output = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+        if output is not None and output.weight is embedding:  # tied: the output projection still computes
+            params += getattr(embedding, "ds_numel", embedding.numel())
+        return ModelShape(params, config.num_hidden_layers, config.hidden_size)
+
+    def flops(self, lengths: torch.Tensor, training: bool) -> float:
+        """FLOPs of a forward (and backward when `training`) over sequences of these lengths: a token of a
+        sequence of length s costs 6N + 12·L·d·s (forward only: 2N + 4·L·d·s)."""
+        n = lengths.double()
+        dense, attention = (6.0, 12.0) if training else (2.0, 4.0)
+        return float(dense * self.params * n.sum() + attention * self.layers * self.hidden * (n * n).sum())
+
+
+class WorkCounter:
+    """This rank's tokens and FLOPs since the last `pop`, by stage; trained tokens and generated ones apart."""
+
+    def __init__(self) -> None:
+        self.flops: dict[str, float] = defaultdict(float)
+        self.trained_tokens = 0.0
+        self.generated_tokens = 0.0
+
+    def add(self, flops: float, stage: str) -> None:
+        self.flops[stage] += flops
+
+    def pop(self) -> tuple[dict[str, float], float, float]:
+        out = (dict(self.flops), self.trained_tokens, self.generated_tokens)
+        self.flops.clear()
+        self.trained_tokens = self.generated_tokens = 0.0
+        return out
+
+
+WORK = WorkCounter()
+TOKENS_PER_S = "perf/tokens_per_s"
+
+
+def current_stage() -> str | None:
+    """The stage of the training step the rank is in (generation, experience, train, ...; "step" between
+    them), or None outside a step (setup, evaluation: not counted)."""
+    stack = watchdog.current_stack()
+    if stack[:1] != ("step",):
+        return None
+    return stack[1] if len(stack) > 1 else "step"
+
+
+def sequence_lengths(ids: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor | None
+                     ) -> torch.Tensor:
+    """The lengths of the sequences of a forward's input: each row's mask sum (padded rows), or the spans
+    between position-id restarts (packed rows), or each row's width."""
+    if isinstance(mask, torch.Tensor) and mask.shape == ids.shape:
+        return mask.sum(-1).flatten()
+    if isinstance(position_ids, torch.Tensor) and position_ids.shape == ids.shape:
+        lengths = []
+        for row in position_ids.reshape(-1, ids.shape[-1]):
+            starts = (row == 0).nonzero().flatten().tolist() or [0]
+            if starts[0] != 0:
+                starts = [0, *starts]
+            lengths += [b - a for a, b in zip(starts, [*starts[1:], row.numel()])]
+        return torch.tensor(lengths)
+    return torch.full((ids.numel() // ids.shape[-1],), ids.shape[-1])
+
+
+def count_work(module: torch.nn.Module, name: str) -> torch.nn.Module:
+    """Count every forward of `module` (the model `name`) inside a training step into `WORK` (a forward hook);
+    returns `module`. A model whose shape cannot be read is not counted, with a warning."""
+    try:
+        shape = ModelShape.of(module)
+    except (AttributeError, TypeError) as err:
+        warnings.warn(f"throughput metrics do not count the {name}'s forwards: its shape cannot be read ({err})",
+                      stacklevel=2)
+        return module
+
+    def hook(_module, args, kwargs, _output) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        stage = current_stage()
+        if stage is None or not isinstance(ids, torch.Tensor) or ids.dim() == 0:
+            return
+        lengths = sequence_lengths(ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
+        training = torch.is_grad_enabled()
+        WORK.add(shape.flops(lengths, training), stage)
+        if training:
+            WORK.trained_tokens += float(lengths.sum())
+
+    module.register_forward_hook(hook, with_kwargs=True)
+    return module
+
+
+def count_generated(shape: ModelShape, lengths: torch.Tensor, generated_tokens: float) -> None:
+    """The rollout engine's work for one call on this rank (inside a step): a forward of every sample's prompt
+    and generated tokens (`lengths`: each sample's prompt + response length)."""
+    stage = current_stage()
+    if stage is not None:
+        WORK.add(shape.flops(lengths, training=False), stage)
+        WORK.generated_tokens += generated_tokens
+
+
+def shape_of_pretrained(path: str, trust_remote_code: bool = False) -> ModelShape:
+    """The `ModelShape` of the causal LM at `path`, built on the meta device (no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+    with torch.device("meta"):
+        return ModelShape.of(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
+
+
+class Throughput:
+    """Per-step throughput metrics from `WORK` and the step's stage times (`time/<stage>`). `peak`: one device's
+    TFLOP/s (None: no MFU). Every rank calls `metrics` (one all-reduce over the world)."""
+
+    def __init__(self, peak: float | None) -> None:
+        self.peak = peak
+
+    def metrics(self, times: dict[str, float]) -> dict[str, float]:
+        flops, trained, generated = WORK.pop()
+        stages = sorted(flops)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        local = torch.tensor([trained, generated, sum(flops.values()), *(flops[s] for s in stages)],
+                             dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(local)
+        trained, generated, total, *by_stage = local.tolist()
+        step_s = times.get("time/step", 0.0)
+        out: dict[str, float] = {}
+        if step_s > 0:
+            out[TOKENS_PER_S] = trained / step_s
+            out["perf/tflops"] = total / world / step_s / 1e12
+            if self.peak:
+                out["perf/mfu"] = out["perf/tflops"] / self.peak
+        for stage, stage_flops in zip(stages, by_stage):
+            seconds = times.get(f"time/{stage}", 0.0)
+            if seconds > 0 and stage_flops > 0:
+                out[f"perf/{stage}_tflops"] = stage_flops / world / seconds / 1e12
+        if generated and times.get("time/generation", 0.0) > 0:
+            out["perf/generated_tokens_per_s"] = generated / times["time/generation"]
+        return out
