@@ -388,12 +388,10 @@ class TrainPPOConfig(JobConfig):
     IGNORED_FLAGS: ClassVar[dict[str, str]] = {
         "actor_init_on_gpu": "OpenRLHF v0.9.5 defines it and nothing reads it; the actor is built on its ranks' "
                              "devices here",
-        "perf": "OpenRLHF v0.9.5 defines it and nothing reads it; the time/* metrics (generation, experience, "
-                "train, weight_sync, step) are logged every step here",
         "vllm_generate_batch_size": "OpenRLHF v0.9.5 sets it (default --rollout_batch_size) and nothing reads it; "
                                     "each engine generates its share of a step's prompts in one call here",
     }
-    IGNORED_SWITCHES: ClassVar[frozenset[str]] = frozenset({"actor_init_on_gpu", "perf"})
+    IGNORED_SWITCHES: ClassVar[frozenset[str]] = frozenset({"actor_init_on_gpu"})
 
     model: PPOModelConfig = field(default_factory=PPOModelConfig)
     optim: PPOOptimConfig = field(default_factory=PPOOptimConfig)

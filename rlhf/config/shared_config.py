@@ -258,6 +258,8 @@ class LoggingConfig:
                           "after the last (-1: train_ppo only then; the supervised and preference jobs also once "
                           "per epoch)")
     verbose: bool = opt(False, "show all third-party library output on the console, unfiltered, from every rank")
+    perf: bool = opt(False, "at the end print a throughput summary: tokens/s, TFLOP/s per rank, MFU and seconds per "
+                     "stage, averaged over the steps after the first (every step logs them as perf/* and time/*)")
     peak_tflops: float | None = opt(None, "one device's peak TFLOP/s for perf/mfu (not an OpenRLHF flag; default: "
                                     "the GPU's dense bf16 peak from a table of common GPUs; on CPU no MFU)")
 

@@ -232,8 +232,9 @@ def run_job(parts: JobParts, cfg: Any, parse_warnings: Sequence[warnings.Warning
     logger = metrics_logger(cfg, job.steps, run.is_writer, f"{parts.name} steps", {**parts.bar, "tok/s": TOKENS_PER_S})
     checkpointer = Checkpointer(cfg.checkpoint, default_ckpt_path=default_ckpt_path(cfg),
                                 rank=launch.rank, world_size=launch.world_size, logger=logger)
+    throughput = Throughput(peak)
     loop = Loop(job.steps, cfg.logging.logging_steps, job.save_steps, job.eval_every, logger, checkpointer,
-                launch.rank, Throughput(peak))
+                launch.rank, throughput)
     begin_step = loop.resume(job.trainer)
     job.after_resume()
     try:
@@ -243,3 +244,5 @@ def run_job(parts: JobParts, cfg: Any, parse_warnings: Sequence[warnings.Warning
         logger.close()
     dist.barrier()
     finish_heartbeat()
+    if cfg.logging.perf and run.is_writer:
+        print(throughput.summary(), flush=True)

@@ -170,6 +170,7 @@ class Throughput:
 
     def __init__(self, peak: float | None) -> None:
         self.peak = peak
+        self.history: list[dict[str, float]] = []  # each step's perf/* and time/* (for `summary`)
 
     def metrics(self, times: dict[str, float]) -> dict[str, float]:
         flops, trained, generated = WORK.pop()
@@ -193,4 +194,17 @@ class Throughput:
                 out[f"perf/{stage}_tflops"] = stage_flops / world / seconds / 1e12
         if generated and times.get("time/generation", 0.0) > 0:
             out["perf/generated_tokens_per_s"] = generated / times["time/generation"]
+        self.history.append({**{k: v for k, v in times.items() if k.startswith("time/")}, **out})
         return out
+
+    def summary(self) -> str:
+        """The `--perf` lines: every perf/* and time/* metric averaged over the steps after the first (its
+        start-up costs are not throughput), or over the one step there was."""
+        rows = self.history[1:] or self.history
+        if not rows:
+            return "perf: no steps ran"
+        keys = sorted({k for row in rows for k in row})
+        means = {k: sum(row.get(k, 0.0) for row in rows) / len(rows) for k in keys}
+        lines = [f"perf: means over {len(rows)} step(s)" + (" after the first" if len(self.history) > 1 else "")]
+        lines += [f"  {k:<32} {v:.4g}" for k, v in means.items()]
+        return "\n".join(lines)

@@ -78,3 +78,14 @@ def test_peak_from_the_flag_or_none_on_cpu():
     assert throughput.device_peak_tflops(torch.device("cpu"), 50.0) == (50.0, "--peak_tflops")
     peak, why = throughput.device_peak_tflops(torch.device("cpu"), None)
     assert peak is None and "pass --peak_tflops" in why
+
+
+def test_perf_summary_averages_the_steps_after_the_first():
+    meter = Throughput(peak=None)
+    for step_s, tokens in ((10.0, 100.0), (2.0, 400.0), (4.0, 400.0)):
+        throughput.WORK.pop()
+        throughput.WORK.trained_tokens = tokens
+        meter.metrics({"time/step": step_s})
+    assert meter.summary().splitlines() == ["perf: means over 2 step(s) after the first",
+                                            f"  {'perf/tflops':<32} 0", f"  {'perf/tokens_per_s':<32} 150",
+                                            f"  {'time/step':<32} 3"]
