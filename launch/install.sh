@@ -21,6 +21,16 @@ case "$flavour" in
     # DeepSpeed's isolated build would fetch a CUDA torch: build against the installed one.
     pip_install --no-build-isolation deepspeed==0.19.8 torch==2.13.0
     pip_install --no-build-isolation -e '.[dev]' torch==2.13.0 'transformers<5.20'
+    # tcmalloc, which vLLM's CPU backend asks for (rlhf.cli.launch preloads it where present): the OS package,
+    # where this runs as root with apt; otherwise say so (vLLM then runs on glibc's malloc).
+    if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4; then
+      if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null &&
+          apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1; then
+        echo "installed libtcmalloc-minimal4 (preloaded by rlhf.cli.launch for vLLM on CPU)"
+      else
+        echo "libtcmalloc-minimal4 is not installed (needs root and apt): vLLM on CPU runs on glibc's malloc" >&2
+      fi
+    fi
     ;;
   gpu)
     # vLLM first: each release pins one CUDA torch (0.32 -> torch 2.13.0); everything after builds on it.

