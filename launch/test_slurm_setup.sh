@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# A private single-host SLURM (slurmctld + slurmd + munged) for the launch tests (tests/slurm_cluster.py),
+# everything under one state directory: nothing in /etc, /run or /var is used or changed.
+#   bash launch/test_slurm_setup.sh install           # apt-get install slurm-wlm munge (needs root and apt)
+#   bash launch/test_slurm_setup.sh start DIR [PORT]  # configure for this host and start; prints SLURM_CONF=...
+#   bash launch/test_slurm_setup.sh stop DIR          # stop what `start DIR` started (safe to repeat)
+# Clients then need SLURM_CONF=DIR/slurm.conf. The node has this host's CPU count and no GPUs; jobs run as
+# the caller (root here), with proctrack/linuxproc and task/none, so no cgroups are needed. PORT (default
+# 16817) is slurmctld's; slurmd takes PORT+1. Exit codes of `install`/`start`: 0 done, 3 cannot here (the
+# reason on the last line of stderr, which the tests skip with), anything else a failure.
+set -euo pipefail
+
+cannot() { echo "cannot: $*" >&2; exit 3; }
+
+install() {
+  if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null \
+    && command -v srun >/dev/null; then
+    return 0
+  fi
+  [ "$(id -u)" = 0 ] || cannot "slurm-wlm/munge are not installed and installing them needs root"
+  command -v apt-get >/dev/null || cannot "slurm-wlm/munge are not installed and there is no apt-get"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >&2 || cannot "apt-get update failed (no network to the Debian mirror?)"
+  # policy-rc.d or a missing init keeps the packages' own services from starting: we start ours below
+  apt-get install -y -qq --no-install-recommends slurm-wlm munge >&2 || cannot "apt-get install slurm-wlm munge failed"
+}
+
+start() {
+  local dir=$1 port=${2:-16817}
+  for tool in slurmctld slurmd munged srun; do
+    command -v "$tool" >/dev/null || cannot "$tool is not installed (run: $0 install)"
+  done
+  [ "$(id -u)" = 0 ] || cannot "slurmd must run as root to start jobs as their user"
+  mkdir -p "$dir"/{munge,spool,state,log}
+  dir=$(cd "$dir" && pwd)
+  chmod 700 "$dir/munge"
+  local host cpus
+  host=$(hostname -s)
+  cpus=$(nproc --all)
+  [ -f "$dir/munge/munge.key" ] || { dd if=/dev/urandom of="$dir/munge/munge.key" bs=1024 count=1 status=none; }
+  chmod 400 "$dir/munge/munge.key"
+  munged --force --socket="$dir/munge/munge.socket" --key-file="$dir/munge/munge.key" \
+    --pid-file="$dir/munge/munged.pid" --log-file="$dir/log/munged.log" --seed-file="$dir/munge/munged.seed" \
+    || cannot "munged does not start here: $(tail -n 3 "$dir/log/munged.log" 2>/dev/null | tr '\n' ' ')"
+  cat >"$dir/slurm.conf" <<EOF
+ClusterName=rlhftest
+SlurmctldHost=$host
+SlurmctldPort=$port
+SlurmdPort=$((port + 1))
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$dir/munge/munge.socket
+StateSaveLocation=$dir/state
+SlurmdSpoolDir=$dir/spool/%n
+SlurmctldPidFile=$dir/slurmctld.pid
+SlurmdPidFile=$dir/slurmd-%n.pid
+SlurmctldLogFile=$dir/log/slurmctld.log
+SlurmdLogFile=$dir/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SwitchType=switch/none
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+ReturnToService=2
+KillWait=5
+InactiveLimit=0
+MinJobAge=600
+SlurmdTimeout=30
+NodeName=$host CPUs=$cpus State=UNKNOWN
+PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+EOF
+  export SLURM_CONF=$dir/slurm.conf
+  slurmctld -f "$SLURM_CONF" || cannot "slurmctld does not start here: $(tail -n 3 "$dir/log/slurmctld.log" | tr '\n' ' ')"
+  mkdir -p "$dir/spool/$host"
+  slurmd -f "$SLURM_CONF" || cannot "slurmd does not start here: $(tail -n 3 "$dir/log/slurmd-$host.log" | tr '\n' ' ')"
+  for _ in $(seq 60); do  # the node registers with slurmctld
+    if sinfo -h -N -o '%T' 2>/dev/null | grep -qE '^(idle|mixed|allocated)'; then
+      echo "SLURM_CONF=$SLURM_CONF"
+      return 0
+    fi
+    sleep 0.5
+  done
+  cannot "the node did not become idle in 30 s: $(sinfo -N 2>&1 | tr '\n' ' ') $(tail -n 3 "$dir/log/slurmd-$host.log" | tr '\n' ' ')"
+}
+
+stop() {
+  local dir=$1 pidfile pid
+  for pidfile in "$dir"/slurmd-*.pid "$dir/slurmctld.pid" "$dir/munge/munged.pid"; do
+    [ -f "$pidfile" ] || continue
+    pid=$(cat "$pidfile")
+    kill "$pid" 2>/dev/null || continue
+    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -9 "$pid" 2>/dev/null || true
+    rm -f "$pidfile"
+  done
+}
+
+case "${1:-}" in
+  install) install ;;
+  start) start "${2:?state directory}" "${3:-}" ;;
+  stop) stop "${2:?state directory}" ;;
+  *) echo "usage: $0 install | start DIR [PORT] | stop DIR" >&2; exit 2 ;;
+esac

@@ -1,0 +1,142 @@
+"""The jobs under a real SLURM (tests/slurm_cluster.py: slurmctld, slurmd and munged of our own on this host,
+no GPUs), not simulated SLURM_* variables: `srun -n 2` of train_sft, an sbatch of launch/train_cpu.sbatch that
+ends COMPLETED, `scancel --signal USR1` making every task checkpoint and exit 0 with a resubmitted job reaching
+the straight run's weights bit for bit, and a task killed with SIGKILL ending the step (--kill-on-bad-exit)
+with the rank named. Each run is 4 SFT steps of the embedded demo on 2 CPU tasks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from rlhf.utils.checkpoint_files import complete_checkpoints
+from tests.distributed import ROOT, free_port
+from tests.slurm_cluster import private_slurm
+from tests.tiny_runs import CPU, SUPERVISED, read_metrics
+
+SBATCH = os.path.join(ROOT, "launch", "train_cpu.sbatch")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    with private_slurm(str(tmp_path_factory.mktemp("slurm"))) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def straight(slurm, tmp_path_factory):
+    """SUPERVISED's 4 steps as an sbatch job of launch/train_cpu.sbatch: (job record, save path)."""
+    out = tmp_path_factory.mktemp("straight")
+    job = slurm.sbatch(f"--output={out}/job.out", SBATCH, *SUPERVISED, "--save_path", str(out / "model"),
+                       env={"JOB": "train_sft", "MASTER_PORT": str(free_port())})
+    return slurm.wait(job), out
+
+
+def weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def test_srun_two_tasks(slurm, tmp_path):
+    out = tmp_path / "run"
+    proc = slurm.run("srun", "-n", "2", "--kill-on-bad-exit=1", "python", "-m", "rlhf.cli.train_sft", *SUPERVISED,
+                     "--save_path", str(out), timeout=240, env={"MASTER_PORT": str(free_port())})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "2 data-parallel replica(s)" in proc.stdout  # one world of the two tasks, not two worlds of one
+    assert [r["step"] for r in read_metrics(out)] == [0, 1, 2, 3, 4]
+    assert set(os.listdir(out / "logs")) >= {"rank0.log", "rank1.log"}
+
+
+def test_sbatch_cpu_variant_completes(straight):
+    info, out = straight
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (out / "job.out").read_text()[-4000:]
+    assert [r["step"] for r in read_metrics(out / "model")] == [0, 1, 2, 3, 4]
+    assert "2 data-parallel replica(s)" in (out / "job.out").read_text()
+
+
+def test_usr1_checkpoints_and_the_resubmitted_job_matches_the_straight_run(slurm, straight, tmp_path):
+    """USR1 (what --signal=USR1@120 sends before the time limit) while the tasks set up: they train to the
+    next step boundary, checkpoint and exit 0; the job resubmitted with --load_checkpoint ends with the
+    straight job's weights exactly."""
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    args = [*SUPERVISED, "--save_path", str(out), "--ckpt_path", str(ckpt)]
+    env = {"JOB": "train_sft", "MASTER_PORT": str(free_port())}
+    job = slurm.sbatch(f"--output={tmp_path}/first.out", SBATCH, *args, env=env)
+    deadline = time.monotonic() + 120
+    # route_library_output opens logs/rank<r>.log right before the task installs its USR1 handler
+    while not all((out / "logs" / f"rank{r}.log").exists() for r in (0, 1)):
+        assert slurm.job(job)["JobState"] in ("PENDING", "RUNNING"), (tmp_path / "first.out").read_text()[-4000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(1)
+    sent = slurm.run("scancel", "--signal", "USR1", str(job))
+    assert sent.returncode == 0, sent.stderr
+    info = slurm.wait(job)
+    first_out = (tmp_path / "first.out").read_text()
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), first_out[-4000:]
+    steps = [r["step"] for r in read_metrics(out)]
+    assert steps[-1] < 4, f"the signal came after the last step: {steps}"
+    assert [s for s, _ in complete_checkpoints(str(ckpt))] == [steps[-1]]
+
+    job = slurm.sbatch(f"--output={tmp_path}/resumed.out", SBATCH, *args, "--load_checkpoint", env=env)
+    info = slurm.wait(job)
+    resumed_out = (tmp_path / "resumed.out").read_text()
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), resumed_out[-4000:]
+    assert f"resumed from {ckpt}/global_step{steps[-1]}" in resumed_out
+    assert read_metrics(out)[-1]["step"] == 4
+    reference, resumed = weights(straight[1] / "model"), weights(out)
+    assert reference.keys() == resumed.keys()
+    for name, w in reference.items():
+        assert torch.equal(resumed[name], w), name
+
+
+def task_pid(job_id: int, procid: int) -> int | None:
+    """The pid of the job's task SLURM_PROCID=procid (this host's /proc), None while it has not started."""
+    want = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={procid}".encode()}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = set(f.read().split(b"\0"))
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                python = b"rlhf.cli.train_sft" in f.read()
+        except OSError:
+            continue
+        if python and want <= env:
+            return int(entry)
+    return None
+
+
+def test_a_killed_task_ends_the_step_naming_its_rank(slurm, tmp_path):
+    """SIGKILL of task 1 mid-run: srun --kill-on-bad-exit ends the step (task 0 too) at once and says which
+    task it was; the job ends FAILED well within --dist_timeout."""
+    out = tmp_path / "run"
+    args = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_len", "32",
+            "--max_steps", "100000", "--max_epochs", "100000", "--zero_stage", "2", "--dist_timeout", "0.5",
+            "--save_path", str(out)]
+    job = slurm.sbatch(f"--output={tmp_path}/job.out", SBATCH, *args,
+                       env={"JOB": "train_sft", "MASTER_PORT": str(free_port())})
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.jsonl").exists() or len(read_metrics(out)) < 3:
+        assert slurm.job(job)["JobState"] in ("PENDING", "RUNNING"), (tmp_path / "job.out").read_text()[-4000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    pid = task_pid(job, 1)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    info = slurm.wait(job, timeout=60)
+    seconds = time.monotonic() - killed
+    text = (tmp_path / "job.out").read_text()
+    print(f"task 1 SIGKILLed -> job {info['JobState']} {info['ExitCode']} after {seconds:.1f} s; job output:\n"
+          + "\n".join(line for line in text.splitlines() if "error" in line.lower() or "rank" in line.lower()))
+    assert info["JobState"] == "FAILED", info
+    assert seconds < 30  # --dist_timeout 0.5 is 30 s: srun ended it, not a timeout
+    assert task_pid(job, 0) is None  # no task left behind
+    assert "task 1: Killed" in text, text[-3000:]
