@@ -27,11 +27,6 @@ JOB_OF_SCRIPT = {"train_ppo_ray": TrainPPOConfig, "train_sft": TrainSFTConfig, "
 BASE_ARGV = {"batch_inference": ["--eval_task", "generate", "--output_path", "out.jsonl"]}
 """What a script needs besides the flag under test to parse."""
 
-SERVE_RM_GAPS = {"--attn_implementation", "--disable_fast_tokenizer", "--load_in_4bit", "--packing_samples",
-                 "--param_dtype", "--use_ms"}
-"""v0.9.5 serve_rm flags that rlhf/cli/serve_rm.py's parser does not know yet (reported, not fixed here)."""
-
-
 def v095_flags() -> dict[str, list[str]]:
     with open(V095_FLAGS_FILE) as f:
         return json.load(f)
@@ -67,21 +62,11 @@ def test_every_v095_flag_is_known_to_its_job(capsys):
     assert capsys.readouterr() == ("", "")
 
 
-@pytest.mark.xfail(strict=True, reason="rlhf/cli/serve_rm.py (edited elsewhere) does not parse these v0.9.5 flags "
-                                       "yet: " + ", ".join(sorted(SERVE_RM_GAPS)) + "; when it does, drop "
-                                       "SERVE_RM_GAPS and this mark")
 def test_serve_rm_knows_every_v095_flag(capsys):
     from rlhf.cli.serve_rm import main
 
     missing = set(v095_flags()["serve_rm"]) - tool_flags(main, capsys)
     assert missing == set(), missing
-
-
-def test_serve_rm_gaps_are_what_is_reported(capsys):
-    """The list above is exact: a flag serve_rm learns makes this fail until the list (and the mark) shrink."""
-    from rlhf.cli.serve_rm import main
-
-    assert set(v095_flags()["serve_rm"]) - tool_flags(main, capsys) == SERVE_RM_GAPS
 
 
 def test_tool_flags_used_for_hints_are_the_tools_own(capsys):

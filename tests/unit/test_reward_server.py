@@ -1,6 +1,8 @@
 """serve_rm's failure answers and limits (500 with the message, 400/401/405/413, the request deadline, bounded
 threads, per-IP pending connections under a slow-header attack, --max_queries, --max_score_s) and the HTTP
-client's retries, token and error messages. Servers run in-process in a thread."""
+client's retries, token and error messages. Servers run in-process in a thread. Then the model flags
+(--param_dtype and --bf16, --attn_implementation, --packing_samples, --disable_fast_tokenizer, --load_in_4bit,
+--use_ms: what each changes in the loaded models, or its note or refusal) and the defaults against v0.9.5's."""
 
 import argparse
 import json
@@ -10,12 +12,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import warnings
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 
+from rlhf.assets import EMBEDDED_REWARD_MODEL_DIR
 from rlhf.cli.serve_rm import RewardServer, ServerLimits, build_source
 from rlhf.rewards import RemoteRewardClient, RewardInputs
 from rlhf.rewards.base import RewardResult
@@ -481,3 +485,197 @@ def test_client_errors_name_the_url():
     url = f"http://127.0.0.1:{free_port()}/get_reward"  # nothing listens there
     with pytest.raises(RuntimeError, match=rf"reward server {url} failed 2 times.*refused"):
         RemoteRewardClient(url, timeout_s=1.0, retries=2, backoff_s=0.01).score(INPUTS)
+
+
+# --- the model flags (OpenRLHF v0.9.5's --param_dtype, --attn_implementation, --disable_fast_tokenizer,
+# --load_in_4bit, --packing_samples, --use_ms) and the defaults -------------------------------------------------
+
+TEXTS = ["x copy 3 : 3 3 3 3 </s>", "x copy 3 : 5 a 7 b </s> and a longer tail", "copy 7 : 7"]
+
+
+@pytest.fixture
+def cpu_only(monkeypatch):
+    """This machine as one without CUDA, so the machine-dependent choices are the same on every test host."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def loaded(*argv: str):
+    """(parsed flags, source, tokenizer) of `serve_rm --reward_pretrain <the tiny reward model> *argv`, built
+    as main builds it, with the warnings it raised."""
+    from rlhf.cli.serve_rm import build_parser, model_loading
+
+    args = build_parser().parse_args(["--reward_pretrain", EMBEDDED_REWARD_MODEL_DIR, *argv])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        source, tokenizer = build_source(args, model_loading(args))
+    return source, tokenizer, [str(w.message) for w in caught]
+
+
+def scores(source, tokenizer) -> torch.Tensor:
+    enc = tokenizer(TEXTS, return_tensors="pt", padding=True, add_special_tokens=False)
+    return source.score(RewardInputs(TEXTS, TEXTS, [None] * 3, enc["input_ids"], enc["attention_mask"])).rewards_B
+
+
+def run_main(monkeypatch, capsys, *argv: str) -> tuple[int | None, str]:
+    """serve_rm.main on `argv` with the serving loop stubbed out: (exit status or None, stderr)."""
+    from rlhf.cli import serve_rm
+
+    monkeypatch.setattr(serve_rm.RewardServer, "serve_forever", lambda self, *a, **kw: None)
+    try:
+        serve_rm.main([*argv, "--port", "0"])
+        code = None
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def test_defaults_are_v095s_but_host_and_batch_size_which_say_why(capsys):
+    from rlhf.cli.serve_rm import build_parser, main
+
+    args = build_parser().parse_args([])
+    assert (args.param_dtype, args.attn_implementation, args.max_len) == ("bf16", "flash_attention_2", 2048)
+    assert not (args.bf16 or args.disable_fast_tokenizer or args.load_in_4bit or args.packing_samples or args.use_ms)
+    assert (args.host, args.batch_size, args.port) == ("127.0.0.1", 16, 5000)  # v0.9.5: 0.0.0.0, None, 5000
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "this machine only, because the server has no authentication unless --api_key is set" in help_text
+    assert "OpenRLHF's default is the whole request in one forward, which a large request runs out of memory" \
+           in help_text
+    assert RewardServer(("127.0.0.1", 0), LengthReward()).max_len == 2048  # the constructor's default too
+
+
+def test_param_dtype_is_the_models_dtype_and_bf16_its_alias(cpu_only):
+    (exact, tok, _), (default, _, _), (alias, _, _) = loaded("--param_dtype", "fp32"), loaded(), loaded("--bf16")
+    for source, dtype in ((exact, torch.float32), (default, torch.bfloat16), (alias, torch.bfloat16)):
+        model = source.models[0]
+        assert {p.dtype for p in model.parameters()} == {dtype}
+    reference = scores(build_source(argparse.Namespace(  # an in-process caller's default: exact fp32
+        reward_pretrain=EMBEDDED_REWARD_MODEL_DIR, remote_rm_url=None, value_head_prefix="score", batch_size=4,
+        prm=False, normalize_reward=False))[0], tok)
+    torch.testing.assert_close(scores(exact, tok), reference)
+    bf16 = scores(default, tok)
+    torch.testing.assert_close(bf16, reference, atol=0.05, rtol=0.05)
+    assert not torch.equal(bf16, reference)  # rounded to bf16 weights, not silently fp32
+    torch.testing.assert_close(scores(alias, tok), bf16)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bf16", "--param_dtype", "fp32"], "error: --bf16 contradicts --param_dtype fp32: give one of them"),
+    (["--param_dtype", "fp16"], "error: --param_dtype fp16 needs CUDA (CPU half-precision kernels are slow and "
+                                "incomplete); on CPU pass --param_dtype bf16 (the default) or --param_dtype fp32"),
+    (["--load_in_4bit"], "error: --load_in_4bit needs a CUDA GPU: bitsandbytes' 4-bit weights have no CPU path; "
+                         "drop --load_in_4bit on this machine"),
+    (["--load_in_4bit", "--param_dtype", "fp32"], "error: --load_in_4bit computes in bf16: drop --param_dtype fp32 "
+                                                  "(bf16 is the default)"),
+])
+def test_what_cpu_cannot_run_is_refused_in_one_line_naming_the_fix(cpu_only, monkeypatch, capsys, argv, message):
+    code, err = run_main(monkeypatch, capsys, "--reward_pretrain", EMBEDDED_REWARD_MODEL_DIR, *argv)
+    assert code == 2
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [message]
+
+
+def test_load_in_4bit_needs_bitsandbytes_on_cuda(monkeypatch):
+    import importlib.util
+
+    from rlhf.cli import serve_rm
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else
+                        real(name, *a))
+    with pytest.raises(ValueError, match="--load_in_4bit needs the bitsandbytes package: pip install bitsandbytes"):
+        serve_rm.check_4bit()
+
+
+def test_load_in_4bit_reaches_the_model_loader(cpu_only, monkeypatch):
+    """Where 4-bit can run (faked here: the checks pass), the reward model is loaded in 4 bits, computing in bf16
+    (the loader's NF4 config; a real 4-bit load needs the GPU, tests/gpu)."""
+    from rlhf.cli import serve_rm
+    from rlhf.models import value
+
+    monkeypatch.setattr(serve_rm, "check_4bit", lambda: None)
+    seen = {}
+    real = value.load_scalar_head_model
+
+    def spy(path, prefix, dtype, attn, *args, load_in_4bit=False, **kwargs):
+        seen.update(dtype=dtype, load_in_4bit=load_in_4bit)
+        return real(path, prefix, dtype, attn, *args, **kwargs)  # loaded unquantised: there is no GPU here
+
+    monkeypatch.setattr(value, "load_scalar_head_model", spy)
+    source, _, _ = loaded("--load_in_4bit", "--attn_implementation", "sdpa")
+    assert seen == {"dtype": torch.bfloat16, "load_in_4bit": True}
+    assert len(source.models) == 1
+
+
+def test_attn_implementation_is_the_models_attention(cpu_only):
+    (default, _, notes), (eager, _, eager_notes) = loaded(), loaded("--attn_implementation", "eager")
+    assert default.models[0].base.config._attn_implementation == "sdpa"
+    assert notes == ["--attn_implementation flash_attention_2 (the default): there is no CUDA device, so attention "
+                     "runs on PyTorch SDPA instead of flash-attn (pass --attn_implementation sdpa to silence this)"]
+    assert eager.models[0].base.config._attn_implementation == "eager" and eager_notes == []
+
+
+def test_packing_samples_scores_packed_rows_as_the_padded_ones(cpu_only):
+    from rlhf.models.attention import VARLEN_ATTENTION
+
+    (padded, tok, _), (packed, _, notes) = (loaded("--param_dtype", "fp32", "--attn_implementation", "sdpa"),
+                                            loaded("--param_dtype", "fp32", "--packing_samples"))
+    assert notes == []  # the default attention is no request to warn about: packed rows run varlen attention
+    assert packed.batcher.layout.packing and not padded.batcher.layout.packing
+    assert packed.models[0].base.config._attn_implementation == VARLEN_ATTENTION
+    torch.testing.assert_close(scores(packed, tok), scores(padded, tok), atol=1e-5, rtol=1e-5)
+    _, _, eager_notes = loaded("--param_dtype", "fp32", "--packing_samples", "--attn_implementation", "eager")
+    assert eager_notes == ["--attn_implementation eager has no effect with --packing_samples: packed rows run the "
+                           "packed varlen attention (flash-attn where it runs, else PyTorch's kernels)"]
+
+
+def test_disable_fast_tokenizer_asks_for_the_slow_tokenizer(cpu_only, monkeypatch):
+    import transformers
+
+    (_, fast, _), (_, slow, notes) = (loaded("--attn_implementation", "sdpa"),
+                                      loaded("--attn_implementation", "sdpa", "--disable_fast_tokenizer"))
+    assert fast.is_fast
+    if int(transformers.__version__.split(".")[0]) >= 5:  # no slow classes, and the tiny model has no sentencepiece
+        assert slow.is_fast and len(notes) == 1 and notes[0].startswith(
+            f"--disable_fast_tokenizer has no effect on {EMBEDDED_REWARD_MODEL_DIR}: transformers")
+    seen = []
+    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda path, **kwargs: seen.append(kwargs) or real(path, **kwargs))
+    monkeypatch.setattr(transformers, "__version__", "4.57.0")  # a release with slow tokenizers: OpenRLHF's call
+    loaded("--attn_implementation", "sdpa", "--disable_fast_tokenizer")
+    loaded("--attn_implementation", "sdpa")
+    assert seen[0]["use_fast"] is False and "use_fast" not in seen[1]
+
+
+def test_notes_are_printed_one_line_each_and_the_server_starts(cpu_only, monkeypatch, capsys):
+    code, err = run_main(monkeypatch, capsys, "--reward_pretrain", EMBEDDED_REWARD_MODEL_DIR, "--use_ms")
+    assert code is None
+    notes = [line for line in err.splitlines() if line.startswith("UserWarning: ")]
+    assert notes == [
+        "UserWarning: --use_ms is ignored: models and datasets are read from local paths only; nothing is "
+        "downloaded (from ModelScope or the Hugging Face hub): pass local directories",
+        "UserWarning: --attn_implementation flash_attention_2 (the default): there is no CUDA device, so attention "
+        "runs on PyTorch SDPA instead of flash-attn (pass --attn_implementation sdpa to silence this)"]
+
+
+def test_model_flags_with_a_reward_function_get_a_note_each(monkeypatch, capsys):
+    from rlhf.assets import TINY_DIR
+
+    code, err = run_main(monkeypatch, capsys, "--remote_rm_url", str(TINY_DIR / "reward.py"), "--load_in_4bit",
+                         "--packing_samples", "--param_dtype", "fp16")
+    assert code is None
+    assert [line for line in err.splitlines() if line.startswith("UserWarning: ")] == [
+        f"UserWarning: --{flag} is ignored with --remote_rm_url: no reward model is loaded"
+        for flag in ("param_dtype", "load_in_4bit", "packing_samples")]
+
+
+def test_packing_samples_with_a_process_reward_model_gets_a_note(cpu_only):
+    from rlhf.cli.serve_rm import build_parser, model_loading
+
+    args = build_parser().parse_args(["--reward_pretrain", "prm", "--prm", "--packing_samples",
+                                      "--attn_implementation", "sdpa"])
+    with pytest.warns(UserWarning, match="--packing_samples is ignored with --prm: the process reward model scores "
+                                         "padded rows"):
+        assert not model_loading(args).packing_samples
