@@ -27,7 +27,8 @@ def batch(tok):
 def rm_server():
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "rlhf.cli.serve_rm", "--reward_pretrain",
-                             f"{TINY_DIR}/reward_model", "--port", str(port)], cwd=ROOT,
+                             f"{TINY_DIR}/reward_model", "--port", str(port), "--param_dtype", "fp32",
+                             "--attn_implementation", "sdpa"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}/get_reward"
     deadline = time.time() + 120
