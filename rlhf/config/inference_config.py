@@ -105,7 +105,9 @@ class InferenceVLLMConfig:
     enable_prefix_caching: bool = opt(False, "vLLM prefix caching")
     vllm_kv_cache_bytes: int = opt(64 << 20, "KV-cache bytes per engine on CPU (vLLM needs an explicit size)")
     vllm_gpu_memory_utilization: float = opt(0.9, "fraction of GPU memory vLLM may take (CUDA)")
-    enforce_eager: bool = opt(False, "disable CUDA graphs in vLLM")
+    enforce_eager: bool = opt(False, "run vLLM's model eagerly: no CUDA graphs, and on CPU no torch.compile "
+                               "(compiled: +5-18 s at start, each call ~1.8x faster; "
+                               "benchmarks/vllm_cpu_modes.py)")
     max_num_seqs: int = opt(256, "most sequences a vLLM engine runs in one batch")
 
     def __post_init__(self) -> None:
