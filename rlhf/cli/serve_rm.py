@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hmac
-import importlib.util
 import io
 import json
 import os
@@ -53,6 +52,7 @@ import torch
 
 from rlhf.config.flags import IGNORED_FLAGS
 from rlhf.config.shared_config import PARAM_DTYPES
+from rlhf.models.lora import check_4bit
 from rlhf.rewards.base import RewardInputs, RewardResult, RewardSource
 from rlhf.rewards.remote import API_KEY_ENV
 from rlhf.rewards.reward_func import RewardFuncFile, RewardFuncTimeout
@@ -237,16 +237,6 @@ def warn_unused_flags(args: argparse.Namespace, parser: argparse.ArgumentParser)
     if args.remote_rm_url:
         for flag in (f for f in MODEL_FLAGS if getattr(args, f) != parser.get_default(f)):
             warnings.warn(f"--{flag} is ignored with --remote_rm_url: no reward model is loaded", stacklevel=2)
-
-
-def check_4bit() -> None:
-    """ValueError naming --load_in_4bit unless bitsandbytes' 4-bit weights can run here (CUDA and the package)."""
-    if not torch.cuda.is_available():
-        raise ValueError("--load_in_4bit needs a CUDA GPU: bitsandbytes' 4-bit weights have no CPU path; drop "
-                         "--load_in_4bit on this machine")
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise ValueError("--load_in_4bit needs the bitsandbytes package: pip install bitsandbytes (the gpu extra "
-                         "installs it)")
 
 
 def build_source(args: argparse.Namespace, load: ModelLoading = ModelLoading()) -> tuple[RewardSource, object | None]:

@@ -43,11 +43,16 @@ Gather = Callable[[list[torch.nn.Parameter]], contextlib.AbstractContextManager]
 def check_lora(cfg: LoRAConfig) -> None:
     """UsageError unless the adapter settings can run here: --load_in_4bit needs CUDA and bitsandbytes
     (its 4-bit kernels are GPU kernels). Run before any engine starts."""
-    if not cfg.load_in_4bit:
-        return
+    if cfg.load_in_4bit:
+        check_4bit("(--lora_rank alone trains LoRA adapters on CPU)")
+
+
+def check_4bit(cpu_hint: str = "") -> None:
+    """UsageError naming --load_in_4bit unless bitsandbytes' 4-bit weights can run here (CUDA and the package);
+    `cpu_hint`: what to do instead on a machine without CUDA."""
     if not torch.cuda.is_available():
-        raise UsageError("--load_in_4bit needs a CUDA GPU: bitsandbytes' 4-bit (QLoRA) weights have no CPU path; "
-                         "drop --load_in_4bit on this machine (--lora_rank alone trains LoRA adapters on CPU)")
+        raise UsageError("--load_in_4bit needs a CUDA GPU: bitsandbytes' 4-bit weights have no CPU path; drop "
+                         f"--load_in_4bit on this machine{' ' + cpu_hint if cpu_hint else ''}")
     import importlib.util
 
     if importlib.util.find_spec("bitsandbytes") is None:
