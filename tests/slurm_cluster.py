@@ -51,19 +51,20 @@ def _free_port_pair() -> int:
 
 
 class SlurmCluster:
-    """Clients of one running private SLURM: `env` has SLURM_CONF (and PYTHONPATH for the jobs)."""
+    """Clients of one running private SLURM: `env` has SLURM_CONF (and PYTHONPATH for the jobs); `prefix` runs a
+    client where slurmctld can be reached (in the first node's network namespace for `private_slurm(netns=)`)."""
 
-    def __init__(self, state_dir: str) -> None:
-        self.state_dir = state_dir
+    def __init__(self, state_dir: str, prefix: tuple[str, ...] = ()) -> None:
+        self.state_dir, self.prefix = state_dir, prefix
         self.env = {**os.environ, "SLURM_CONF": os.path.join(state_dir, "slurm.conf"), "PYTHONPATH": ROOT,
                     "OMP_NUM_THREADS": "1"}
 
     def run(self, *cmd: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(cmd, cwd=ROOT, env={**self.env, **(env or {})}, capture_output=True, text=True,
-                              timeout=timeout)
+        return subprocess.run([*self.prefix, *cmd], cwd=ROOT, env={**self.env, **(env or {})}, capture_output=True,
+                              text=True, timeout=timeout)
 
     def popen(self, *cmd: str, env: dict | None = None) -> subprocess.Popen:
-        return subprocess.Popen(cmd, cwd=ROOT, env={**self.env, **(env or {})}, stdout=subprocess.PIPE,
+        return subprocess.Popen([*self.prefix, *cmd], cwd=ROOT, env={**self.env, **(env or {})}, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
 
     def sbatch(self, *args: str, env: dict | None = None) -> int:
@@ -94,12 +95,18 @@ class SlurmCluster:
 
 
 @contextmanager
-def private_slurm(state_dir: str) -> Iterator[SlurmCluster]:
-    """Install (if needed), start, yield the cluster; stop every daemon afterwards, whatever happened."""
+def private_slurm(state_dir: str, netns: tuple[str, str] | None = None) -> Iterator[SlurmCluster]:
+    """Install (if needed), start, yield the cluster; stop every daemon afterwards, whatever happened. With
+    `netns`, two nodes node0 and node1 (10.77.0.1 and 10.77.0.2), one slurmd in each of these network
+    namespaces (see the setup script's start-netns for what they must have)."""
     _setup("install")
-    cluster = SlurmCluster(state_dir)
+    if netns is None:
+        cluster, start = SlurmCluster(state_dir), ("start", state_dir, str(_free_port_pair()))
+    else:
+        cluster = SlurmCluster(state_dir, ("nsenter", f"--net=/run/netns/{netns[0]}"))
+        start = ("start-netns", state_dir, str(_free_port_pair()), *netns)
     try:
-        _setup("start", state_dir, str(_free_port_pair()))
+        _setup(*start)
         yield cluster
     finally:
         try:

@@ -2,8 +2,10 @@
 each with its own hostname and /etc/hosts naming both), one `python -m rlhf.cli.launch --nnodes 2 --node_rank i
 --nproc_per_node 1` in each, rendezvous at node0's address: the tiny PPO demo (HF generation) takes the same
 steps as on one node with 2 ranks, exactly (metrics and final weights). The namespaces share nothing but the
-veth pair (each has its own loopback), so the rendezvous and every collective cross it. Needs root and
-`ip netns`; skips with the reason otherwise."""
+veth pair (each has its own loopback), so the rendezvous and every collective cross it. Then the same over
+SLURM: one slurmd per namespace (tests/slurm_cluster.py), an sbatch of launch/train_cpu.sbatch on both nodes,
+one task each (srun's SLURM_* variables, MASTER_ADDR from the node list), with the same steps again. Needs
+root and `ip netns`; skips with the reason otherwise."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from tests.distributed import ROOT, free_port, run_torchrun
+from tests.slurm_cluster import private_slurm
 from tests.tiny_runs import SMALL, read_metrics
 
 SUBNET = "10.77.0"
@@ -74,11 +77,29 @@ def launch_on(ns: str, hostname: str, node_rank: int, master: str, port: int, ou
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_two_nodes_take_the_steps_of_one_node(nodes, tmp_path):
-    one = tmp_path / "one_node"
+@pytest.fixture(scope="module")
+def one_node(nodes, tmp_path_factory):
+    """The reference: the same job on one node, 2 ranks (torchrun); its save path."""
+    one = tmp_path_factory.mktemp("one_node")
     proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *PPO, "--save_path", str(one))
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return one
 
+
+def assert_same_run(one, two) -> None:
+    """Equal metrics (but times) at every step and equal final weights: the same gloo collectives in the same
+    order give the same numbers, not just close ones."""
+    ref, got = read_metrics(one), read_metrics(two)
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == [1, 2, 3]
+    for a, b in zip(ref, got):
+        assert strip(b) == strip(a), a["step"]
+    before, after = weights(one / "model"), weights(two / "model")
+    assert before.keys() == after.keys()
+    for name, w in before.items():
+        assert torch.equal(after[name], w), name
+
+
+def test_two_nodes_take_the_steps_of_one_node(nodes, one_node, tmp_path):
     two = tmp_path / "two_nodes"
     port = free_port()
     procs = [launch_on(ns, host, i, nodes[0][2], port, two) for i, (ns, host, _) in enumerate(nodes)]
@@ -94,14 +115,19 @@ def test_two_nodes_take_the_steps_of_one_node(nodes, tmp_path):
         assert p.returncode == 0, f"{host}:\n{stderr[-4000:]}"
     (tmp_path / "node0.err").write_text(outputs[0][1])
     (tmp_path / "node1.err").write_text(outputs[1][1])
-    ref, got = read_metrics(one), read_metrics(two)
-    assert [r["step"] for r in got] == [r["step"] for r in ref] == [1, 2, 3]
-    for a, b in zip(ref, got):  # the same gloo collectives in the same order: equal, not just close
-        assert strip(b) == strip(a), a["step"]
-    before, after = weights(one / "model"), weights(two / "model")
-    assert before.keys() == after.keys()
-    for name, w in before.items():
-        assert torch.equal(after[name], w), name
+    assert_same_run(one_node, two)
+
+
+def test_sbatch_on_two_slurm_nodes_takes_the_steps_of_one_node(nodes, one_node, tmp_path):
+    with private_slurm(str(tmp_path / "slurm"), netns=(nodes[0][0], nodes[1][0])) as slurm:
+        out = tmp_path / "run"
+        job = slurm.sbatch("--nodes=2", "--ntasks-per-node=1", f"--output={tmp_path}/job.out",
+                           os.path.join(ROOT, "launch", "train_cpu.sbatch"), *PPO, "--save_path", str(out),
+                           env={"JOB": "train_ppo", "MASTER_PORT": str(free_port())})
+        info = slurm.wait(job)
+    text = (tmp_path / "job.out").read_text()
+    assert (info["JobState"], info["ExitCode"], info["NodeList"]) == ("COMPLETED", "0:0", "node[0-1]"), text[-4000:]
+    assert_same_run(one_node, out)
 
 
 def strip(row: dict) -> dict:
