@@ -96,7 +96,8 @@ def test_usr1_checkpoints_and_the_resubmitted_job_matches_the_straight_run(slurm
 
 
 def task_pid(job_id: int, procid: int) -> int | None:
-    """The pid of the job's task SLURM_PROCID=procid (this host's /proc), None while it has not started."""
+    """The pid of the job's task SLURM_PROCID=procid (this host's /proc: the process slurmstepd started, not a
+    child of it), None while it has not started."""
     want = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={procid}".encode()}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -104,11 +105,13 @@ def task_pid(job_id: int, procid: int) -> int | None:
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 env = set(f.read().split(b"\0"))
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                python = b"rlhf.cli.train_sft" in f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                parent = f.read().rpartition(")")[2].split()[1]
+            with open(f"/proc/{parent}/comm") as f:
+                by_slurmstepd = f.read().strip() == "slurmstepd"
         except OSError:
             continue
-        if python and want <= env:
+        if by_slurmstepd and want <= env:
             return int(entry)
     return None
 
@@ -140,3 +143,46 @@ def test_a_killed_task_ends_the_step_naming_its_rank(slurm, tmp_path):
     assert seconds < 30  # --dist_timeout 0.5 is 30 s: srun ended it, not a timeout
     assert task_pid(job, 0) is None  # no task left behind
     assert "task 1: Killed" in text, text[-3000:]
+
+
+def test_a_stopped_task_is_named_by_its_peer_and_srun_ends_the_step(slurm, tmp_path):
+    """SIGSTOP of task 1 (a frozen host): no exit for srun to see; rank 0 ends within --dist_timeout (0.25 min,
+    15 s) plus a heartbeat period and exits 1, upon which --kill-on-bad-exit ends the stopped task too (slurmstepd
+    sends it SIGCONT and SIGTERM). Which of rank 0's two 15 s clocks runs out first is a race: its heartbeat
+    (a line naming rank 1) or gloo's own timeout in the collective it waits in ("Timed out waiting 15000ms for
+    recv operation", which names no rank); the test prints which and asserts that the step ended."""
+    out = tmp_path / "run"
+    args = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_len", "32",
+            "--max_steps", "100000", "--max_epochs", "100000", "--zero_stage", "2", "--dist_timeout", "0.25",
+            "--save_path", str(out)]
+    job = slurm.sbatch(f"--output={tmp_path}/job.out", SBATCH, *args,
+                       env={"JOB": "train_sft", "MASTER_PORT": str(free_port())})
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.jsonl").exists() or len(read_metrics(out)) < 3:
+        assert slurm.job(job)["JobState"] in ("PENDING", "RUNNING"), (tmp_path / "job.out").read_text()[-4000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(5)  # a heartbeat period (3.75 s) of training first
+    pid = task_pid(job, 1)
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        info = slurm.wait(job, timeout=90)
+    finally:
+        for sig in (signal.SIGKILL, signal.SIGCONT):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+    seconds = time.monotonic() - stopped
+    text = (tmp_path / "job.out").read_text()
+    named = [line for line in text.splitlines() if "no heartbeat for more than 15 s (--dist_timeout) from rank 1"
+             in line]
+    gloo = "Timed out waiting 15000ms" in text
+    print(f"task 1 SIGSTOPped -> job {info['JobState']} {info['ExitCode']} after {seconds:.1f} s; heartbeat: "
+          f"{named}; gloo's timeout first: {gloo}")
+    assert info["JobState"] == "FAILED", info
+    assert "srun: error: vm: task 0: Exited with exit code 1" in text, text[-3000:]
+    assert (len(named) == 1 and named[0].startswith("[rank 0] ")) or gloo, text[-3000:]
+    assert seconds < 15 + 3.75 + 15
