@@ -67,12 +67,12 @@ def nodes():
             shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
 
 
-def launch_on(ns: str, hostname: str, node_rank: int, master: str, port: int, out) -> subprocess.Popen:
+def launch_on(ns: str, hostname: str, node_rank: int, master: str, port: int, out, args=PPO) -> subprocess.Popen:
     """rlhf.cli.launch of node `node_rank` of 2 in namespace `ns`, under its own hostname (a UTS namespace)."""
     cmd = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", f'hostname {hostname} && exec "$@"', "sh",
            sys.executable, "-m", "rlhf.cli.launch", "--grace_period", "60", "--nnodes", "2", "--node_rank",
            str(node_rank), "--nproc_per_node", "1", "--master_addr", master, "--master_port", str(port),
-           "-m", "rlhf.cli.train_ppo", *PPO, "--save_path", str(out)]
+           "-m", "rlhf.cli.train_ppo", *args, "--save_path", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -99,10 +99,10 @@ def assert_same_run(one, two) -> None:
         assert torch.equal(after[name], w), name
 
 
-def test_two_nodes_take_the_steps_of_one_node(nodes, one_node, tmp_path):
-    two = tmp_path / "two_nodes"
+def run_two_nodes(nodes, two, args=PPO) -> list[tuple[str, str]]:
+    """The job on the two namespaces, one rank each; (stdout, stderr) of each node's launcher."""
     port = free_port()
-    procs = [launch_on(ns, host, i, nodes[0][2], port, two) for i, (ns, host, _) in enumerate(nodes)]
+    procs = [launch_on(ns, host, i, nodes[0][2], port, two, args) for i, (ns, host, _) in enumerate(nodes)]
     outputs = []
     for p in procs:
         try:
@@ -113,9 +113,26 @@ def test_two_nodes_take_the_steps_of_one_node(nodes, one_node, tmp_path):
             raise
     for (_, host, _), p, (_, stderr) in zip(nodes, procs, outputs):
         assert p.returncode == 0, f"{host}:\n{stderr[-4000:]}"
-    (tmp_path / "node0.err").write_text(outputs[0][1])
-    (tmp_path / "node1.err").write_text(outputs[1][1])
+    return outputs
+
+
+def test_two_nodes_take_the_steps_of_one_node(nodes, one_node, tmp_path):
+    two = tmp_path / "two_nodes"
+    run_two_nodes(nodes, two)
     assert_same_run(one_node, two)
+
+
+@pytest.mark.vllm
+def test_two_nodes_with_vllm_rollout(nodes, tmp_path):
+    """The same with the default rollout engine (vLLM, one engine per rank, started under each node's own
+    MASTER_ADDR/LOCAL_* variables)."""
+    pytest.importorskip("vllm")
+    args = [*PPO[:PPO.index("--rollout_engine")], *PPO[PPO.index("--rollout_engine") + 2:], "--rollout_engine", "vllm"]
+    one, two = tmp_path / "one_node", tmp_path / "two_nodes"
+    proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *args, "--save_path", str(one))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_two_nodes(nodes, two, args)
+    assert_same_run(one, two)
 
 
 def test_sbatch_on_two_slurm_nodes_takes_the_steps_of_one_node(nodes, one_node, tmp_path):
