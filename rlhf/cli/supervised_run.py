@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from rlhf.config.errors import UsageError
+from rlhf.config.supervised_config import DEMO_MAX_LEN
 from rlhf.core.loop import Job
 from rlhf.core.metrics import Reduce
 from rlhf.core.role_models import check_model_configs, micro_batcher, model_builder, role_model
@@ -160,7 +161,8 @@ class SupervisedRun(JobParts):
 
     def __init__(self, job: SupervisedJob):
         self.job = job
-        self.name, self.bar, self.demo_line = job.name, job.bar, job.demo_line
+        self.name, self.bar = job.name, job.bar
+        self.demo_line = f"{job.demo_line} (--max_len {DEMO_MAX_LEN} unless given)"
 
     def prepare(self, cfg, launch: LaunchEnv) -> dict[Role, tuple[int, ...]]:
         job, everyone = self.job, tuple(range(launch.world_size))

@@ -19,7 +19,7 @@ import torch
 from rlhf.agents import load_agent
 from rlhf.cli.entry_point import main_for
 from rlhf.config.errors import UsageError
-from rlhf.config.ppo_config import TrainPPOConfig
+from rlhf.config.ppo_config import DEMO_LENGTHS, TrainPPOConfig
 from rlhf.core.run import Assembled, JobParts, Started, run_job
 from rlhf.data.prompts import Prompt, PromptSampler, load_prompts
 from rlhf.distributed.launch_env import LaunchEnv
@@ -149,7 +149,9 @@ class PPORun(JobParts):
     `eval_prompts`, `algorithm_line`, `make_trainer` and `save`."""
 
     name, bar = "rl", {"reward": "reward_mean"}
-    demo_line = "no --pretrain given: training the embedded tiny demo policy"
+    demo_line = ("no --pretrain given: training the embedded tiny demo policy (--prompt_max_len "
+                 f"{DEMO_LENGTHS['prompt_max_len']} --generate_max_len {DEMO_LENGTHS['generate_max_len']} "
+                 "unless given)")
 
     def extra_roles(self, cfg: TrainPPOConfig) -> tuple[Role, ...]:
         """Trained policy copies beside PPO's roles (on the actor's ranks unless placed)."""

@@ -381,6 +381,11 @@ class PlacementConfig:
         return self.by_role[role].num_ranks
 
 
+DEMO_LENGTHS = {"prompt_max_len": 16, "generate_max_len": 8}
+"""Lengths the embedded demo runs with where the defaults (OpenRLHF's, sized for real models) are still set: the
+demo policy has 256 positions; a copy-task prompt fits 16 tokens and its answer (four words and EOS) 8."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainPPOConfig(JobConfig):
     """Everything `train_ppo` needs, one sub-config per component."""
@@ -541,12 +546,17 @@ class TrainPPOConfig(JobConfig):
         user named none, the prompts and the reward. With --pretrain nothing is filled in (validated)."""
         if self.model.pretrain is not None:
             return self
-        data, reward = self.data, self.reward
+        data, reward, rollout = self.data, self.reward, self.rollout
         if data.prompt_data is None:
             data = replace(data, prompt_data=EMBEDDED_PROMPTS)
         if not (reward.reward_model_paths or reward.remote_rm_url or self.agent.agent_func_path):
             reward = replace(reward, remote_rm_url=EMBEDDED_REWARD)
-        return replace_quietly(self, model=replace(self.model, pretrain=EMBEDDED_MODEL_DIR), data=data, reward=reward)
+        if data.prompt_max_len == DataConfig().prompt_max_len:  # sized for real models; the demo has 256 positions
+            data = replace_quietly(data, prompt_max_len=DEMO_LENGTHS["prompt_max_len"])
+        if rollout.generate_max_len == RolloutConfig().generate_max_len:
+            rollout = replace_quietly(rollout, generate_max_len=DEMO_LENGTHS["generate_max_len"])
+        return replace_quietly(self, model=replace(self.model, pretrain=EMBEDDED_MODEL_DIR), data=data,
+                               reward=reward, rollout=rollout)
 
     def check_world(self, world_size: int) -> None:
         """Validate rollout sharding against the world size (role sizes: `check_role_sizes`)."""

@@ -114,9 +114,15 @@ class SFTDataConfig(FormattedDataConfig):
     pretrain_mode: bool = opt(False, "loss on every token of --input_key (continued pretraining)")
 
 
+DEMO_MAX_LEN = 64
+"""--max_len of the embedded demo where the default (OpenRLHF's, sized for real models) is still set: the demo
+model has 256 positions; its copy-task rows are shorter than 64 tokens."""
+
+
 def _with_demo(cfg, data_path: str, eval_path: str, **data_changes):
     """`cfg` with the embedded demo model and, where no --dataset was given, the demo data (its template where
-    the default one is still set). With --pretrain nothing is filled in; --dataset is then required."""
+    the default one is still set), and `DEMO_MAX_LEN` where the default --max_len is still set. With --pretrain
+    nothing is filled in; --dataset is then required."""
     if cfg.model.pretrain is not None:
         require(cfg.data.dataset is not None, f"--pretrain {cfg.model.pretrain} is given but --dataset is not: "
                 "name the training data (the embedded demo data is used only without --pretrain)")
@@ -128,6 +134,8 @@ def _with_demo(cfg, data_path: str, eval_path: str, **data_changes):
                 and data.input_template == type(cfg)().data.input_template:  # the job's default template
             changes["input_template"] = DEMO_TEMPLATE
         data = replace(data, **changes)
+    if data.max_len == type(cfg)().data.max_len:
+        data = replace(data, max_len=DEMO_MAX_LEN)
     return replace(cfg, model=replace(cfg.model, pretrain=EMBEDDED_MODEL_DIR), data=data)
 
 

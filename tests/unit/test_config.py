@@ -245,6 +245,10 @@ def test_embedded_demo_only_without_pretrain():
     demo = parse().with_demo_defaults()
     assert (demo.model.pretrain, demo.data.prompt_data, demo.reward.source) == \
         (EMBEDDED_MODEL_DIR, EMBEDDED_PROMPTS, EMBEDDED_REWARD)
+    # OpenRLHF's lengths (1024 + 1024) exceed the demo policy's 256 positions: the demo's, unless given
+    assert (demo.data.prompt_max_len, demo.rollout.generate_max_len) == (16, 8)
+    given = parse("--prompt_max_len", "32", "--generate_max_len", "12").with_demo_defaults()
+    assert (given.data.prompt_max_len, given.rollout.generate_max_len) == (32, 12)
     # the user's own prompts and reward are kept; only the policy comes from the demo
     own = parse("--prompt_data", "mine.jsonl", "--reward_pretrain", "/rm").with_demo_defaults()
     assert (own.data.prompt_data, own.reward.reward_paths, own.reward.source) == ("mine.jsonl", ["/rm"], "")
@@ -351,3 +355,14 @@ def test_vllm_num_engines_0_generates_with_transformers():
         parse("--vllm_num_engines", "0", "--rollout_engine", "vllm")
     with pytest.raises(ValueError, match="--async_train generates on ranks of their own: give --vllm_num_engines N"):
         parse("--vllm_num_engines", "0", "--async_train")
+
+
+def test_every_job_runs_its_demo_without_flags():
+    """OpenRLHF's default lengths exceed the demo model's 256 positions: without --pretrain every supervised and
+    preference job uses --max_len 64 unless given (PPO: test_embedded_demo_only_without_pretrain)."""
+    from rlhf.config.preference_config import TrainDPOConfig, TrainKTOConfig
+    from rlhf.config.supervised_config import DEMO_MAX_LEN, TrainPRMConfig, TrainRMConfig, TrainSFTConfig
+
+    for cls in (TrainSFTConfig, TrainRMConfig, TrainPRMConfig, TrainDPOConfig, TrainKTOConfig):
+        assert parse_config(cls, []).with_demo_defaults().data.max_len == DEMO_MAX_LEN == 64
+        assert parse_config(cls, ["--max_len", "32"]).with_demo_defaults().data.max_len == 32
