@@ -1,7 +1,8 @@
 """Ends a run whose peer stopped: each rank's daemon thread writes a heartbeat (a counter and the stage it is in)
 to the rendezvous store every `period_s` and reads the next rank's (rank r watches r + 1 mod the world: every
 rank is watched, and the store sees two operations per rank and tick). A peer whose counter has not moved for
-`timeout_s` (`--dist_timeout`) is stopped (SIGSTOP, a frozen host, a rank hung holding the GIL): the thread
+`--dist_timeout` less two periods (so this fires before a collective's own timeout, which names nobody) is
+stopped (SIGSTOP, a frozen host, a rank hung holding the GIL): the thread
 prints one line naming the silent rank, the stage it was last in and the stage this rank waits in, then ends
 this process with exit status 1, upon which the launcher (torchrun, `srun --kill-on-bad-exit`) stops the
 rest. A collective in DeepSpeed's or NCCL's hands may wait past the group's timeout; this does not. A store
@@ -33,8 +34,10 @@ class Heartbeat:
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout_s: float, *,
                  period_s: float | None = None, clock: Callable[[], float] = time.monotonic,
                  out: TextIO | None = None, exit: Callable[[int], None] = os._exit) -> None:
-        self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        self.store, self.rank, self.world_size = store, rank, world_size
         self.period_s = period_s if period_s is not None else min(10.0, timeout_s / 4)
+        # silent for this long: ended before a collective's own --dist_timeout fires and names nobody
+        self.timeout_s = max(timeout_s - 2 * self.period_s, timeout_s / 2)
         self.clock, self.out, self.exit = clock, out, exit
         self._count = 0
         start = clock()
@@ -72,12 +75,12 @@ class Heartbeat:
                 silent.append(peer)
         if silent:
             described = "; ".join(f"rank {r} {self._last_stage(r)}" for r in silent)
-            self._end(f"no heartbeat for more than {self.timeout_s:.0f} s (--dist_timeout) from {described}")
+            self._end(f"no heartbeat for more than {self.timeout_s:g} s from {described}")
         return silent
 
     def _last_stage(self, rank: int) -> str:
         value = self._seen[rank][0]
-        return f"(last seen {value.split('|', 1)[1]})" if value else "(never reported)"
+        return f"(at its last heartbeat {value.split('|', 1)[1]})" if value else "(never reported)"
 
     def _end(self, why: str) -> None:
         print(f"\n[rank {self.rank}] {why}; this rank is {watchdog.describe()}: ending the run (exit "
