@@ -122,3 +122,19 @@ def test_the_checks_find_a_circle_and_an_upward_import():
 if __name__ == "__main__":
     for package, targets in sorted(package_imports(module_imports()).items()):
         print(f"{package or 'rlhf'} -> {', '.join(sorted(targets)) or '(nothing)'}")
+
+
+def test_setup_cfg_lists_every_package():
+    """setup.cfg's `packages` are exactly the package directories (a package left out installs without it)."""
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(os.path.join(ROOT, "setup.cfg"))
+    listed = set(config["options"]["packages"].split())
+    found = {"rlhf", "rlhf.kernels"} | {f"rlhf.{name}" for name in os.listdir(os.path.join(ROOT, "rlhf"))
+                                        if os.path.isfile(os.path.join(ROOT, "rlhf", name, "__init__.py"))}
+    assert listed == found
+    folders = [os.path.join(ROOT, "rlhf", name) for name in os.listdir(os.path.join(ROOT, "rlhf"))]
+    without_init = [f for f in folders if os.path.isdir(f) and any(n.endswith(".py") for n in os.listdir(f))
+                    and not os.path.isfile(os.path.join(f, "__init__.py"))]
+    assert without_init == []  # a folder of modules without __init__.py would be left out of a real install
