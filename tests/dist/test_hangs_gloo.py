@@ -15,11 +15,12 @@ def _one_rank_sleeps_in_a_stage(port: int) -> dict:
     """Rank 1 sleeps 8 s inside a stage; rank 0 waits for it in an all_reduce under a 4 s --dist_timeout."""
     import torch.distributed as dist
 
-    from rlhf.distributed.launch_env import init_distributed, read_launch_env
+    from rlhf.distributed.launch_env import finish_heartbeat, init_distributed, read_launch_env
 
     dist.destroy_process_group()
     os.environ["MASTER_PORT"] = str(port)
     init_distributed(read_launch_env(), timeout_minutes=4 / 60)
+    finish_heartbeat()  # this test is about the watchdog and gloo's timeout: rank 0 leaves first on purpose
     rank, out, start = dist.get_rank(), io.StringIO(), time.monotonic()
     dog = Watchdog(rank, 1.0, out=out).start()
     error, error_after = None, None
