@@ -93,6 +93,8 @@ class WorkCounter:
 
 WORK = WorkCounter()
 TOKENS_PER_S = "perf/tokens_per_s"
+STAGES = ("generation", "experience", "train", "weight_sync", "step")
+"""The stages reported one by one (`perf/<stage>_tflops`); any other stage's work is reported as `other`."""
 
 
 def current_stage() -> str | None:
@@ -174,13 +176,15 @@ class Throughput:
 
     def metrics(self, times: dict[str, float]) -> dict[str, float]:
         flops, trained, generated = WORK.pop()
-        stages = sorted(flops)
+        other = sum(v for k, v in flops.items() if k not in STAGES)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        local = torch.tensor([trained, generated, sum(flops.values()), *(flops[s] for s in stages)],
+        # the same layout on every rank (ranks of other roles run other stages): a collective of one shape
+        local = torch.tensor([trained, generated, sum(flops.values()), *(flops.get(s, 0.0) for s in STAGES), other],
                              dtype=torch.float64)
         if world > 1:
             dist.all_reduce(local)
         trained, generated, total, *by_stage = local.tolist()
+        stages = (*STAGES, "other")
         step_s = times.get("time/step", 0.0)
         out: dict[str, float] = {}
         if step_s > 0:
