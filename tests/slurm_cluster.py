@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from tests.distributed import ROOT
+from tests.distributed import ROOT, exclusive
 
 SETUP = os.path.join(ROOT, "launch", "test_slurm_setup.sh")
 CANNOT = 3
@@ -98,7 +98,13 @@ class SlurmCluster:
 def private_slurm(state_dir: str, netns: tuple[str, str] | None = None) -> Iterator[SlurmCluster]:
     """Install (if needed), start, yield the cluster; stop every daemon afterwards, whatever happened. With
     `netns`, two nodes node0 and node1 (10.77.0.1 and 10.77.0.2), one slurmd in each of these network
-    namespaces (see the setup script's start-netns for what they must have)."""
+    namespaces (see the setup script's start-netns for what they must have). One cluster at a time on the
+    machine (a file lock): two at once, from two pytest-xdist workers, left a job PENDING."""
+    with exclusive("slurm"):
+        yield from _private_slurm(state_dir, netns)
+
+
+def _private_slurm(state_dir: str, netns: tuple[str, str] | None) -> Iterator[SlurmCluster]:
     _setup("install")
     if netns is None:
         cluster, start = SlurmCluster(state_dir), ("start", state_dir, str(_free_port_pair()))
