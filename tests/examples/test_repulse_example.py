@@ -10,13 +10,13 @@ import subprocess
 
 from tests.distributed import ROOT
 
-MIN_REWARD = 0.99
-"""Final exact expected reward of every method (0.996-0.998 at each of seeds 1-3 when measured)."""
+MIN_REWARD = 0.985
+"""Final exact expected reward of every method (0.9915-0.998 at seeds 1-3 when measured; RePULSe's is the lowest)."""
 
 MIN_LOG_P_BAD_GAP = 0.4
-"""RePULSe's final log P(bad) below every other method's, at seed 1. Measured at seed 1: RePULSe -10.25, REINFORCE
--9.07, transformed REINFORCE -8.62, base as proposal -9.44 (smallest gap 0.81; the 3-seed means' gaps are 1.7-1.9,
-but single seeds spread by about 1): about half the smallest gap."""
+"""RePULSe's final log P(bad) below every other method's, at seed 1. Measured at seed 1: RePULSe -10.02, REINFORCE
+-9.38, transformed REINFORCE -9.19, base as proposal -8.56 (smallest gap 0.64; the 3-seed means' gaps are 0.8-1.0,
+but single seeds spread by about 1): about two thirds of the smallest gap."""
 
 
 def test_repulse_toy_reaches_a_lower_log_p_bad_at_equal_reward(tmp_path):
