@@ -67,7 +67,8 @@ def test_a_stopped_rank_ends_the_run_naming_it(tmp_path):
     rank0_exit = stamp.timestamp() - t0
     print(f"SIGSTOP of rank 1 -> rank 0 exited after {rank0_exit:.1f} s, torchrun (exit {proc.returncode}) after "
           f"{elapsed:.1f} s (its 30 s SIGTERM grace for the stopped rank); rank 0: {lines[0]}")
-    assert 7.5 - 3.75 <= rank0_exit < 7.5 + 3.75 + 5  # the silence allowed, give or take a period (+ slack)
+    assert 7.5 - 3.75 <= rank0_exit < 7.5 + 3.75 + 20  # the silence allowed, give or take a period (+ slack for
+    # a loaded machine: the heartbeat thread needs the GIL and a core)
     assert "Timed out waiting" not in err  # the heartbeat, not gloo's timeout, ended it
     newest = complete_checkpoints(str(ckpt))[-1][1]
     assert verify_checkpoint(newest) is None
