@@ -116,20 +116,26 @@ def task_pid(job_id: int, procid: int) -> int | None:
     return None
 
 
-def test_a_killed_task_ends_the_step_naming_its_rank(slurm, tmp_path):
-    """SIGKILL of task 1 mid-run: srun --kill-on-bad-exit ends the step (task 0 too) at once and says which
-    task it was; the job ends FAILED well within --dist_timeout."""
+
+def endless_sft_job(slurm, tmp_path, dist_timeout: str) -> str:
+    """An sbatch of SFT on 2 tasks that would run for hours, once it has logged 3 steps; returns the job id."""
     out = tmp_path / "run"
     args = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_len", "32",
-            "--max_steps", "100000", "--max_epochs", "100000", "--zero_stage", "2", "--dist_timeout", "0.5",
+            "--max_steps", "100000", "--max_epochs", "100000", "--zero_stage", "2", "--dist_timeout", dist_timeout,
             "--save_path", str(out)]
     job = slurm.sbatch(f"--output={tmp_path}/job.out", SBATCH, *args,
                        env={"JOB": "train_sft", "MASTER_PORT": str(free_port())})
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # a loaded machine starts slowly
     while not (out / "metrics.jsonl").exists() or len(read_metrics(out)) < 3:
         assert slurm.job(job)["JobState"] in ("PENDING", "RUNNING"), (tmp_path / "job.out").read_text()[-4000:]
         assert time.monotonic() < deadline
         time.sleep(0.2)
+    return job
+
+def test_a_killed_task_ends_the_step_naming_its_rank(slurm, tmp_path):
+    """SIGKILL of task 1 mid-run: srun --kill-on-bad-exit ends the step (task 0 too) at once and says which
+    task it was; the job ends FAILED well within --dist_timeout."""
+    job = endless_sft_job(slurm, tmp_path, "0.5")
     pid = task_pid(job, 1)
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
@@ -150,17 +156,7 @@ def test_a_stopped_task_is_named_by_its_peer_and_srun_ends_the_step(slurm, tmp_p
     silence (--dist_timeout 0.25 min = 15 s, less two 3.75 s periods: before gloo's own 15 s timeout in the
     collective it waits in, which would name no rank) and exits 1, upon which --kill-on-bad-exit ends the stopped
     task too (slurmstepd sends it SIGCONT and SIGTERM)."""
-    out = tmp_path / "run"
-    args = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_len", "32",
-            "--max_steps", "100000", "--max_epochs", "100000", "--zero_stage", "2", "--dist_timeout", "0.25",
-            "--save_path", str(out)]
-    job = slurm.sbatch(f"--output={tmp_path}/job.out", SBATCH, *args,
-                       env={"JOB": "train_sft", "MASTER_PORT": str(free_port())})
-    deadline = time.monotonic() + 120
-    while not (out / "metrics.jsonl").exists() or len(read_metrics(out)) < 3:
-        assert slurm.job(job)["JobState"] in ("PENDING", "RUNNING"), (tmp_path / "job.out").read_text()[-4000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    job = endless_sft_job(slurm, tmp_path, "0.25")
     time.sleep(5)  # a heartbeat period (3.75 s) of training first
     pid = task_pid(job, 1)
     assert pid is not None
