@@ -37,6 +37,9 @@ start_munge() {
   [ "$(id -u)" = 0 ] || cannot "slurmd must run as root to start jobs as their user"
   mkdir -p "$dir"/{munge,spool,state,log}
   dir=$(cd "$dir" && pwd)
+  # slurmd's step sockets are DIR/spool/NODE/NODE_JOB.STEP (up to ~40 bytes more), and a unix socket path has
+  # at most 107: a longer DIR lets the daemons start but no job step launch (the job goes back to PENDING)
+  [ ${#dir} -le 60 ] || { echo "state directory $dir is ${#dir} bytes long; slurmd's sockets under it would pass the 107-byte limit of a unix socket path: use one of at most 60 (mktemp -d /tmp/slurm-XXXX)" >&2; exit 1; }
   chmod 700 "$dir/munge"
   [ -f "$dir/munge/munge.key" ] || { dd if=/dev/urandom of="$dir/munge/munge.key" bs=1024 count=1 status=none; }
   chmod 400 "$dir/munge/munge.key"

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -85,9 +87,19 @@ class SlurmCluster:
         while (info := self.job(job_id))["JobState"] not in FINISHED:
             if time.monotonic() > deadline:
                 self.run("scancel", str(job_id))
-                raise AssertionError(f"job {job_id} still {info['JobState']} after {timeout} s")
+                raise AssertionError(f"job {job_id} still {info['JobState']} (Reason={info.get('Reason')}) after "
+                                     f"{timeout} s\n{self.logs()}")
             time.sleep(0.5)
         return info
+
+    def logs(self, lines: int = 15) -> str:
+        """The last lines of each daemon's log, for a failure's message."""
+        log_dir = os.path.join(self.state_dir, "log")
+        parts = []
+        for name in sorted(os.listdir(log_dir)) if os.path.isdir(log_dir) else []:
+            with open(os.path.join(log_dir, name), errors="replace") as f:
+                parts.append(f"--- {name}\n" + "".join(f.readlines()[-lines:]))
+        return "\n".join(parts)
 
     def cancel_all(self) -> None:
         self.run("scancel", "--user", "root", "--full", "--signal", "KILL")
@@ -95,13 +107,19 @@ class SlurmCluster:
 
 
 @contextmanager
-def private_slurm(state_dir: str, netns: tuple[str, str] | None = None) -> Iterator[SlurmCluster]:
-    """Install (if needed), start, yield the cluster; stop every daemon afterwards, whatever happened. With
-    `netns`, two nodes node0 and node1 (10.77.0.1 and 10.77.0.2), one slurmd in each of these network
-    namespaces (see the setup script's start-netns for what they must have). One cluster at a time on the
-    machine (a file lock): two at once, from two pytest-xdist workers, left a job PENDING."""
+def private_slurm(netns: tuple[str, str] | None = None) -> Iterator[SlurmCluster]:
+    """Install (if needed), start, yield the cluster; stop every daemon and remove its state afterwards, whatever
+    happened. With `netns`, two nodes node0 and node1 (10.77.0.1 and 10.77.0.2), one slurmd in each of these
+    network namespaces (see the setup script's start-netns for what they must have). One cluster at a time on
+    the machine (a file lock). The state lives in a short directory of its own under /tmp: slurmd makes unix
+    sockets under it (spool/NODE/NODE_JOB.STEP), and a pytest-xdist tmp_path made that path longer than the
+    108 bytes a socket path may have, so the batch step could not start and the job went back to PENDING."""
     with exclusive("slurm"):
-        yield from _private_slurm(state_dir, netns)
+        state_dir = tempfile.mkdtemp(prefix="rlhf-slurm-", dir="/tmp")
+        try:
+            yield from _private_slurm(state_dir, netns)
+        finally:
+            shutil.rmtree(state_dir, ignore_errors=True)
 
 
 def _private_slurm(state_dir: str, netns: tuple[str, str] | None) -> Iterator[SlurmCluster]:

@@ -22,8 +22,8 @@ SBATCH = os.path.join(ROOT, "launch", "train_cpu.sbatch")
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    with private_slurm(str(tmp_path_factory.mktemp("slurm"))) as cluster:
+def slurm():
+    with private_slurm() as cluster:
         yield cluster
 
 

@@ -136,7 +136,7 @@ def test_two_nodes_with_vllm_rollout(nodes, tmp_path):
 
 
 def test_sbatch_on_two_slurm_nodes_takes_the_steps_of_one_node(nodes, one_node, tmp_path):
-    with private_slurm(str(tmp_path / "slurm"), netns=(nodes[0][0], nodes[1][0])) as slurm:
+    with private_slurm(netns=(nodes[0][0], nodes[1][0])) as slurm:
         out = tmp_path / "run"
         job = slurm.sbatch("--nodes=2", "--ntasks-per-node=1", f"--output={tmp_path}/job.out",
                            os.path.join(ROOT, "launch", "train_cpu.sbatch"), *PPO, "--save_path", str(out),
