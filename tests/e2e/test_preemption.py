@@ -1,4 +1,5 @@
-"""SIGUSR1/SIGTERM make the job checkpoint and exit 0; a job restarted by torchrun (--max-restarts)
+"""SIGUSR1/SIGTERM make the job checkpoint and exit 0 (workers signalled: tests/e2e/test_slurm.py); workers
+whose plain torchrun died of SIGUSR1 checkpoint and exit; a job restarted by torchrun (--max-restarts)
 after a worker died resumes from the newest complete checkpoint on its own."""
 
 import json
@@ -50,6 +51,15 @@ def wait_for(condition, proc, timeout=300):
         time.sleep(0.5)
 
 
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's parent is now init, which may reap it late)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def logged_steps(out):
     path = out / "metrics.jsonl"
     if not path.exists():
@@ -57,14 +67,18 @@ def logged_steps(out):
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_signal_checkpoints_and_exits_cleanly(tmp_path):
+def test_usr1_to_plain_torchrun_leaves_workers_that_checkpoint_and_exit(tmp_path):
+    """Plain torchrun dies at once on SIGUSR1 (a signal it does not handle); its workers notice their launcher
+    is gone, checkpoint the step they are in and exit (nobody is left to stop them), and the run resumes."""
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     proc = launch(out, ckpt, "--max_steps", "200")
     wait_for(lambda: len(logged_steps(out)) >= 2, proc)
-    for pid in workers(proc):
-        os.kill(pid, signal.SIGUSR1)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-4000:]
+    pids = workers(proc)
+    os.kill(proc.pid, signal.SIGUSR1)
+    _, err = proc.communicate(timeout=300)  # the pipes close once the workers, which hold them too, exit
+    assert proc.returncode == -signal.SIGUSR1
+    assert not [p for p in pids if running(p)], err[-4000:]
+    assert err.count("is gone: checkpointing at the end of this step, then exiting") == 2, err[-4000:]
     steps = logged_steps(out)
     assert [s for s, _ in complete_checkpoints(str(ckpt))] == [steps[-1]]
     assert steps[-1] < 200
