@@ -300,7 +300,13 @@ class JobConfig:
     dist_timeout: float = opt(30.0, "minutes a collective waits for the other ranks before the run fails")
     watchdog_interval: float = opt(120.0, "every N seconds without progress, each rank prints to stderr the "
                                    "stage it is in and since when (0: off)")
+    dry_run: bool = opt(False, "check the flags and inputs, print the rank plan and each rank's estimated peak memory "
+                        "per stage, say whether it fits --gpu_memory_gb, and exit: no engine starts, no weights "
+                        "load (not an OpenRLHF flag)")
+    gpu_memory_gb: float | None = opt(None, "GiB of one device the memory plan checks against (default: the visible "
+                                      "GPU's; on CPU the plan says fits only with this given; not an OpenRLHF flag)")
 
     def __post_init__(self) -> None:
+        require(self.gpu_memory_gb is None or self.gpu_memory_gb > 0, "--gpu_memory_gb must be > 0 (GiB)")
         require(self.dist_timeout > 0, "--dist_timeout must be > 0 (minutes)")
         require(self.watchdog_interval >= 0, "--watchdog_interval must be >= 0 (seconds; 0 turns it off)")

@@ -202,9 +202,22 @@ def start(parts: RunParts, cfg: Any, parse_warnings: Sequence[warnings.WarningMe
     show_parse_warnings(parse_warnings, launch.rank)
     cfg = for_this_machine(cfg)
     plan = parts.prepare(cfg, launch)
+    if cfg.dry_run:
+        print_memory_plan(cfg, plan, launch)
+        sys.exit(0)
     device = init_distributed(launch, cfg.dist_timeout)
     Watchdog(launch.rank, cfg.watchdog_interval).start()  # prints where this rank is stuck, if it is
     return Started(cfg, launch, preemption, parts.topology(cfg, plan), device, demo)
+
+
+def print_memory_plan(cfg: Any, plan: dict[Role, tuple[int, ...]], launch: LaunchEnv) -> None:
+    """--dry_run: the rank plan and the memory estimate per rank and stage, from rank 0 (configs only, no
+    weights; `rlhf.planning`)."""
+    from rlhf.planning.job_memory import job_memory
+    from rlhf.planning.report import report
+
+    if launch.rank == 0:
+        print(report(cfg, job_memory(cfg, plan), plan, launch.world_size), flush=True)
 
 
 def default_ckpt_path(cfg: Any) -> str:

@@ -1,0 +1,248 @@
+"""Peak memory per rank and per stage of a job, estimated from model shapes and settings alone (pure
+functions, bytes throughout). A `JobMemory` says which models a job holds on which ranks and what each stage
+runs; `estimate` turns it into one `Breakdown` per rank and stage. Knows nothing of flags or config roots
+(`rlhf.planning.job_memory` maps those onto a `JobMemory`).
+
+Where each term comes from (P: a model's parameters, b: bytes of the parameter dtype, n: the ranks of the
+model's role, ZeRO partitions over all of them; ring-attention ranks included):
+- weights: P·b, or P·b/n at ZeRO-3 plus the parameters gathered for the modules being computed (DeepSpeed's
+  prefetch bucket, 5e7 elements, and two blocks).
+- gradients (trained models; LoRA: the adapters' parameters only): ZeRO-0/1 P·b; ZeRO-2 P·b (the reduce bucket of
+  5e8 elements holds every gradient of a smaller model) + the fp32 gradient partition 4·P/n; ZeRO-3 P·b/n + the
+  fp32 partition 4·P/n.
+- optimizer states: Adam's two fp32 moments (8 bytes/param) and an fp32 master copy (4 bytes/param), which
+  DeepSpeed keeps at ZeRO >= 1 even for fp32 parameters (a cloned flat partition) and at ZeRO-0 only for 16-bit
+  ones: 12 bytes/param (8 for fp32 at ZeRO-0), over n at ZeRO >= 1; on the host with --adam_offload.
+- activations of one training micro-batch (`Activations`), per token and block in a Llama block with autograd:
+  both RMSNorms keep their fp32 input and normalised output plus the output in the parameter dtype (2·(8+b)·d
+  bytes), attention keeps rotated q, k, v, its output and the o_proj input (b·(3·q + 2·kv)), the gated MLP keeps
+  gate, up, SiLU(gate) and their product (4·b·i); eager attention adds heads·T² scores and probabilities per
+  sequence. Gradient checkpointing keeps each block's input (b·d per token and block) plus one block recomputed.
+  A ring of r ranks holds tokens/r of each sequence.
+- logits of one micro-batch: tokens x vocab x b, twice while training (the logits and their gradient); the
+  log-probs themselves are computed in chunks and never hold an fp32 copy of the logits.
+- rollout engine: its own weights (P·b over its tensor-parallel ranks) and KV cache (vLLM: the given bytes
+  per engine on CPU, on CUDA --vllm_gpu_memory_utilization of the device minus its weights; transformers'
+  generate: 2·layers·kv_dim·b per token of the rank's sequences). With sleep (CUDA) both leave the device
+  outside generation.
+- a fixed runtime reserve (CUDA context, communication buffers, allocator fragmentation) that neither
+  max_memory_allocated nor an RSS delta sees: counted for "fits", left out of the comparison with measured
+  peaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from rlhf.planning.model_shapes import ModelShape
+
+GiB = 1 << 30
+ZERO3_PREFETCH_ELEMENTS = 5e7  # the engine's stage3_prefetch_bucket_size
+ZERO2_REDUCE_BUCKET_ELEMENTS = 5e8  # the engine's reduce_bucket_size
+CUDA_RESERVE_BYTES = 3 * GiB
+"""The CUDA context (~0.5 GiB), NCCL buffers and allocator fragmentation, assumed for "fits" on a GPU."""
+COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "frozen_models", "rollout_weights",
+              "kv_cache", "buffers", "reserve")
+"""The parts of a breakdown, in the order the report prints them."""
+
+
+@dataclass(frozen=True)
+class Model:
+    """One model of a job. `trained`: it has gradients and an optimizer; `scalar_head`: a critic or reward
+    model (no vocabulary logits); `offload`: a frozen model's parameters (a trained one's gradients and optimizer
+    states) live in host memory outside the stages that use them; `replicated`: whole on every rank whatever
+    the ZeRO stage (a frozen model on ranks of its own)."""
+
+    shape: ModelShape
+    trained: bool
+    scalar_head: bool = False
+    offload: bool = False
+    replicated: bool = False
+    lora_rank: int = 0
+
+    @property
+    def params(self) -> int:
+        return self.shape.params(self.scalar_head)
+
+    def partitioned(self, t: Training) -> bool:
+        return t.zero_stage == 3 and not self.replicated
+
+    @property
+    def trainable_params(self) -> int:
+        """The parameters with gradients: all of them, or LoRA's A and B on every linear layer of every block."""
+        if not self.lora_rank:
+            return self.params
+        per_block = sum(self.lora_rank * (a + b) for a, b in self.shape.linear_dims())
+        return self.shape.layers * per_block
+
+
+@dataclass(frozen=True)
+class Training:
+    """How trained models run (the engine's settings)."""
+
+    dtype_bytes: int
+    zero_stage: int
+    adam_offload: bool = False
+    gradient_checkpointing: bool = False
+    eager_attention: bool = False
+    ring_size: int = 1
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One forward (`train`: with backward) of `role`'s model over a micro-batch of `tokens` tokens per rank
+    before any ring split, sequences of at most `longest` tokens."""
+
+    role: str
+    tokens: int
+    longest: int
+    train: bool
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """The rollout engine on every rank: `vllm` (else transformers' generate), tensor-parallel size, KV bytes
+    per engine (vLLM on CPU) or the device fraction it takes (vLLM on CUDA), and the tokens of the sequences one
+    rank generates at once (transformers' KV cache). `sleep`: it leaves the device outside generation."""
+
+    shape: ModelShape
+    vllm: bool
+    tp: int = 1
+    kv_cache_bytes: int = 0
+    gpu_fraction: float = 0.0
+    tokens_per_rank: int = 0
+    sleep: bool = False
+
+
+@dataclass(frozen=True)
+class JobMemory:
+    """A job's models by role name, the ranks of each role, what each stage runs (passes that run one after
+    another: the stage's peak is the largest), the rollout engine, the weight-sync bucket, the settings."""
+
+    models: dict[str, Model]
+    ranks: dict[str, tuple[int, ...]]
+    stages: dict[str, tuple[Pass, ...]]
+    training: Training
+    rollout: Rollout | None = None
+    sync_bucket_bytes: int = 0
+    device_bytes: int | None = None  # CUDA: the device's memory (sizes vLLM's KV cache); None on CPU
+    reserve_bytes: int = 0
+    active: dict[str, tuple[str, ...]] = field(default_factory=dict)  # stage -> roles whose offloaded parts return
+
+
+Breakdown = dict[str, int]
+
+
+def estimate(job: JobMemory, world_size: int) -> dict[int, dict[str, Breakdown]]:
+    """rank -> stage -> component -> bytes, for every rank and stage of `job`."""
+    return {rank: {stage: stage_breakdown(job, rank, stage) for stage in job.stages} for rank in range(world_size)}
+
+
+def total(breakdown: Breakdown, with_reserve: bool = True) -> int:
+    return sum(v for k, v in breakdown.items() if with_reserve or k != "reserve")
+
+
+def stage_breakdown(job: JobMemory, rank: int, stage: str) -> Breakdown:
+    """What rank `rank` holds at the peak of `stage`: the models it hosts (resident), the largest of the
+    stage's passes on its models (transient), the rollout engine and the reserve."""
+    out = dict.fromkeys(COMPONENTS, 0)
+    hosted = [role for role, ranks in job.ranks.items() if rank in ranks and role in job.models]
+    active = job.active.get(stage, ())
+    for role in hosted:
+        for k, v in resident(job.models[role], len(job.ranks[role]), job.training, role in active).items():
+            out[k] += v
+    passes = [p for p in job.stages[stage] if p.role in hosted]
+    transients = [pass_bytes(job.models[p.role], p, len(job.ranks[p.role]), job.training) for p in passes]
+    if stage == "weight_sync" and job.sync_bucket_bytes:
+        transients.append({"buffers": job.sync_bucket_bytes})
+    if transients:
+        for k, v in max(transients, key=lambda t: sum(t.values())).items():
+            out[k] += v
+    if job.rollout is not None:
+        for k, v in rollout_bytes(job.rollout, job.training.dtype_bytes, stage, job.device_bytes).items():
+            out[k] += v
+    out["reserve"] = job.reserve_bytes
+    return out
+
+
+def resident(model: Model, n: int, t: Training, active: bool) -> Breakdown:
+    """What a hosted model keeps between passes on one of its `n` ranks (`active`: in a stage that uses it,
+    so offloaded parts are back on the device)."""
+    b = t.dtype_bytes
+    weights = model.params * b // n if model.partitioned(t) else model.params * b
+    if not model.trained:
+        return {"frozen_models": 0 if model.offload and not active else weights}
+    p = model.trainable_params
+    if model.offload and not active:  # --deepspeed_enable_sleep: gradients and optimizer states on the host
+        return {"weights": weights}
+    return {"weights": weights, "gradients": gradient_bytes(p, n, t), "optimizer": optimizer_bytes(p, n, t)}
+
+
+def gradient_bytes(p: int, n: int, t: Training) -> int:
+    """Gradients of `p` trainable parameters on one of `n` ranks (see the module docstring)."""
+    b, stage = t.dtype_bytes, t.zero_stage
+    if stage <= 1:
+        return p * b
+    partition = 4 * p // n
+    if stage == 2:
+        return int(min(p, ZERO2_REDUCE_BUCKET_ELEMENTS) * b) + (0 if t.adam_offload else partition)
+    return p * b // n + (0 if t.adam_offload else partition)
+
+
+def optimizer_bytes(p: int, n: int, t: Training) -> int:
+    """Adam's moments and the fp32 master copy of `p` parameters on one of `n` ranks; 0 with --adam_offload."""
+    if t.adam_offload:
+        return 0
+    master = 4 if t.zero_stage >= 1 or t.dtype_bytes < 4 else 0
+    return (8 + master) * p // (n if t.zero_stage >= 1 else 1)
+
+
+def pass_bytes(model: Model, p: Pass, n: int, t: Training) -> Breakdown:
+    """The transient memory of one pass: activations, logits and, at ZeRO-3, the gathered parameters."""
+    s, b = model.shape, t.dtype_bytes
+    tokens = -(-p.tokens // t.ring_size)
+    out = {"activations": activation_bytes(s, tokens, p.longest, p.train, t),
+           "logits": 0 if model.scalar_head else tokens * s.vocab * b * (2 if p.train else 1)}
+    if model.partitioned(t):
+        out["buffers"] = int(min(model.params, ZERO3_PREFETCH_ELEMENTS + 2 * s.layer_params) * b)
+    return out
+
+
+def block_bytes_per_token(s: ModelShape, b: int) -> int:
+    """What autograd keeps per token in one Llama block (module docstring)."""
+    q = s.heads * s.head_dim
+    return 2 * (8 + b) * s.hidden + b * (3 * q + 2 * s.kv_dim) + 4 * b * s.intermediate
+
+
+def activation_bytes(s: ModelShape, tokens: int, longest: int, train: bool, t: Training) -> int:
+    """Activations of one micro-batch of `tokens` tokens on one rank (already split over the ring): every
+    block's with autograd, the block input of each plus one block's without recomputation under gradient
+    checkpointing, one block's working set in a forward without autograd."""
+    b = t.dtype_bytes
+    block = block_bytes_per_token(s, b) * tokens
+    if t.eager_attention:  # scores and probabilities of every head, per sequence of `longest` tokens
+        block += 2 * b * s.heads * longest * -(-longest // t.ring_size) * max(1, tokens // longest)
+    embeddings = tokens * s.hidden * b * 2  # the embedding output and the final norm's
+    if not train:
+        return block + embeddings
+    if t.gradient_checkpointing:
+        return s.layers * tokens * s.hidden * b + 2 * block + embeddings
+    return s.layers * block + embeddings
+
+
+def rollout_bytes(r: Rollout, b: int, stage: str, device_bytes: int | None) -> Breakdown:
+    """The rollout engine's weights and KV cache on one rank in `stage` (none outside generation with sleep)."""
+    if r.sleep and stage != "generation":
+        return {}
+    weights = r.shape.params() * b // r.tp
+    if not r.vllm:
+        kv = 2 * r.shape.layers * r.shape.kv_dim * b * r.tokens_per_rank if stage == "generation" else 0
+        return {"rollout_weights": weights, "kv_cache": kv}
+    if device_bytes is not None:  # vLLM on CUDA takes its fraction of the device: weights, KV and its activations
+        return {"rollout_weights": weights, "kv_cache": max(0, int(r.gpu_fraction * device_bytes) - weights)}
+    return {"rollout_weights": weights, "kv_cache": r.kv_cache_bytes}
+
+
+def with_training(job: JobMemory, **changes) -> JobMemory:
+    """`job` with other engine settings (what the report's suggestions try)."""
+    return replace(job, training=replace(job.training, **changes))
