@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from rlhf.assets import EMBEDDED_REWARD_MODEL_DIR
-from rlhf.cli.serve_rm import RewardServer, ServerLimits, build_source
+from rlhf.cli.serve_rm import build_source
 from rlhf.rewards import RemoteRewardClient, RewardInputs
 from rlhf.rewards.base import RewardResult
 from rlhf.rewards.remote import API_KEY_ENV
+from rlhf.rewards.reward_server import RewardServer, ServerLimits
 from tests.distributed import free_port
 
 INPUTS = RewardInputs(["ab", "abcd"], ["", ""], [None, None], torch.zeros(2, 1), torch.ones(2, 1))
