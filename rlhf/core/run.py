@@ -27,7 +27,13 @@ from rlhf.config.errors import UsageError
 from rlhf.config.shared_config import CheckpointConfig, LoggingConfig, replace_quietly
 from rlhf.core.checkpointer import Checkpointer, restarted_by_launcher
 from rlhf.core.loop import Job, Loop
-from rlhf.core.throughput import TOKENS_PER_S, Throughput, device_peak_tflops
+from rlhf.core.throughput import (
+    TOKENS_PER_S,
+    MemoryPeaks,
+    Throughput,
+    device_peak_tflops,
+    gather_memory_table,
+)
 from rlhf.distributed.launch_env import LaunchEnv, finish_heartbeat, init_distributed, read_launch_env
 from rlhf.distributed.topology import Role, Topology
 from rlhf.engines.deepspeed_compat import install_subgroup_patches
@@ -220,6 +226,19 @@ def print_memory_plan(cfg: Any, plan: dict[Role, tuple[int, ...]], launch: Launc
         print(report(cfg, job_memory(cfg, plan), plan, launch.world_size), flush=True)
 
 
+def planned_stage_bytes(cfg: Any, plan: dict[Role, tuple[int, ...]], launch: LaunchEnv) -> dict[str, int]:
+    """This rank's planned peak bytes per stage (the reserve left out), logged beside the measured peaks; {} for
+    a model the plan cannot read, with a warning."""
+    from rlhf.planning.job_memory import job_memory
+    from rlhf.planning.report import stage_estimates
+
+    try:
+        return stage_estimates(job_memory(cfg, plan), launch.world_size, launch.rank)
+    except UsageError as err:
+        warnings.warn(f"no memory estimate beside the measured peaks: {err}", stacklevel=2)
+        return {}
+
+
 def default_ckpt_path(cfg: Any) -> str:
     """The job's default --ckpt_path (a resume from an explicitly given path must find it)."""
     return type(cfg)().checkpoint.ckpt_path
@@ -237,6 +256,7 @@ def run_job(parts: JobParts, cfg: Any, parse_warnings: Sequence[warnings.Warning
     if run.topology.has_subgroups:
         install_subgroup_patches()
     seed_everything(cfg.seed + launch.rank, cfg.full_determinism)
+    memory = MemoryPeaks(run.device, planned_stage_bytes(cfg, run.topology.plan, launch))
     job = parts.build(run)
     peak, source = device_peak_tflops(run.device, cfg.logging.peak_tflops)
     if run.is_writer:
@@ -245,7 +265,7 @@ def run_job(parts: JobParts, cfg: Any, parse_warnings: Sequence[warnings.Warning
     logger = metrics_logger(cfg, job.steps, run.is_writer, f"{parts.name} steps", {**parts.bar, "tok/s": TOKENS_PER_S})
     checkpointer = Checkpointer(cfg.checkpoint, default_ckpt_path=default_ckpt_path(cfg),
                                 rank=launch.rank, world_size=launch.world_size, logger=logger)
-    throughput = Throughput(peak)
+    throughput = Throughput(peak, memory)
     loop = Loop(job.steps, cfg.logging.logging_steps, job.save_steps, job.eval_every, logger, checkpointer,
                 launch.rank, throughput)
     begin_step = loop.resume(job.trainer)
@@ -255,7 +275,9 @@ def run_job(parts: JobParts, cfg: Any, parse_warnings: Sequence[warnings.Warning
             job.save()
     finally:
         logger.close()
+    table = gather_memory_table(memory, launch.rank, os.path.join(cfg.logging.save_path, "memory_peaks.json"))
     dist.barrier()
     finish_heartbeat()
     if cfg.logging.perf and run.is_writer:
         print(throughput.summary(), flush=True)
+        print("\n".join(table), flush=True)

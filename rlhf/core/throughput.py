@@ -10,12 +10,15 @@ gradient checkpointing not counted). Generation by the rollout engine is counted
 (`rlhf.utils.watchdog`: generation, experience, train, ...). `Throughput.metrics` turns one step's work and
 stage times into metrics: `perf/tokens_per_s` (trained tokens over the world), `perf/tflops` (per rank, mean
 over ranks), `perf/mfu` (against the device's dense bf16 peak, `--peak_tflops`, or none on a CPU without it),
-and per stage `perf/{stage}_tflops`, `perf/generated_tokens_per_s`.
+and per stage `perf/{stage}_tflops`, `perf/generated_tokens_per_s`. `MemoryPeaks` measures each stage's peak
+memory per rank, logged as `memory/peak_gb_<stage>` beside the memory plan's `memory/estimate_gb_<stage>`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import threading
 import warnings
 from collections import defaultdict
 
@@ -166,12 +169,127 @@ def shape_of_pretrained(path: str, trust_remote_code: bool = False) -> ModelShap
         return ModelShape.of(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
 
 
-class Throughput:
-    """Per-step throughput metrics from `WORK` and the step's stage times (`time/<stage>`). `peak`: one device's
-    TFLOP/s (None: no MFU). Every rank calls `metrics` (one all-reduce over the world)."""
+class MemoryPeaks:
+    """This rank's measured peak memory per stage, above a baseline taken when it is built (after imports and
+    process groups, before any model): CUDA's max_memory_allocated, or on CPU the resident set's high-water
+    mark (VmHWM; reset through /proc/self/clear_refs). A thread polls the stage the rank is in every few
+    milliseconds; at each change it files the peak since the last change under the stage left and resets the
+    peak, so a stage shorter than the poll may go unseen and a stage's first milliseconds count for the one
+    before. `estimates`: the memory plan's bytes per stage for this rank (without its reserve), logged beside."""
 
-    def __init__(self, peak: float | None) -> None:
+    def __init__(self, device: torch.device, estimates: dict[str, int] | None = None, poll_s: float = 0.002) -> None:
+        self.cuda = device.type == "cuda"
+        self.device, self.estimates, self.poll_s = device, estimates or {}, poll_s
+        self.baseline = self._current()
+        self.step_peaks: dict[str, int] = {}  # since the last `pop`
+        self.run_peaks: dict[str, int] = {}
+        self._stage: str | None = None
+        self._lock = threading.Lock()  # `file` runs on the polling thread and from `Throughput.metrics`
+        self._stop = threading.Event()
+        self._reset()
+        self._thread = threading.Thread(target=self._run, name="memory-peaks", daemon=True)
+        self._thread.start()
+
+    def _current(self) -> int:
+        if self.cuda:
+            return torch.cuda.memory_allocated(self.device)
+        return _status_kib("VmRSS") * 1024
+
+    def _peak(self) -> int:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated(self.device)
+        return _status_kib("VmHWM") * 1024
+
+    def _reset(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current resident set (Linux >= 4.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.file()
+
+    def file(self) -> None:
+        """At a change of stage, the peak since the last one goes to the stage left (polling thread)."""
+        with self._lock:
+            stage = current_stage()
+            if stage == self._stage:
+                return
+            if self._stage is not None:
+                used = max(0, self._peak() - self.baseline)
+                for peaks in (self.step_peaks, self.run_peaks):
+                    peaks[self._stage] = max(peaks.get(self._stage, 0), used)
+            self._reset()
+            self._stage = stage
+
+    def pop(self) -> dict[str, int]:
+        out, self.step_peaks = self.step_peaks, {}
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def table(self) -> dict[str, dict[str, int]]:
+        """stage -> {"measured": peak bytes over the run, "estimated": the plan's bytes} for this rank."""
+        return {s: {"measured": self.run_peaks.get(s, 0), "estimated": self.estimates.get(s, 0)}
+                for s in STAGES[:-1] if s in self.run_peaks or s in self.estimates}
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def memory_metrics(memory: MemoryPeaks, world: int) -> dict[str, float]:
+    """memory/peak_gb_<stage> (measured) and memory/estimate_gb_<stage> (planned), each the largest over the
+    ranks, for the stages of `STAGES` but "step". Every rank calls it (one all-reduce with MAX over the world)."""
+    stages = STAGES[:-1]
+    peaks = memory.pop()
+    local = torch.tensor([float(peaks.get(s, -1)) for s in stages]
+                         + [float(memory.estimates.get(s, -1)) for s in stages], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    values = local.tolist()
+    out = {f"memory/peak_gb_{s}": v / 2**30 for s, v in zip(stages, values) if v >= 0}
+    out.update({f"memory/estimate_gb_{s}": v / 2**30 for s, v in zip(stages, values[len(stages):]) if v >= 0})
+    return out
+
+
+def gather_memory_table(memory: MemoryPeaks, rank: int, path: str | None) -> list[str]:
+    """Every rank's measured and estimated peak per stage, written as JSON to `path` by rank 0 (None: not
+    written); returns the table's lines on rank 0 (elsewhere []). Every rank calls it (an all-gather)."""
+    memory.stop()
+    tables = [memory.table()]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        tables = [None] * dist.get_world_size()
+        dist.all_gather_object(tables, memory.table())
+    if rank != 0:
+        return []
+    if path is not None:
+        with open(path, "w") as f:
+            json.dump({str(r): t for r, t in enumerate(tables)}, f, indent=1)
+    lines = ["memory: measured peak vs planned, GiB per rank and stage (" +
+             ("CUDA max_memory_allocated" if memory.cuda else "resident-set growth since start-up") + ")"]
+    for r, table in enumerate(tables):
+        cells = [f"{s} {v['measured'] / 2**30:.3f}/{v['estimated'] / 2**30:.3f}" for s, v in table.items()]
+        lines.append(f"  rank {r}: " + ", ".join(cells))
+    return lines
+
+
+class Throughput:
+    """Per-step throughput metrics from `WORK` and the step's stage times (`time/<stage>`), and the measured
+    peak memory of each stage beside the plan's (`memory`, None: not measured). `peak`: one device's TFLOP/s
+    (None: no MFU). Every rank calls `metrics` (all-reduces over the world)."""
+
+    def __init__(self, peak: float | None, memory: MemoryPeaks | None = None) -> None:
         self.peak = peak
+        self.memory = memory
         self.history: list[dict[str, float]] = []  # each step's perf/* and time/* (for `summary`)
 
     def metrics(self, times: dict[str, float]) -> dict[str, float]:
@@ -198,6 +316,9 @@ class Throughput:
                 out[f"perf/{stage}_tflops"] = stage_flops / world / seconds / 1e12
         if generated and times.get("time/generation", 0.0) > 0:
             out["perf/generated_tokens_per_s"] = generated / times["time/generation"]
+        if self.memory is not None:
+            self.memory.file()  # the step's last stage ended (the loop left it before logging)
+            out.update(memory_metrics(self.memory, world))
         self.history.append({**{k: v for k, v in times.items() if k.startswith("time/")}, **out})
         return out
 
