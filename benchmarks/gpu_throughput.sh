@@ -33,26 +33,27 @@ on_cuda=$(python -c 'import torch; print(int(torch.cuda.is_available()))')
 DEVICE=${DEVICE:-$([ "$on_cuda" = 1 ] && echo cuda || echo cpu)}
 export DEVICE
 
-# The wheel install of gpu_smoke.sh, once: skipped when DeepSpeed already imports (a CPU venv, a second run).
+# The wheel install of gpu_smoke.sh, once: DeepSpeed (and hjson, pydantic) when it does not import, this checkout when
+# `rlhf.kernels` does not import from outside it (a CPU venv, a second run: nothing to do).
 install_wheels() {
-  if python -c 'import deepspeed' >/dev/null 2>&1; then
-    echo "[gpu_throughput] deepspeed already installed" >&2
-    return 0
+  if ! python -c 'import deepspeed' >/dev/null 2>&1; then
+    if [ ! -d "$WHEELHOUSE" ]; then
+      echo "[gpu_throughput] no deepspeed and no wheelhouse (see benchmarks/gpu_smoke.sh's header)" >&2
+      return 1
+    fi
+    python -m pip install --no-index --find-links "$WHEELHOUSE" --no-build-isolation --progress-bar off \
+      hjson pydantic accelerate peft >&2 || return 1
+    DS_BUILD_OPS=0 python -m pip install --no-index --find-links "$WHEELHOUSE" --no-build-isolation \
+      --progress-bar off deepspeed >&2 || return 1
   fi
-  if [ ! -d "$WHEELHOUSE" ]; then
-    echo "[gpu_throughput] no deepspeed and no wheelhouse (see benchmarks/gpu_smoke.sh's header)" >&2
-    return 1
+  if ! (cd / && python -c 'import rlhf.kernels') >/dev/null 2>&1; then
+    python -m pip install --no-index --no-deps --no-build-isolation --progress-bar off -e "$ROOT" >&2 || return 1
   fi
-  python -m pip install --no-index --find-links "$WHEELHOUSE" --no-build-isolation --progress-bar off \
-    hjson pydantic accelerate peft >&2 || return 1
-  DS_BUILD_OPS=0 python -m pip install --no-index --find-links "$WHEELHOUSE" --no-build-isolation \
-    --progress-bar off deepspeed >&2 || return 1
-  python -m pip install --no-index --no-deps --no-build-isolation --progress-bar off -e "$ROOT" >&2
 }
 
 if [ "${INSTALL:-$on_cuda}" = 1 ]; then
   start=$SECONDS
-  install_wheels || { echo '{"status": "failed", "reason": "install"}'; exit 1; }
+  install_wheels || { echo '{"status": "failed", "reason": "install (see the lines above)"}'; exit 1; }
   echo "[gpu_throughput] install: $((SECONDS - start)) s" >&2
   # the time budget counts from here: the install has had its share of the ~4 minutes
   export BUDGET_S=${BUDGET_S:-$((220 - (SECONDS - start)))}

@@ -9,6 +9,7 @@ names; nothing of the trainers' insides.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import signal
@@ -221,6 +222,9 @@ def run_plan(s: Settings, work: str) -> dict:
         left = s.budget_s - (time.perf_counter() - start)
         if left < 30:
             results[shape][job] = {"status": "not run", "reason": f"BUDGET_S {s.budget_s:g} spent"}
+            continue
+        if job == "grpo_vllm" and importlib.util.find_spec("vllm") is None:
+            results[shape][job] = {"status": "skipped", "reason": "vllm is not installed"}
             continue
         results[shape][job] = run_job(s, job, models[shape], data, os.path.join(work, f"{shape}-{job}"),
                                       min(s.job_timeout_s, left))

@@ -93,7 +93,7 @@ class Layer(torch.nn.Module):
         N = x_NE.shape[0]
         q, k, v = self.qkv(F.rms_norm(x_NE, self.norm1.shape, self.norm1, self.eps)).view(
             N, self.H + 2 * self.K, self.D).split([self.H, self.K, self.K], dim=1)
-        attn = varlen_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, cu_seqlens, max_len)
+        attn = varlen_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous(), cu_seqlens, max_len)
         x_NE = x_NE + self.o(attn.reshape(N, -1))
         gate, up = self.gate_up(F.rms_norm(x_NE, self.norm2.shape, self.norm2, self.eps)).chunk(2, dim=-1)
         return x_NE + self.down(F.silu(gate) * up)
