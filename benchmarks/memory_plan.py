@@ -124,13 +124,15 @@ def grid(args: argparse.Namespace) -> None:
 
 READMES = {
     "7B PPO, one node of 8 x 80 GB (hybrid engine, ZeRO-3, vLLM TP 2)": (8, [
-        "--pretrain", "{qwen2.5-7b}", "--reward_pretrain", "{qwen2.5-7b}", "--colocate_all_models",
+        "--pretrain", "{qwen2.5-7b}", "--prompt_data", "prompts.jsonl", "--reward_pretrain", "{qwen2.5-7b}",
+        "--colocate_all_models",
         "--vllm_tensor_parallel_size", "2", "--vllm_gpu_memory_utilization", "0.5", "--vllm_enable_sleep",
         "--deepspeed_enable_sleep", "--zero_stage", "3", "--param_dtype", "bf16", "--gradient_checkpointing",
         "--packing_samples", "--micro_train_batch_size", "4", "--micro_rollout_batch_size", "8",
         "--prompt_max_len", "1024", "--generate_max_len", "1024", "--gpu_memory_gb", "80"]),
     "70B PPO, four nodes of 8 x 80 GB (hybrid engine, ZeRO-3, vLLM TP 8)": (32, [
-        "--pretrain", "{llama-3-70b}", "--reward_pretrain", "{llama-3-70b}", "--colocate_all_models",
+        "--pretrain", "{llama-3-70b}", "--prompt_data", "prompts.jsonl", "--reward_pretrain", "{llama-3-70b}",
+        "--colocate_all_models",
         "--vllm_tensor_parallel_size", "8", "--vllm_gpu_memory_utilization", "0.6", "--vllm_enable_sleep",
         "--deepspeed_enable_sleep", "--zero_stage", "3", "--param_dtype", "bf16", "--gradient_checkpointing",
         "--packing_samples", "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "4",

@@ -24,7 +24,7 @@ model's role, ZeRO partitions over all of them; ring-attention ranks included):
 - rollout engine: its own weights (P·b over its tensor-parallel ranks) and KV cache (vLLM: the given bytes
   per engine on CPU, on CUDA --vllm_gpu_memory_utilization of the device minus its weights; transformers'
   generate: 2·layers·kv_dim·b per token of the rank's sequences). With sleep (CUDA) both leave the device
-  outside generation.
+  during experience and training (it wakes for the weight sync).
 - a fixed runtime reserve (CUDA context, communication buffers, allocator fragmentation) that neither
   max_memory_allocated nor an RSS delta sees: counted for "fits", left out of the comparison with measured
   peaks.
@@ -231,8 +231,9 @@ def activation_bytes(s: ModelShape, tokens: int, longest: int, train: bool, t: T
 
 
 def rollout_bytes(r: Rollout, b: int, stage: str, device_bytes: int | None) -> Breakdown:
-    """The rollout engine's weights and KV cache on one rank in `stage` (none outside generation with sleep)."""
-    if r.sleep and stage != "generation":
+    """The rollout engine's weights and KV cache on one rank in `stage` (with sleep none in experience and
+    training: it wakes for the weight sync before generating)."""
+    if r.sleep and stage in ("experience", "train"):
         return {}
     weights = r.shape.params() * b // r.tp
     if not r.vllm:

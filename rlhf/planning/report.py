@@ -1,6 +1,6 @@
 """The `--dry_run` report: the rank plan, each rank's estimated peak memory per stage broken into its parts,
 whether the job fits one device, and when it does not, the fewest flag changes that make it fit (each candidate
-re-estimated, one change at a time, then pairs, then triples). Reads the config only to name flags.
+re-estimated, one change at a time, then pairs, and so on up to four). Reads the config only to name flags.
 """
 
 from __future__ import annotations
@@ -82,8 +82,12 @@ def candidates(cfg: Any, job: JobMemory) -> list[tuple[str, Callable[[JobMemory]
     frozen = [m for m in job.models.values() if not m.trained]
     if frozen and not all(m.offload for m in frozen):
         out.append(("--ref_reward_offload" if job.rollout else "offloading the frozen model", offload_frozen))
-    if job.rollout is not None and job.device_bytes is not None and not job.rollout.sleep:
-        out.append(("--vllm_enable_sleep", lambda j: replace(j, rollout=replace(j.rollout, sleep=True))))
+    if job.rollout is not None and job.device_bytes is not None and job.rollout.vllm:
+        if not job.rollout.sleep:
+            out.append(("--vllm_enable_sleep", lambda j: replace(j, rollout=replace(j.rollout, sleep=True))))
+        if job.rollout.gpu_fraction > 0.5:
+            out.append(("--vllm_gpu_memory_utilization 0.5",
+                        lambda j: replace(j, rollout=replace(j.rollout, gpu_fraction=0.5))))
     return out
 
 
@@ -97,11 +101,13 @@ def offload_frozen(job: JobMemory) -> JobMemory:
     return replace(job, models={n: m if m.trained else replace(m, offload=True) for n, m in job.models.items()})
 
 
-def fitting_changes(cfg: Any, job: JobMemory, world: int, budget: int, most: int = 3) -> list[list[str]]:
-    """The smallest sets of candidate changes (fewest first, at most `most` sets) under which the peak fits."""
+def fitting_changes(cfg: Any, job: JobMemory, world: int, budget: int, most: int = 3,
+                    most_changes: int = 4) -> list[list[str]]:
+    """The smallest sets of candidate changes (of at most `most_changes`; `most` sets of the fewest) under which
+    the peak fits."""
     options = candidates(cfg, job)
     found: list[list[str]] = []
-    for size in (1, 2, 3):
+    for size in range(1, most_changes + 1):
         for combo in itertools.combinations(options, size):
             changed = job
             for _, change in combo:
@@ -138,7 +144,7 @@ def report(cfg: Any, job: JobMemory, plan: dict[Role, tuple[int, ...]], world: i
     lines.append(f"does not fit: peak {top / GiB:.2f} GiB (rank {rank}, {stage}) > {budget / GiB:.0f} GiB per device")
     fixes = fitting_changes(cfg, job, world, budget)
     lines += ([f"  would fit with: {' + '.join(f)}" for f in fixes] if fixes else
-              ["  no combination of up to three of the planner's changes fits: more ranks or a smaller model"])
+              ["  no combination of up to four of the planner's changes fits: more ranks or a smaller model"])
     return "\n".join(lines)
 
 

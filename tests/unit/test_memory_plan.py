@@ -1,0 +1,169 @@
+"""The memory plan's terms against hand-derived numbers, its report's verdicts and suggestions, the measured
+peaks' bookkeeping, and `--dry_run` finishing without loading a weight."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from rlhf.config.flags import parse_config
+from rlhf.config.ppo_config import TrainPPOConfig
+from rlhf.core.throughput import MemoryPeaks
+from rlhf.distributed.topology import plan_ranks
+from rlhf.planning import memory_plan as mp
+from rlhf.planning.job_memory import job_memory
+from rlhf.planning.model_shapes import ModelShape, read_shape, shape_path
+from rlhf.planning.report import fitting_changes, peak, report
+from rlhf.trainers.ppo_build import placement_from_config
+from rlhf.utils import watchdog
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MiB = 1 << 20
+SMALL = ModelShape(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, intermediate=256, vocab=100)
+
+
+def test_shapes_count_the_public_parameter_numbers():
+    # Qwen2.5-7B: 7.62B (q/k/v biases, untied); Llama-3-70B: 70.55B
+    assert read_shape(shape_path("qwen2.5-7b")).params() == 7_615_616_512
+    assert read_shape(shape_path("llama-3-70b")).params() == 70_553_706_496
+
+
+def test_shape_of_the_embedded_model_counts_its_parameters():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlhf.assets import EMBEDDED_MODEL_DIR
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(EMBEDDED_MODEL_DIR))
+    assert read_shape(EMBEDDED_MODEL_DIR).params() == sum(p.numel() for p in model.parameters())
+
+
+def test_small_shape_by_hand():
+    # block: q, o 64x64 each; k, v 64x32 each; MLP 3 x 64x256; two norms of 64
+    block = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 256 + 2 * 64
+    assert SMALL.layer_params == block
+    assert SMALL.params() == 100 * 64 + 2 * block + 64 + 100 * 64
+    assert SMALL.params(scalar_head=True) == 100 * 64 + 2 * block + 64 + 64
+    lora = mp.Model(SMALL, trained=True, lora_rank=4)
+    assert lora.trainable_params == 2 * 4 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 2 * (64 + 256) + (256 + 64))
+
+
+@pytest.mark.parametrize("stage, dtype, n, offload, grads, optim", [
+    (0, 4, 2, False, 4e6, 8e6),  # fp32 without ZeRO: gradients, two moments, no master copy
+    (0, 2, 2, False, 2e6, 12e6),  # bf16 without ZeRO: an fp32 master copy too
+    (1, 4, 2, False, 4e6, 6e6),  # ZeRO-1: optimizer states (with the master copy DeepSpeed clones) over 2
+    (2, 2, 4, False, 2e6 + 1e6, 3e6),  # ZeRO-2: the reduce bucket holds every gradient + the fp32 partition
+    (3, 2, 4, False, 0.5e6 + 1e6, 3e6),  # ZeRO-3: 16-bit gradient shard + fp32 partition
+    (3, 2, 4, True, 0.5e6, 0),  # --adam_offload: fp32 partitions and states on the host
+])
+def test_gradients_and_optimizer_states_by_zero_stage(stage, dtype, n, offload, grads, optim):
+    t = mp.Training(dtype_bytes=dtype, zero_stage=stage, adam_offload=offload)
+    assert mp.gradient_bytes(10**6, n, t) == grads
+    assert mp.optimizer_bytes(10**6, n, t) == optim
+
+
+def test_activations_shrink_with_checkpointing_and_ring():
+    t = mp.Training(dtype_bytes=2, zero_stage=2)
+    per_token = mp.block_bytes_per_token(SMALL, 2)
+    assert per_token == 2 * 10 * 64 + 2 * (3 * 64 + 2 * 32) + 4 * 2 * 256
+    full = mp.activation_bytes(SMALL, 1000, 500, True, t)
+    assert full == 2 * per_token * 1000 + 1000 * 64 * 2 * 2
+    ckpt = mp.activation_bytes(SMALL, 1000, 500, True, mp.Training(dtype_bytes=2, zero_stage=2,
+                                                                      gradient_checkpointing=True))
+    assert ckpt == 2 * 1000 * 64 * 2 + 2 * per_token * 1000 + 1000 * 64 * 2 * 2
+    model = mp.Model(SMALL, trained=True)
+    ring = mp.pass_bytes(model, mp.Pass("actor", 1000, 500, True), 2, mp.Training(dtype_bytes=2, zero_stage=2,
+                                                                                    ring_size=2))
+    assert ring["activations"] == mp.activation_bytes(SMALL, 500, 500, True, t)
+    assert ring["logits"] == 500 * 100 * 2 * 2
+
+
+def test_vllm_takes_its_fraction_on_cuda_and_sleeps():
+    rollout = mp.Rollout(SMALL, vllm=True, tp=1, gpu_fraction=0.5, sleep=True)
+    device = 1000 * MiB
+    gen = mp.rollout_bytes(rollout, 2, "generation", device)
+    assert gen["rollout_weights"] + gen["kv_cache"] == 500 * MiB
+    assert mp.rollout_bytes(rollout, 2, "train", device) == {}
+    cpu = mp.rollout_bytes(mp.Rollout(SMALL, vllm=True, tp=2, kv_cache_bytes=64 * MiB), 2, "train", None)
+    assert cpu == {"rollout_weights": SMALL.params() * 2 // 2, "kv_cache": 64 * MiB}
+
+
+def ppo_job(world: int, *flags: str):
+    argv = ["--pretrain", shape_path("qwen2.5-7b"), "--colocate_all_models", "--param_dtype", "bf16",
+            "--vllm_tensor_parallel_size", "2", "--rollout_engine", "vllm", "--gpu_memory_gb", "80",
+            "--prompt_data", "prompts.jsonl", "--reward_pretrain", shape_path("qwen2.5-7b"), *flags]
+    cfg = parse_config(TrainPPOConfig, argv)
+    plan = plan_ranks(placement_from_config(cfg), world)
+    return cfg, plan, job_memory(cfg, plan)
+
+
+def test_a_7b_ppo_at_zero0_does_not_fit_and_the_plan_says_what_would():
+    cfg, plan, job = ppo_job(8, "--zero_stage", "0")
+    top, _, _ = peak(job, 8)
+    # actor and critic whole, each with bf16 weights, gradients and 12 bytes/param of Adam: far over 80 GiB
+    assert top > 2 * 7.6e9 * (2 + 2 + 12)
+    text = report(cfg, job, plan, 8)
+    assert "does not fit" in text
+    assert "rollout: 4 engine(s) of tensor-parallel size 2 (ranks 0-1; 2-3; 4-5; 6-7)" in text
+    fixes = fitting_changes(cfg, job, 8, 80 << 30)
+    assert fixes and all("--zero_stage 3" in f for f in fixes)
+
+
+def test_a_7b_ppo_at_zero3_with_sleep_fits_on_80_gb():
+    cfg, plan, job = ppo_job(8, "--zero_stage", "3", "--vllm_enable_sleep", "--deepspeed_enable_sleep",
+                             "--vllm_gpu_memory_utilization", "0.5", "--gradient_checkpointing")
+    text = report(cfg, job, plan, 8)
+    assert "fits: peak" in text, text
+    est = mp.estimate(job, 8)
+    assert est[0]["generation"]["gradients"] == 0 and est[0]["train"]["kv_cache"] == 0  # offloaded / asleep
+
+
+def test_memory_peaks_file_each_stage_apart():
+    peaks = MemoryPeaks(torch.device("cpu"), {"train": 123})
+    try:
+        def stage(name: str, mib: int) -> None:
+            watchdog.enter(name)
+            x = torch.ones(mib * MiB // 4)  # touched: resident
+            time.sleep(0.1)
+            del x
+            watchdog.leave()
+            time.sleep(0.05)
+
+        watchdog.enter("step")
+        stage("experience", 200)
+        stage("train", 40)
+        watchdog.leave()
+        peaks.file()
+        table = peaks.table()
+    finally:
+        peaks.stop()
+    assert 190 * MiB < table["experience"]["measured"] < 260 * MiB
+    assert 35 * MiB < table["train"]["measured"] < 100 * MiB  # the experience stage's 200 MiB are not charged here
+    assert table["train"]["estimated"] == 123
+
+
+def test_dry_run_prints_the_plan_without_loading_weights(tmp_path):
+    # any weight load or process group fails the run
+    script = (
+        "import sys, torch.distributed as dist, transformers, safetensors.torch\n"
+        "def refuse(*a, **k): raise SystemExit('loaded weights or started a process group')\n"
+        "transformers.PreTrainedModel.from_pretrained = classmethod(refuse)\n"
+        "safetensors.torch.load_file = refuse\n"
+        "dist.init_process_group = refuse\n"
+        "from rlhf.cli.train_ppo import main\n"
+        "main(sys.argv[1:])\n")
+    start = time.perf_counter()
+    flags = ["--dry_run", "--save_path", str(tmp_path), "--param_dtype", "fp32", "--attn_implementation", "sdpa",
+             "--rollout_batch_size", "8", "--train_batch_size", "8", "--gpu_memory_gb", "8",
+             "--vllm_gpu_memory_utilization", "0.5"]
+    proc = subprocess.run([sys.executable, "-c", script, *flags], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert time.perf_counter() - start < 60
+    assert "rank plan (1 ranks):" in proc.stdout and "fits: peak" in proc.stdout, proc.stdout
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
