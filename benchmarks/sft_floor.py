@@ -27,6 +27,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -5,6 +5,7 @@ and the FLOPs formula written out here (6N + 12·L·d·s per trained token, 2N +
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -32,6 +33,14 @@ def summary(tmp_path_factory) -> dict:
     assert json.loads(out.read_text()) == printed
     assert "| tiny | sft | ok |" in proc.stdout  # the table
     return printed
+
+
+def benchmark(name: str):
+    """A module of benchmarks/ (not a package), loaded from its file."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def flops_per_token(training: bool, seq_len: int) -> float:
@@ -87,3 +96,38 @@ def test_tflops_and_mfu_follow_from_tokens_and_the_formula(summary):
     for job in ("sft", "floor", "dpo", "grpo"):
         assert jobs[job]["mfu"] == pytest.approx(jobs[job]["tflops"] / PEAK, rel=1e-9), job
     assert summary["peak_tflops"] == PEAK
+
+
+def test_chunked_linear_cross_entropy_matches_autograd():
+    LinearCrossEntropy = benchmark("sft_floor").LinearCrossEntropy
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 16, generator=g, requires_grad=True)
+    W = torch.randn(50, 16, generator=g, requires_grad=True)
+    targets, weights = torch.randint(0, 50, (37,), generator=g), (torch.rand(37, generator=g) > 0.3).float()
+    ours = LinearCrossEntropy.apply(h, W, targets, weights, 8) * 0.7  # five chunks, the last one short
+    ours.backward()
+    grads = h.grad.clone(), W.grad.clone()
+    h.grad = W.grad = None
+    ref = (torch.nn.functional.cross_entropy(h @ W.T, targets, reduction="none") * weights).sum() * 0.7
+    ref.backward()
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(grads, (h.grad, W.grad))
+
+
+def test_floor_bf16_master_weights_follow_fp32(tmp_path, capsys):
+    """The CUDA configuration's optimizer path (bf16 parameters, fp32 masters) on CPU, several loss chunks: the same
+    first loss as fp32 up to bf16 rounding, and the same descent."""
+    inputs, floor = benchmark("gpu_throughput_inputs"), benchmark("sft_floor")
+    inputs.build_model_dir(str(tmp_path / "model"), "tiny", "cpu", torch.float32)
+    data = inputs.write_rows(str(tmp_path), ROW, PROMPT, 3 * BATCH)
+    losses = {}
+    for dtype in ("fp32", "bf16"):
+        floor.main(["--model", str(tmp_path / "model"), "--dataset", data["sft"], "--train_batch_size", str(BATCH),
+              "--max_tokens_per_micro_batch", str(2 * ROW), "--steps", "3", "--learning_rate", "3e-3", "--dtype", dtype,
+              "--device", "cpu", "--ce_chunk", "50", "--peak_tflops", "1"])
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert out["micro_batches_per_step"] == [BATCH // 2] * 3 and out["dtype"] == dtype
+        losses[dtype] = out["losses"]
+    assert losses["bf16"] == pytest.approx(losses["fp32"], abs=0.01)
+    assert losses["fp32"][2] < losses["fp32"][0] - 0.3 and losses["bf16"][2] < losses["bf16"][0] - 0.3
