@@ -56,18 +56,12 @@ class Settings:
 
         device = env.get("DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
         gpu = device == "cuda"
-        if env.get("PLAN"):
-            plan = [(shape, job) for part in env["PLAN"].split() for shape, jobs in [part.split(":")]
-                    for job in jobs.split(",")]
-        elif env.get("SHAPES") or env.get("JOBS") or not gpu:
-            shapes = env.get("SHAPES", "0.5b 1.5b" if gpu else "tiny").split()
-            plan = [(s, j) for s in shapes for j in env.get("JOBS", "sft floor dpo grpo").split()]
+        if env.get("PLAN") or not (env.get("SHAPES") or env.get("JOBS") or not gpu):
+            plan = parse_plan(env.get("PLAN") or GPU_PLAN)
         else:
-            plan = [(shape, job) for part in GPU_PLAN.split() for shape, jobs in [part.split(":")]
-                    for job in jobs.split(",")]
-        for shape, job in plan:
-            if shape not in SHAPES or job not in JOBS:
-                raise ValueError(f"unknown shape or job {shape}:{job}; shapes {sorted(SHAPES)}, jobs {JOBS}")
+            shapes = env.get("SHAPES", "0.5b 1.5b" if gpu else "tiny").split()
+            plan = parse_plan(" ".join(f"{s}:{','.join(env.get('JOBS', 'sft floor dpo grpo').split())}"
+                                       for s in shapes))
         row = int(env.get("ROW_TOKENS", 1024 if gpu else 64))
         peak = env.get("PEAK_TFLOPS")
         return Settings(device=device, plan=plan, row_tokens=row, prompt_tokens=int(env.get("PROMPT_TOKENS", row // 4)),
@@ -86,6 +80,18 @@ class Settings:
     @property
     def bf16(self) -> bool:
         return self.device == "cuda"
+
+
+def parse_plan(text: str) -> list[tuple[str, str]]:
+    """"shape:job,job shape:job" -> [(shape, job), ...] in order; an unknown name is a ValueError."""
+    plan = []
+    for part in text.split():
+        shape, _, jobs = part.partition(":")
+        plan += [(shape, job) for job in jobs.split(",")]
+    for shape, job in plan:
+        if shape not in SHAPES or job not in JOBS:
+            raise ValueError(f"PLAN/SHAPES/JOBS: unknown {shape}:{job}; shapes {sorted(SHAPES)}, jobs {JOBS}")
+    return plan
 
 
 def free_port() -> int:
