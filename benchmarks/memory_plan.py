@@ -4,6 +4,7 @@ of the resident set since start-up, `rlhf.core.throughput.MemoryPeaks`), the pla
 
     python benchmarks/memory_plan.py                    # the whole grid (~15 min on 2 cores)
     python benchmarks/memory_plan.py --jobs sft --zero 2 --layouts padded
+    python benchmarks/memory_plan.py --cuda --jobs sft  # on 2 GPUs (bf16; CUDA's max_memory_allocated)
     python benchmarks/memory_plan.py --readme           # the README's --dry_run plans for 7B and 70B shapes
 
 Model: a random Llama (hidden 512, 8 blocks, 8 heads of 64, intermediate 2048, vocabulary 4096; 37.7M
@@ -32,7 +33,10 @@ sys.path.insert(0, ROOT)
 
 SHAPE = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8, vocab_size=4096)
 MAX_LEN = 128
-COMMON = ["--param_dtype", "fp32", "--attn_implementation", "sdpa", "--max_steps", "2", "--logging_steps", "1",
+DEVICE_FLAGS = {False: ["--param_dtype", "fp32", "--attn_implementation", "sdpa"],
+                True: ["--param_dtype", "bf16", "--attn_implementation", "sdpa"]}
+"""CPU runs (False) in fp32, CUDA runs (True) in bf16; SDPA on both (flash-attn is optional)."""
+COMMON = ["--max_steps", "2", "--logging_steps", "1",
           "--lr_warmup_ratio", "0", "--watchdog_interval", "0", "--perf"]
 JOBS = {
     "sft": ("train_sft", ["--train_batch_size", "8", "--micro_train_batch_size", "4", "--max_len", str(MAX_LEN),
@@ -85,13 +89,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(job: str, zero: int, layout: str, inputs: dict[str, list[str]], out: str) -> dict:
-    """One run on 2 ranks; rank -> stage -> {measured, estimated} bytes (memory_peaks.json)."""
+def measure(job: str, zero: int, layout: str, inputs: dict[str, list[str]], out: str, cuda: bool = False) -> dict:
+    """One run on 2 ranks (`cuda`: on GPUs, 2 of them, else CPU); rank -> stage -> {measured, estimated} bytes
+    (memory_peaks.json)."""
     module, flags = JOBS[job]
-    save = os.path.join(out, f"{job}-z{zero}-{layout}")
+    save = os.path.join(out, f"{job}-z{zero}-{layout}{'-cuda' if cuda else ''}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "-m", f"rlhf.cli.{module}", *COMMON, *flags, *inputs[job], "--zero_stage", str(zero), *LAYOUTS[layout],
-           "--save_path", save]
+           "-m", f"rlhf.cli.{module}", *DEVICE_FLAGS[cuda], *COMMON, *flags, *inputs[job], "--zero_stage", str(zero),
+           *LAYOUTS[layout], "--save_path", save]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"{job} zero {zero} {layout} failed:\n{proc.stderr[-4000:]}")
@@ -109,7 +114,7 @@ def grid(args: argparse.Namespace) -> None:
         for job in args.jobs:
             for zero in args.zero:
                 for layout in args.layouts:
-                    table = measure(job, zero, layout, inputs, out)["0"]
+                    table = measure(job, zero, layout, inputs, out, args.cuda)["0"]
                     for stage, v in table.items():
                         ratio = v["estimated"] / v["measured"] if v["measured"] else float("nan")
                         results.append(dict(job=job, zero=zero, layout=layout, stage=stage, **v))
@@ -167,6 +172,7 @@ def main() -> None:
     parser.add_argument("--zero", nargs="*", type=int, default=[0, 2, 3])
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--cuda", action="store_true", help="run on 2 GPUs in bf16 (peaks: max_memory_allocated)")
     parser.add_argument("--readme", action="store_true", help="print the README's --dry_run plans instead")
     args = parser.parse_args()
     readme() if args.readme else grid(args)

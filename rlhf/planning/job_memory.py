@@ -19,8 +19,8 @@ from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.config.preference_config import PreferenceJobConfig
 from rlhf.config.supervised_config import PairDataConfig, TrainKDConfig, TrainRMConfig
 from rlhf.distributed.topology import Role
-from rlhf.planning.memory_plan import CUDA_RESERVE_BYTES, GiB, JobMemory, Model, Pass, Rollout, Training
 from rlhf.planning.model_shapes import read_shape
+from rlhf.planning.peak_memory import CUDA_RESERVE_BYTES, GiB, JobMemory, Model, Pass, Rollout, Training
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 

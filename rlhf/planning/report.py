@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from rlhf.distributed.topology import Role
-from rlhf.planning.memory_plan import COMPONENTS, GiB, JobMemory, estimate, total, with_training
+from rlhf.planning.peak_memory import COMPONENTS, GiB, JobMemory, estimate, total, with_training
 
 SHORT = {"weights": "weights", "gradients": "grads", "optimizer": "optim", "activations": "activ",
          "logits": "logits", "frozen_models": "frozen", "rollout_weights": "rollout_w", "kv_cache": "kv_cache",
@@ -128,7 +128,7 @@ def report(cfg: Any, job: JobMemory, plan: dict[Role, tuple[int, ...]], world: i
         groups.setdefault(repr(stages), []).append(rank)
     top, rank, stage = peak(job, world)
     unit, name = (GiB, "GiB") if top >= GiB else (1 << 20, "MiB")
-    lines.append(f"estimated peak memory per rank and stage ({name}; model: rlhf/planning/memory_plan.py):")
+    lines.append(f"estimated peak memory per rank and stage ({name}; model: rlhf/planning/peak_memory.py):")
     for ranks in groups.values():
         roles = [n for n, r in job.ranks.items() if ranks[0] in r] + (["rollout"] if job.rollout else [])
         lines.append(f"  ranks {spans(tuple(ranks))} ({', '.join(roles) or 'no models'}):")

@@ -15,7 +15,7 @@ from rlhf.config.flags import parse_config
 from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.core.throughput import MemoryPeaks
 from rlhf.distributed.topology import plan_ranks
-from rlhf.planning import memory_plan as mp
+from rlhf.planning import peak_memory as mp
 from rlhf.planning.job_memory import job_memory
 from rlhf.planning.model_shapes import ModelShape, read_shape, shape_path
 from rlhf.planning.report import fitting_changes, peak, report
@@ -58,8 +58,8 @@ def test_small_shape_by_hand():
     (0, 2, 2, False, 2e6, 12e6),  # bf16 without ZeRO: an fp32 master copy too
     (1, 4, 2, False, 4e6, 6e6),  # ZeRO-1: optimizer states (with the master copy DeepSpeed clones) over 2
     (2, 2, 4, False, 2e6 + 1e6, 3e6),  # ZeRO-2: the reduce bucket holds every gradient + the fp32 partition
-    (3, 2, 4, False, 0.5e6 + 1e6, 3e6),  # ZeRO-3: 16-bit gradient shard + fp32 partition
-    (3, 2, 4, True, 0.5e6, 0),  # --adam_offload: fp32 partitions and states on the host
+    (3, 2, 4, False, 2e6 + 0.5e6 + 1e6, 3e6),  # ZeRO-3: the bucket, the 16-bit gradient shard, the fp32 partition
+    (3, 2, 4, True, 2e6 + 0.5e6, 0),  # --adam_offload: fp32 partitions and states on the host
 ])
 def test_gradients_and_optimizer_states_by_zero_stage(stage, dtype, n, offload, grads, optim):
     t = mp.Training(dtype_bytes=dtype, zero_stage=stage, adam_offload=offload)

@@ -7,9 +7,9 @@ Where each term comes from (P: a model's parameters, b: bytes of the parameter d
 model's role, ZeRO partitions over all of them; ring-attention ranks included):
 - weights: P·b, or P·b/n at ZeRO-3 plus the parameters gathered for the modules being computed (DeepSpeed's
   prefetch bucket, 5e7 elements, and two blocks).
-- gradients (trained models; LoRA: the adapters' parameters only): ZeRO-0/1 P·b; ZeRO-2 P·b (the reduce bucket of
-  5e8 elements holds every gradient of a smaller model) + the fp32 gradient partition 4·P/n; ZeRO-3 P·b/n + the
-  fp32 partition 4·P/n.
+- gradients (trained models; LoRA: the adapters' parameters only): ZeRO-0/1 P·b; ZeRO-2 and 3 the reduce bucket
+  (5e8 elements: every gradient of a smaller model, min(P, 5e8)·b) + the fp32 gradient partition 4·P/n, and at
+  ZeRO-3 the 16-bit gradient shard P·b/n too; only in the train stage (the optimizer step sets them to None).
 - optimizer states: Adam's two fp32 moments (8 bytes/param) and an fp32 master copy (4 bytes/param), which
   DeepSpeed keeps at ZeRO >= 1 even for fp32 parameters (a cloned flat partition) and at ZeRO-0 only for 16-bit
   ones: 12 bytes/param (8 for fp32 at ZeRO-0), over n at ZeRO >= 1; on the host with --adam_offload.
@@ -25,6 +25,8 @@ model's role, ZeRO partitions over all of them; ring-attention ranks included):
   per engine on CPU, on CUDA --vllm_gpu_memory_utilization of the device minus its weights; transformers'
   generate: 2·layers·kv_dim·b per token of the rank's sequences). With sleep (CUDA) both leave the device
   during experience and training (it wakes for the weight sync).
+- weight sync: a bucket of --weight_sync_bucket_mb where the actor's weights are gathered from ZeRO-3 shards
+  or received by a rank without the actor (a colocated unpartitioned actor hands its tensors over directly).
 - a fixed runtime reserve (CUDA context, communication buffers, allocator fragmentation) that neither
   max_memory_allocated nor an RSS delta sees: counted for "fits", left out of the comparison with measured
   peaks.
@@ -38,7 +40,7 @@ from rlhf.planning.model_shapes import ModelShape
 
 GiB = 1 << 30
 ZERO3_PREFETCH_ELEMENTS = 5e7  # the engine's stage3_prefetch_bucket_size
-ZERO2_REDUCE_BUCKET_ELEMENTS = 5e8  # the engine's reduce_bucket_size
+REDUCE_BUCKET_ELEMENTS = 5e8  # the engine's reduce_bucket_size (ZeRO-2 and 3)
 CUDA_RESERVE_BYTES = 3 * GiB
 """The CUDA context (~0.5 GiB), NCCL buffers and allocator fragmentation, assumed for "fits" on a GPU."""
 COMPONENTS = ("weights", "gradients", "optimizer", "activations", "logits", "frozen_models", "rollout_weights",
@@ -147,14 +149,15 @@ def stage_breakdown(job: JobMemory, rank: int, stage: str) -> Breakdown:
     stage's passes on its models (transient), the rollout engine and the reserve."""
     out = dict.fromkeys(COMPONENTS, 0)
     hosted = [role for role, ranks in job.ranks.items() if rank in ranks and role in job.models]
-    active = job.active.get(stage, ())
+    active, t = job.active.get(stage, ()), job.training
     for role in hosted:
-        for k, v in resident(job.models[role], len(job.ranks[role]), job.training, role in active).items():
+        for k, v in resident(job.models[role], len(job.ranks[role]), t, role in active, stage == "train").items():
             out[k] += v
     passes = [p for p in job.stages[stage] if p.role in hosted]
-    transients = [pass_bytes(job.models[p.role], p, len(job.ranks[p.role]), job.training) for p in passes]
-    if stage == "weight_sync" and job.sync_bucket_bytes:
-        transients.append({"buffers": job.sync_bucket_bytes})
+    transients = [pass_bytes(job.models[p.role], p, len(job.ranks[p.role]), t) for p in passes]
+    trained = [job.models[r] for r in hosted if job.models[r].trained]
+    if stage == "weight_sync" and (not trained or any(m.partitioned(t) for m in trained)):
+        transients.append({"buffers": job.sync_bucket_bytes})  # gathered from shards, or received
     if transients:
         for k, v in max(transients, key=lambda t: sum(t.values())).items():
             out[k] += v
@@ -165,9 +168,10 @@ def stage_breakdown(job: JobMemory, rank: int, stage: str) -> Breakdown:
     return out
 
 
-def resident(model: Model, n: int, t: Training, active: bool) -> Breakdown:
+def resident(model: Model, n: int, t: Training, active: bool, training: bool) -> Breakdown:
     """What a hosted model keeps between passes on one of its `n` ranks (`active`: in a stage that uses it,
-    so offloaded parts are back on the device)."""
+    so offloaded parts are back on the device; `training`: the train stage, the only one with gradients, which
+    the optimizer step drops: DeepSpeed zeroes them with set_to_none)."""
     b = t.dtype_bytes
     weights = model.params * b // n if model.partitioned(t) else model.params * b
     if not model.trained:
@@ -175,7 +179,8 @@ def resident(model: Model, n: int, t: Training, active: bool) -> Breakdown:
     p = model.trainable_params
     if model.offload and not active:  # --deepspeed_enable_sleep: gradients and optimizer states on the host
         return {"weights": weights}
-    return {"weights": weights, "gradients": gradient_bytes(p, n, t), "optimizer": optimizer_bytes(p, n, t)}
+    return {"weights": weights, "gradients": gradient_bytes(p, n, t) if training else 0,
+            "optimizer": optimizer_bytes(p, n, t)}
 
 
 def gradient_bytes(p: int, n: int, t: Training) -> int:
@@ -183,10 +188,9 @@ def gradient_bytes(p: int, n: int, t: Training) -> int:
     b, stage = t.dtype_bytes, t.zero_stage
     if stage <= 1:
         return p * b
-    partition = 4 * p // n
-    if stage == 2:
-        return int(min(p, ZERO2_REDUCE_BUCKET_ELEMENTS) * b) + (0 if t.adam_offload else partition)
-    return p * b // n + (0 if t.adam_offload else partition)
+    partition = 0 if t.adam_offload else 4 * p // n
+    bucket = int(min(p, REDUCE_BUCKET_ELEMENTS) * b)
+    return bucket + partition + (p * b // n if stage == 3 else 0)
 
 
 def optimizer_bytes(p: int, n: int, t: Training) -> int:
