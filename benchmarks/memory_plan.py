@@ -158,11 +158,12 @@ def readme() -> None:
     from rlhf.trainers.ppo_build import placement_from_config
 
     for title, (world, argv) in READMES.items():
-        argv = [a.format(**{n: shape_path(n) for n in ("qwen2.5-7b", "llama-3-70b")}) for a in argv]
+        argv = [shape_path(a[1:-1]) if a.startswith("{") else a for a in argv]
         cfg = parse_config(TrainPPOConfig, argv)
         plan = plan_ranks(placement_from_config(cfg), world)
         shown = " ".join(a if not a.startswith("/") else os.path.basename(a) for a in argv)
-        print(f"### {title}\n\n```\n$ torchrun --nproc_per_node 8 ... -m rlhf.cli.train_ppo {shown} --dry_run")
+        nodes = f"--nnodes {world // 8} " if world > 8 else ""
+        print(f"### {title}\n\n```\n$ torchrun {nodes}--nproc_per_node 8 ... -m rlhf.cli.train_ppo {shown} --dry_run")
         print(report(cfg, job_memory(cfg, plan), plan, world) + "\n```\n")
 
 

@@ -9,7 +9,8 @@ model's role, ZeRO partitions over all of them; ring-attention ranks included):
   prefetch bucket, 5e7 elements, and two blocks).
 - gradients (trained models; LoRA: the adapters' parameters only): ZeRO-0/1 P·b; ZeRO-2 and 3 the reduce bucket
   (5e8 elements: every gradient of a smaller model, min(P, 5e8)·b) + the fp32 gradient partition 4·P/n, and at
-  ZeRO-3 the 16-bit gradient shard P·b/n too; only in the train stage (the optimizer step sets them to None).
+  ZeRO-3 the 16-bit gradient shard P·b/n too; only during the model's own training pass (its optimizer step
+  sets them to None).
 - optimizer states: Adam's two fp32 moments (8 bytes/param) and an fp32 master copy (4 bytes/param), which
   DeepSpeed keeps at ZeRO >= 1 even for fp32 parameters (a cloned flat partition) and at ZeRO-0 only for 16-bit
   ones: 12 bytes/param (8 for fp32 at ZeRO-0), over n at ZeRO >= 1; on the host with --adam_offload.
@@ -151,7 +152,7 @@ def stage_breakdown(job: JobMemory, rank: int, stage: str) -> Breakdown:
     hosted = [role for role, ranks in job.ranks.items() if rank in ranks and role in job.models]
     active, t = job.active.get(stage, ()), job.training
     for role in hosted:
-        for k, v in resident(job.models[role], len(job.ranks[role]), t, role in active, stage == "train").items():
+        for k, v in resident(job.models[role], len(job.ranks[role]), t, role in active).items():
             out[k] += v
     passes = [p for p in job.stages[stage] if p.role in hosted]
     transients = [pass_bytes(job.models[p.role], p, len(job.ranks[p.role]), t) for p in passes]
@@ -168,10 +169,11 @@ def stage_breakdown(job: JobMemory, rank: int, stage: str) -> Breakdown:
     return out
 
 
-def resident(model: Model, n: int, t: Training, active: bool, training: bool) -> Breakdown:
+def resident(model: Model, n: int, t: Training, active: bool) -> Breakdown:
     """What a hosted model keeps between passes on one of its `n` ranks (`active`: in a stage that uses it,
-    so offloaded parts are back on the device; `training`: the train stage, the only one with gradients, which
-    the optimizer step drops: DeepSpeed zeroes them with set_to_none)."""
+    so offloaded parts are back on the device). Gradients are not resident: they belong to the model's
+    training pass (`pass_bytes`), since its optimizer step drops them (DeepSpeed zeroes with set_to_none), so
+    an actor and a critic trained one after the other on the same ranks never hold theirs at once."""
     b = t.dtype_bytes
     weights = model.params * b // n if model.partitioned(t) else model.params * b
     if not model.trained:
@@ -179,8 +181,7 @@ def resident(model: Model, n: int, t: Training, active: bool, training: bool) ->
     p = model.trainable_params
     if model.offload and not active:  # --deepspeed_enable_sleep: gradients and optimizer states on the host
         return {"weights": weights}
-    return {"weights": weights, "gradients": gradient_bytes(p, n, t) if training else 0,
-            "optimizer": optimizer_bytes(p, n, t)}
+    return {"weights": weights, "optimizer": optimizer_bytes(p, n, t)}
 
 
 def gradient_bytes(p: int, n: int, t: Training) -> int:
@@ -202,11 +203,13 @@ def optimizer_bytes(p: int, n: int, t: Training) -> int:
 
 
 def pass_bytes(model: Model, p: Pass, n: int, t: Training) -> Breakdown:
-    """The transient memory of one pass: activations, logits and, at ZeRO-3, the gathered parameters."""
+    """The transient memory of one pass: activations, logits, a training pass's gradients and, at ZeRO-3, the
+    gathered parameters."""
     s, b = model.shape, t.dtype_bytes
     tokens = -(-p.tokens // t.ring_size)
     out = {"activations": activation_bytes(s, tokens, p.longest, p.train, t),
-           "logits": 0 if model.scalar_head else tokens * s.vocab * b * (2 if p.train else 1)}
+           "logits": 0 if model.scalar_head else tokens * s.vocab * b * (2 if p.train else 1),
+           "gradients": gradient_bytes(model.trainable_params, n, t) if p.train and model.trained else 0}
     if model.partitioned(t):
         out["buffers"] = int(min(model.params, ZERO3_PREFETCH_ELEMENTS + 2 * s.layer_params) * b)
     return out

@@ -58,7 +58,8 @@ def breakdown_table(per_stage: dict[str, dict[str, int]], unit: int) -> list[str
 def peak(job: JobMemory, world: int) -> tuple[int, int, str]:
     """(bytes, rank, stage) of the largest estimate over ranks and stages."""
     plan = estimate(job, world)
-    return max((total(b), rank, stage) for rank, stages in plan.items() for stage, b in stages.items())
+    top = max((total(b), -rank, stage) for rank, stages in plan.items() for stage, b in stages.items())
+    return top[0], -top[1], top[2]
 
 
 def candidates(cfg: Any, job: JobMemory) -> list[tuple[str, Callable[[JobMemory], JobMemory]]]:
