@@ -180,12 +180,18 @@ class MemoryPeaks:
     def __init__(self, device: torch.device, estimates: dict[str, int] | None = None, poll_s: float = 0.002) -> None:
         self.cuda = device.type == "cuda"
         self.device, self.estimates, self.poll_s = device, estimates or {}, poll_s
-        self.baseline = self._current()
         self.step_peaks: dict[str, int] = {}  # since the last `pop`
         self.run_peaks: dict[str, int] = {}
         self._stage: str | None = None
         self._lock = threading.Lock()  # `file` runs on the polling thread and from `Throughput.metrics`
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.measurable = self.cuda or _proc_memory_resettable()
+        if not self.measurable:
+            warnings.warn("no measured peak memory per stage: this system has no /proc/self/clear_refs to reset the "
+                          "resident set's high-water mark (memory/peak_gb_* are not logged)", stacklevel=2)
+            return
+        self.baseline = self._current()
         self._reset()
         self._thread = threading.Thread(target=self._run, name="memory-peaks", daemon=True)
         self._thread.start()
@@ -213,6 +219,8 @@ class MemoryPeaks:
 
     def file(self) -> None:
         """At a change of stage, the peak since the last one goes to the stage left (polling thread)."""
+        if not self.measurable:
+            return
         with self._lock:
             stage = current_stage()
             if stage == self._stage:
@@ -230,12 +238,23 @@ class MemoryPeaks:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
     def table(self) -> dict[str, dict[str, int]]:
         """stage -> {"measured": peak bytes over the run, "estimated": the plan's bytes} for this rank."""
         return {s: {"measured": self.run_peaks.get(s, 0), "estimated": self.estimates.get(s, 0)}
                 for s in STAGES[:-1] if s in self.run_peaks or s in self.estimates}
+
+
+def _proc_memory_resettable() -> bool:
+    """Whether this (Linux) system lets a process read its resident set and reset its high-water mark."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_kib("VmHWM") > 0
+    except (OSError, RuntimeError):
+        return False
 
 
 def _status_kib(field: str) -> int:
@@ -250,7 +269,7 @@ def memory_metrics(memory: MemoryPeaks, world: int) -> dict[str, float]:
     """memory/peak_gb_<stage> (measured) and memory/estimate_gb_<stage> (planned), each the largest over the
     ranks, for the stages of `STAGES` but "step". Every rank calls it (one all-reduce with MAX over the world)."""
     stages = STAGES[:-1]
-    peaks = memory.pop()
+    peaks = memory.pop() if memory.measurable else {}
     local = torch.tensor([float(peaks.get(s, -1)) for s in stages]
                          + [float(memory.estimates.get(s, -1)) for s in stages], dtype=torch.float64)
     if world > 1:
