@@ -147,23 +147,40 @@ def test_memory_peaks_file_each_stage_apart():
     assert table["train"]["estimated"] == 123
 
 
-def test_dry_run_prints_the_plan_without_loading_weights(tmp_path):
-    # any weight load or process group fails the run
-    script = (
-        "import sys, torch.distributed as dist, transformers, safetensors.torch\n"
-        "def refuse(*a, **k): raise SystemExit('loaded weights or started a process group')\n"
-        "transformers.PreTrainedModel.from_pretrained = classmethod(refuse)\n"
-        "safetensors.torch.load_file = refuse\n"
-        "dist.init_process_group = refuse\n"
-        "from rlhf.cli.train_ppo import main\n"
-        "main(sys.argv[1:])\n")
+REFUSE_WEIGHTS = """
+import sys, torch.distributed as dist, transformers, safetensors.torch
+def refuse(*a, **k): raise SystemExit('loaded weights or started a process group')
+transformers.PreTrainedModel.from_pretrained = classmethod(refuse)
+safetensors.torch.load_file = refuse
+dist.init_process_group = refuse
+from rlhf.cli.train_ppo import main
+for argv in ARGVS:
+    try:
+        main(argv)
+    except SystemExit as exit:
+        assert exit.code in (0, None), exit.code
+"""
+"""Runs train_ppo with each of ARGVS in one process; any weight load or process group fails it."""
+
+
+def test_dry_run_of_the_seed_commands_prints_plans_without_loading_weights(tmp_path):
+    from tests.openrlhf_commands import DAPO, PPO_HYBRID_ENGINE, PPO_WITH_REWARD_FN, at_tiny_scale
+
+    argvs = []
+    for i, command in enumerate((PPO_HYBRID_ENGINE, PPO_WITH_REWARD_FN, DAPO)):
+        (tmp_path / str(i)).mkdir()
+        argvs.append([*at_tiny_scale(command, tmp_path / str(i)), "--dry_run", "--gpu_memory_gb", "80"])
+    # rank 0 of a 2-rank launch, planned from this one process (a dry run starts no process group)
+    env = {**os.environ, "PYTHONPATH": ROOT, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29500"}
     start = time.perf_counter()
-    flags = ["--dry_run", "--save_path", str(tmp_path), "--param_dtype", "fp32", "--attn_implementation", "sdpa",
-             "--rollout_batch_size", "8", "--train_batch_size", "8", "--gpu_memory_gb", "8",
-             "--vllm_gpu_memory_utilization", "0.5"]
-    proc = subprocess.run([sys.executable, "-c", script, *flags], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    proc = subprocess.run([sys.executable, "-c", f"ARGVS = {argvs!r}\n{REFUSE_WEIGHTS}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert time.perf_counter() - start < 60
-    assert "rank plan (1 ranks):" in proc.stdout and "fits: peak" in proc.stdout, proc.stdout
-    assert not os.path.exists(tmp_path / "metrics.jsonl")
+    assert time.perf_counter() - start < 90  # three plans, imports included
+    plans = proc.stdout.split("rank plan (2 ranks):")[1:]
+    assert len(plans) == 3, proc.stdout
+    assert all("fits: peak" in plan for plan in plans), proc.stdout
+    # --colocate_actor_ref on one rank, the critic on the other
+    assert "  ref: ranks 0, 1 data-parallel replica(s)\n  critic: ranks 1, 1 data-parallel" in plans[1]
+    assert not any((tmp_path / str(i) / "save" / "metrics.jsonl").exists() for i in range(3))
