@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 
+import torch
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
@@ -89,19 +91,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(job: str, zero: int, layout: str, inputs: dict[str, list[str]], out: str, cuda: bool = False) -> dict:
-    """One run on 2 ranks (`cuda`: on GPUs, 2 of them, else CPU); rank -> stage -> {measured, estimated} bytes
-    (memory_peaks.json)."""
+def job_argv(job: str, zero: int, layout: str, inputs: dict[str, list[str]], save: str, cuda: bool = False
+             ) -> list[str]:
+    """`-m rlhf.cli.<job module>` and its flags for one run of the grid, saving under `save`."""
     module, flags = JOBS[job]
+    return ["-m", f"rlhf.cli.{module}", *DEVICE_FLAGS[cuda], *COMMON, *flags, *inputs[job], "--zero_stage", str(zero),
+            *LAYOUTS[layout], "--save_path", save]
+
+
+def read_peaks(save: str) -> dict:
+    """rank -> stage -> {measured, estimated} bytes of the run that saved under `save` (memory_peaks.json)."""
+    with open(os.path.join(save, "memory_peaks.json")) as f:
+        return json.load(f)
+
+
+def measure(job: str, zero: int, layout: str, inputs: dict[str, list[str]], out: str, cuda: bool = False) -> dict:
+    """One run on 2 ranks (`cuda`: on the GPUs, 2 where there are, else 1), its `read_peaks`."""
     save = os.path.join(out, f"{job}-z{zero}-{layout}{'-cuda' if cuda else ''}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "-m", f"rlhf.cli.{module}", *DEVICE_FLAGS[cuda], *COMMON, *flags, *inputs[job], "--zero_stage", str(zero),
-           *LAYOUTS[layout], "--save_path", save]
+    ranks = min(2, torch.cuda.device_count()) if cuda else 2
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+           str(free_port()), *job_argv(job, zero, layout, inputs, save, cuda)]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"{job} zero {zero} {layout} failed:\n{proc.stderr[-4000:]}")
-    with open(os.path.join(save, "memory_peaks.json")) as f:
-        return json.load(f)
+    return read_peaks(save)
 
 
 def grid(args: argparse.Namespace) -> None:
@@ -173,7 +186,8 @@ def main() -> None:
     parser.add_argument("--zero", nargs="*", type=int, default=[0, 2, 3])
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--json", help="also write the rows to this JSON file")
-    parser.add_argument("--cuda", action="store_true", help="run on 2 GPUs in bf16 (peaks: max_memory_allocated)")
+    parser.add_argument("--cuda", action="store_true", help="run on the GPUs (2, or the one there is) in bf16 "
+                        "(peaks: max_memory_allocated)")
     parser.add_argument("--readme", action="store_true", help="print the README's --dry_run plans instead")
     args = parser.parse_args()
     readme() if args.readme else grid(args)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tests.distributed import ROOT
+from tests.distributed import ROOT, run_torchrun
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import memory_plan as bench  # noqa: E402  (benchmarks/ is a directory of scripts, not a package)
@@ -21,8 +21,20 @@ TOLERANCE = 0.25
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("memory_plan")
-    return str(out), bench.build_inputs(str(out))
+    return bench.build_inputs(str(tmp_path_factory.mktemp("memory_plan")))
+
+
+def run_and_read(job: str, zero: int, layout: str, inputs, save, monkeypatch, cuda: bool = False, ranks: int = 2
+                 ) -> dict:
+    """Rank 0's stage -> {measured, estimated} of one run on `ranks` ranks (with the benchmark's allocator
+    setting)."""
+    for key, value in bench.ENV.items():
+        if key != "PYTHONPATH":
+            monkeypatch.setenv(key, value)
+    argv = bench.job_argv(job, zero, layout, inputs, str(save), cuda)
+    proc = run_torchrun(ranks, " ".join(argv[:2]), *argv[2:])
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return bench.read_peaks(str(save))["0"]
 
 
 def check_within_tolerance(table: dict) -> None:
@@ -32,15 +44,15 @@ def check_within_tolerance(table: dict) -> None:
 
 
 @pytest.mark.parametrize("job, zero, layout", [("ppo", 2, "padded"), ("dpo", 3, "ring")])
-def test_planned_peaks_within_25_percent_on_cpu(inputs, job, zero, layout):
-    out, flags = inputs
-    table = bench.measure(job, zero, layout, flags, out)["0"]
+def test_planned_peaks_within_25_percent_on_cpu(inputs, job, zero, layout, tmp_path, monkeypatch):
+    table = run_and_read(job, zero, layout, inputs, tmp_path / "save", monkeypatch)
     assert set(table) == ({"generation", "experience", "train", "weight_sync"} if job == "ppo" else {"train"})
     check_within_tolerance(table)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_planned_peaks_within_25_percent_on_cuda(inputs):
-    out, flags = inputs
-    check_within_tolerance(bench.measure("sft", 2, "packed", flags, out, cuda=True)["0"])
+def test_planned_peaks_within_25_percent_on_cuda(inputs, tmp_path, monkeypatch):
+    ranks = min(2, torch.cuda.device_count())
+    for job in ("sft", "ppo"):
+        check_within_tolerance(run_and_read(job, 2, "packed", inputs, tmp_path / job, monkeypatch, True, ranks))
