@@ -4,8 +4,9 @@
 
 Plain torchrun handles SIGTERM by forwarding it to the workers and killing them 30 s later (then exits
 1), and dies at once on SIGUSR1, leaving its workers running. This launcher runs torchrun in-process
-with SIGTERM and SIGUSR1 taken out of torchrun's hands: on either, it forwards the signal to the workers
-(each checkpoints at the end of its current step and exits 0, see `rlhf.utils.preemption`), waits up
+with SIGTERM and SIGUSR1 taken out of torchrun's hands: on either, it sends SIGUSR1 to the workers
+(each checkpoints at the end of its current step and exits 0, see `rlhf.utils.preemption`; SIGUSR1, not
+SIGTERM, which would make them abandon the step: the grace period gives the step time to end), waits up
 to `--grace_period` seconds for them, and exits 0 when they did. If they have not finished by then it
 stops them through torchrun's own shutdown (as for SIGINT) and exits non-zero. SIGINT (Ctrl-C), SIGHUP
 and SIGQUIT keep torchrun's handling: the workers are stopped without a checkpoint.
@@ -120,7 +121,7 @@ class SignalRelay:
         workers = child_pids(os.getpid())
         for pid in workers:
             try:
-                os.kill(pid, sig)
+                os.kill(pid, signal.SIGUSR1)
             except ProcessLookupError:
                 pass
         if self.received is None:

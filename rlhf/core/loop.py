@@ -1,5 +1,6 @@
 """The training loop of every job: steps, logging every --logging_steps, evaluation, a checkpoint every
---save_steps, and preemption (SIGTERM/SIGUSR1: checkpoint at the next step boundary, then stop). The job
+--save_steps, and preemption (SIGTERM/SIGUSR1: checkpoint at the next step boundary, then stop; a step the job
+abandoned on SIGTERM and rolled back: checkpoint the last completed step, see `rlhf.utils.preemption`). The job
 supplies one step, its evaluation and its checkpointed state; the loop knows nothing else about it.
 """
 
@@ -14,7 +15,7 @@ from rlhf.core.throughput import Throughput
 from rlhf.engines.deepspeed_engine import NonFiniteError
 from rlhf.utils import watchdog
 from rlhf.utils.logging import MetricsLogger
-from rlhf.utils.preemption import PreemptionWatch
+from rlhf.utils.preemption import PreemptionWatch, StepAbandoned
 from rlhf.utils.timers import StageTimer
 
 
@@ -56,14 +57,20 @@ class Loop:
         if self.eval_every and start_step == 0:
             with watchdog.stage("evaluate"):
                 self.logger.log(0, job.evaluate())
+        saved_at = start_step  # the newest checkpoint's step (the resumed one, if any)
         for step in range(start_step, self.total_steps):
             done = step + 1
             watchdog.set_step(done)
-            with job.timer.stage("step"):
-                try:
-                    metrics = job.step(step)
-                except NonFiniteError as err:  # name the training step too, not only the optimizer step
-                    raise NonFiniteError(f"training step {done}, {err}") from None
+            try:
+                with job.timer.stage("step"):
+                    try:
+                        metrics = job.step(step)
+                    except NonFiniteError as err:  # name the training step too, not only the optimizer step
+                        raise NonFiniteError(f"training step {done}, {err}") from None
+            except StepAbandoned:  # the job has rolled the step back
+                job.timer.pop()
+                self._abandoned(job, step, saved_at)
+                return False
             metrics.update(job.timer.pop())
             if self.throughput is not None:
                 metrics.update(self.throughput.metrics(metrics))
@@ -73,16 +80,26 @@ class Loop:
             if done % self.logging_steps == 0:
                 self.logger.log(done, metrics)
             self.logger.advance(metrics)
-            saved = self.save_steps > 0 and done % self.save_steps == 0
-            if saved:
+            if self.save_steps > 0 and done % self.save_steps == 0:
                 self.save(job, done)
+                saved_at = done
             if preemption is not None and preemption.should_stop():
-                if not saved:
+                if saved_at != done:
                     self.save(job, done)
                 if self.rank == 0:
                     print(f"preempted: checkpoint after step {done} written, exiting", flush=True)
                 return False
         return True
+
+    def _abandoned(self, job: Job, step: int, saved_at: int) -> None:
+        """Step `step` was abandoned (SIGTERM) and rolled back: checkpoint the steps done, unless the newest
+        checkpoint already holds them."""
+        if step > saved_at:
+            self.save(job, step)
+        if self.rank == 0:
+            kept = (f"checkpoint after step {step} written" if step > saved_at else
+                    f"the checkpoint after step {step} holds every step done" if step else "no step was done")
+            print(f"preempted (SIGTERM) during step {step + 1}: its work dropped; {kept}, exiting", flush=True)
 
     def save(self, job: Job, done_steps: int) -> str:
         with watchdog.stage("checkpoint"):
@@ -93,3 +110,4 @@ class Loop:
         start = self.checkpointer.resume(job.checkpointed())
         self.logger.skip(start)
         return start
+

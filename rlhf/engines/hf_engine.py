@@ -26,6 +26,7 @@ import torch
 from rlhf.engines.rollout import Generation, SamplingSpec
 from rlhf.engines.token_sampling import PromptStreams, next_tokens
 from rlhf.models.loading import load_causal_lm
+from rlhf.utils.preemption import cut_short
 
 # Shapes: P prompts, R = P * n rows (a prompt's samples contiguous), B rows still decoding, L the longest prompt,
 # S = L + max_tokens cache positions, T max_tokens, V the model's output vocabulary.
@@ -121,14 +122,14 @@ class HFGenerateEngine:
             stopped_R[batch.rows_B] |= tokens_B == self.eos_token_id
             live_B = ~stopped_R[batch.rows_B]
             num_live = int(live_B.sum())
-            if t + 1 == steps or num_live == 0:
+            if t + 1 == steps or num_live == 0 or cut_short():  # cut short: SIGTERM, the step is abandoned
                 break
             # a stopped row's later tokens are discarded; dropping it costs a copy of the cache, so wait for half
             if 2 * num_live <= len(live_B):
                 batch.keep(live_B)
                 tokens_B = tokens_B[live_B]
             logits_BV = self._decode_step(batch, tokens_B, t)
-        return self._generations(tokens_RT.tolist(), logprobs_RT.tolist(), spec.n)
+        return self._generations(tokens_RT[:, :t + 1].tolist(), logprobs_RT[:, :t + 1].tolist(), spec.n)
 
     def _prefill(self, prompts: list[list[int]], spec: SamplingSpec) -> tuple[_Batch, torch.Tensor]:
         """One left-padded forward over the prompts, its cache and last logits repeated for each prompt's n rows."""

@@ -9,7 +9,9 @@ actor's weights into every engine -> log. Per-role work lives in the role object
 from __future__ import annotations
 
 import collections
+import copy
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +40,8 @@ from rlhf.trainers.actor import Actor
 from rlhf.trainers.critic import Critic
 from rlhf.trainers.experience import ExperienceMaker, Scored
 from rlhf.trainers.run_records import RunRecords
+from rlhf.utils.checkpoint_files import rng_state, set_rng_state
+from rlhf.utils.preemption import abandon_point, abandonable
 from rlhf.utils.timers import StageTimer
 
 TRAIN_METRICS = {
@@ -133,20 +137,26 @@ class PPOTrainer:
         return metrics
 
     def step(self, step: int) -> dict[str, float]:
-        """One RL step. Hybrid-engine transitions (sleep/offload) all happen here, around the stages."""
+        """One RL step. Hybrid-engine transitions (sleep/offload) all happen here, around the stages. On SIGTERM
+        the step is abandoned after generation or after the experience (`rlhf.utils.preemption`)."""
         self.steps_done = step + 1
         pad = self.tokenizer.pad_token_id
+        rollback = self._rollback()
         with self.timer.stage("generation"):
-            local = self.generate(step)
-            batch, scored, filtering, generated = None, None, {}, 0
-            if self.cfg.algo.dynamic_filtering:  # more rounds until the step has enough informative groups
-                batch, scored, filtering, generated = self._informative_groups(step, all_gather_rollout(local, pad))
+            with abandonable():
+                local = self.generate(step)
+                batch, scored, filtering, generated = None, None, {}, 0
+                if self.cfg.algo.dynamic_filtering:  # more rounds until the step has enough informative groups
+                    batch, scored, filtering, generated = self._informative_groups(step,
+                                                                                   all_gather_rollout(local, pad))
             self.engine.sleep()  # vLLM frees its memory until the next weight push
+        abandon_point(rollback)
         with self.timer.stage("experience"):
             if batch is None:
                 batch = all_gather_rollout(local, pad)
                 generated = batch.num_samples
             experience, metrics = self._experience(batch, scored)
+        abandon_point(rollback)
         metrics.update(filtering)
         self.records.samples_drawn += generated
         self.records.keep_negatives(batch, experience.raw_rewards_B, "policy", step)
@@ -160,6 +170,18 @@ class PPOTrainer:
         if self.evaluators:
             metrics["samples_drawn"] = float(self.samples_drawn)
         return metrics
+
+    def _rollback(self) -> Callable[[], None]:
+        """Undoes what a step changes before it trains: this rank's RNG states, the KL controller and the reward
+        statistics (the experience updates them)."""
+        rng, exp = rng_state(), self.roles.experience
+        saved = [(c, copy.deepcopy(c.state_dict())) for c in (exp.kl_ctl, exp.reward_stats)]
+
+        def restore() -> None:
+            set_rng_state(rng)
+            for component, state in saved:
+                component.load_state_dict(state)
+        return restore
 
     def _experience(self, batch: Rollout, scored: Scored | None = None) -> tuple[Experience, dict[str, float]]:
         """The global batch's experience and metrics (`scored`: its rewards, when the filter asked for them);

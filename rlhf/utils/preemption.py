@@ -1,12 +1,18 @@
-"""Graceful preemption: SIGTERM / SIGUSR1 (SLURM's warning signals) ask the job to stop at the end of
-the current step, after writing a checkpoint. Ranks may receive the signal at different times, so
-the decision to stop is agreed with an all-reduce at a step boundary.
+"""Graceful preemption: SIGTERM / SIGUSR1 (SLURM's warning signals) ask the job to stop after writing a
+checkpoint. Ranks may receive the signal at different times, so every decision to stop is agreed with an
+all-reduce at a point all ranks pass.
 
-Under torchrun a worker also stops this way when its launcher is gone: plain torchrun dies at once on a
-signal it does not handle (SIGUSR1, the usual `#SBATCH --signal` choice), and its workers, left running
-with nobody to stop them, would train on unsupervised until the next collective timeout. They notice the
-new parent process, checkpoint at the end of the step and exit 0. Only under torchrun: a job started
-from a shell that then exits (`nohup`) is meant to keep running."""
+SIGUSR1 comes with time to spare (`#SBATCH --signal=USR1@120`; `rlhf.cli.launch` relays either signal as
+SIGUSR1 and waits its --grace_period): the current step ends, then the checkpoint. SIGTERM is usually followed
+by SIGKILL within seconds (plain torchrun's --shutdown_timeout, 30 s by default; SLURM's KillWait): a step that
+has not yet changed any trained weight is abandoned at its next abandon point (a long local loop, such as the
+HF engine's decode, stops early inside `abandonable()`), the job rolls back what the step changed so far, and
+the checkpoint is of the last completed step. A step past its first optimizer update still ends first.
+
+Under torchrun a worker also stops when its launcher is gone: plain torchrun dies at once on a signal it does not
+handle (SIGUSR1), and its workers, left running with nobody to stop them, would train on unsupervised until the
+next collective timeout. They notice the new parent process, checkpoint at the end of the step and exit 0. Only
+under torchrun: a job started from a shell that then exits (`nohup`) is meant to keep running."""
 
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -22,22 +30,31 @@ import torch.distributed as dist
 PARENT_POLL_S = 1.0
 
 
+class StepAbandoned(Exception):
+    """Raised on every rank at an abandon point once any rank got SIGTERM: the step's work is dropped."""
+
+
 class PreemptionWatch:
-    """Installs the handlers on construction (and, under torchrun, a daemon thread watching the launcher);
-    `should_stop()` is collective over the world."""
+    """Installs the handlers on construction (and, under torchrun, a daemon thread watching the launcher) and
+    becomes the process's active watch (`abandon_point`, `cut_short`); `should_stop()` is collective over the
+    world."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self, watch_parent: bool | None = None) -> None:
-        self.requested = False
+        global _ACTIVE
+        self.requested = False  # stop after a checkpoint
+        self.hurry = False  # SIGTERM: abandon the step at its next abandon point if it can be
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
         if watch_parent if watch_parent is not None else "TORCHELASTIC_RUN_ID" in os.environ:
             self._parent = os.getppid()
             threading.Thread(target=self._watch_parent, name="rlhf-launcher-watch", daemon=True).start()
+        _ACTIVE = self
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
+        self.hurry = self.hurry or signum == signal.SIGTERM
 
     def _watch_parent(self) -> None:
         while os.getppid() == self._parent:
@@ -48,6 +65,40 @@ class PreemptionWatch:
 
     def should_stop(self) -> bool:
         """True on every rank if any rank was signalled. Every rank calls it once per step."""
-        flag = torch.tensor([1.0 if self.requested else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+        return _any_rank(self.requested)
+
+
+_ACTIVE: PreemptionWatch | None = None
+_IN_WINDOW = False
+
+
+def _any_rank(flag: bool) -> bool:
+    value = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item() > 0)
+
+
+def abandon_point(rollback: Callable[[], None]) -> None:
+    """Raises StepAbandoned on every rank if any rank got SIGTERM, after `rollback()` has undone what the step
+    changed so far. Collective (the world): call it only where every rank passes, before the step changes any
+    trained weight or optimizer state. Without an active watch (no run): nothing."""
+    if _ACTIVE is not None and _any_rank(_ACTIVE.hurry):
+        rollback()
+        raise StepAbandoned
+
+
+@contextmanager
+def abandonable() -> Iterator[None]:
+    """Work inside may be cut short on SIGTERM (`cut_short`); an abandon point must follow it, and its
+    results must not be used when that point raises."""
+    global _IN_WINDOW
+    _IN_WINDOW = True
+    try:
+        yield
+    finally:
+        _IN_WINDOW = False
+
+
+def cut_short() -> bool:
+    """True inside `abandonable()` once this rank got SIGTERM: a long local loop may return early."""
+    return _IN_WINDOW and _ACTIVE is not None and _ACTIVE.hurry

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from rlhf.assets import TINY_DIR
 from rlhf.utils.checkpoint_files import complete_checkpoints
@@ -26,13 +27,13 @@ GRPO = [*CPU, "--init_kl_coef", "0", "--advantage_estimator", "group_norm",
         "--generate_max_len", "6", "--prompt_max_len", "16", "--actor_learning_rate", "1e-3", "--seed", "2"]
 
 
-def launch(out, ckpt, *extra, restarts=0, launcher=("torch.distributed.run",)):
+def launch(out, ckpt, *extra, restarts=0, launcher=("torch.distributed.run",), env=None):
     """train_ppo under torchrun (or `launcher=("rlhf.cli.launch", ...flags)`); flags in `extra` come last."""
     cmd = [sys.executable, "-m", *launcher, "--nproc_per_node=2", f"--max-restarts={restarts}",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "rlhf.cli.train_ppo", *GRPO,
            "--save_path", str(out), "--ckpt_path", str(ckpt), *extra]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(env or {})})
 
 
 def workers(proc):
@@ -142,3 +143,51 @@ def test_signal_to_the_launcher_checkpoints_and_exits_0(tmp_path):
     assert resumed.returncode == 0, err[-4000:]
     assert f"resumed from {ckpt}/global_step{steps[-1]}" in stdout
     assert logged_steps(out)[-1] == steps[-1] + 1
+
+
+SIGTERM_REWARD = """
+import importlib.util, os, signal
+spec = importlib.util.spec_from_file_location("tiny_reward", {path!r})
+tiny = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tiny)
+calls = 0
+
+def reward_func(queries, prompts, labels):
+    global calls
+    calls += 1
+    if os.environ.get("SIGTERM_AT_CALL") == str(calls) and os.environ["RANK"] == "0":
+        os.kill(os.getpid(), signal.SIGTERM)  # rank 0 only, in the middle of the step's experience
+    return tiny.reward_func(queries, prompts, labels)
+"""
+ABANDON = ["--rollout_engine", "hf", "--normalize_reward", "--init_kl_coef", "0.01", "--kl_target", "0.1",
+           "--max_steps", "4"]
+COMPARED = ("reward_mean", "kl", "kl_coef", "policy_loss", "grad_norm", "lr")
+
+
+def test_sigterm_mid_step_abandons_it_and_the_resumed_run_equals_the_straight_one(tmp_path):
+    """SIGTERM (rank 0 only) while step 3 makes its experience: every rank drops the step, rolls back what it had
+    changed (RNG, reward statistics, KL controller), checkpoints step 2 and exits 0; resumed, steps 3-4 and the
+    weights equal a run never interrupted."""
+    from safetensors.torch import load_file
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(SIGTERM_REWARD.format(path=f"{TINY_DIR}/reward.py"))
+    runs = {}
+    for name, env in (("straight", {}), ("abandoned", {"SIGTERM_AT_CALL": "3"}), ("resumed", {})):
+        out, ckpt = tmp_path / ("straight" if name == "straight" else "run"), tmp_path / "ckpt"
+        extra = ["--load_checkpoint"] if name == "resumed" else []
+        proc = launch(out, ckpt, *ABANDON, "--remote_rm_url", str(reward), *extra, env=env)
+        stdout, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-4000:]
+        runs[name] = stdout, out
+    said = "preempted (SIGTERM) during step 3: its work dropped; checkpoint after step 2 written"
+    assert said in runs["abandoned"][0]
+    assert f"resumed from {tmp_path / 'ckpt'}/global_step2" in runs["resumed"][0]
+    straight, resumed = [[json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+                         for _, out in (runs["straight"], runs["resumed"])]
+    assert [r["step"] for r in resumed] == [r["step"] for r in straight] == [1, 2, 3, 4]
+    assert straight[3]["kl_coef"] != straight[2]["kl_coef"]  # the controller moved: its rollback matters
+    for a, b in zip(straight, resumed):
+        assert {k: b[k] for k in COMPARED} == {k: a[k] for k in COMPARED}, a["step"]
+    for name, w in load_file(runs["straight"][1] / "model" / "model.safetensors").items():
+        assert torch.equal(load_file(runs["resumed"][1] / "model" / "model.safetensors")[name], w), name

@@ -13,6 +13,7 @@ from rlhf.engines.hf_engine import HFGenerateEngine, warn_ignored_generation_con
 from rlhf.engines.rollout import SamplingSpec, to_rollout
 from rlhf.engines.token_sampling import PromptStreams, next_tokens
 from rlhf.models.loading import load_causal_lm, load_tokenizer
+from rlhf.utils import preemption
 from tests.references import sequence_logprobs
 
 TEXTS = ["copy 1 :", "a b c d copy 2 3 4 :", ":", "x copy 7 :", "q w e r t y copy 5 :"]
@@ -144,3 +145,15 @@ def test_zero_tokens_empty_calls_and_ignored_generation_settings(tok, prompts):
         warn_ignored_generation_config(engine.model, "policy")
     with pytest.raises(ValueError, match="max_batch_kv_bytes must be positive"):
         make_engine(tok, max_batch_kv_bytes=0)
+
+
+def test_sigterm_cuts_the_decode_short_inside_an_abandonable_window(tok, prompts, monkeypatch):
+    """After SIGTERM the decode of a step that may be abandoned stops after its next token; outside such a window
+    (an evaluation, batch inference) it runs to the end."""
+    watch = preemption.PreemptionWatch.__new__(preemption.PreemptionWatch)  # no signal handlers in pytest
+    watch.requested = watch.hurry = True
+    monkeypatch.setattr(preemption, "_ACTIVE", watch)
+    engine, spec = make_engine(tok, eos_token_id=-1), SamplingSpec(n=2, temperature=1.0, top_p=1.0, max_tokens=10)
+    assert {len(g.token_ids) for gs in engine.generate(prompts, spec, SEEDS) for g in gs} == {10}
+    with preemption.abandonable():
+        assert {len(g.token_ids) for gs in engine.generate(prompts, spec, SEEDS) for g in gs} == {1}

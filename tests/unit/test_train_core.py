@@ -1,5 +1,6 @@
 """The job-agnostic core: the loop's cadence (logging, evaluation before/every N/after the last step, checkpoints),
-preemption, and a non-finite step named."""
+preemption (a step abandoned on SIGTERM: the last completed step checkpointed, once), the rollback point of the
+HF engine's decode, and a non-finite step named."""
 
 from __future__ import annotations
 
@@ -11,16 +12,20 @@ from rlhf.core.loop import Loop
 from rlhf.core.state import CheckpointedState
 from rlhf.engines.deepspeed_engine import NonFiniteError
 from rlhf.utils.logging import MetricsLogger
+from rlhf.utils.preemption import StepAbandoned
 from rlhf.utils.timers import StageTimer
 
 
 class FakeJob:
-    def __init__(self, fail_at: int | None = None) -> None:
-        self.timer, self.fail_at, self.evaluated, self.steps = StageTimer(), fail_at, [], []
+    def __init__(self, fail_at: int | None = None, abandon_at: int | None = None) -> None:
+        self.timer, self.fail_at, self.abandon_at = StageTimer(), fail_at, abandon_at
+        self.evaluated, self.steps = [], []
 
     def step(self, step: int) -> dict[str, float]:
         if step == self.fail_at:
             raise NonFiniteError("optimizer step 9: model policy_loss is nan on rank 1; stopping")
+        if step == self.abandon_at:
+            raise StepAbandoned
         self.steps.append(step)
         return {"loss": float(step)}
 
@@ -78,6 +83,21 @@ def test_preemption_checkpoints_once_and_stops(tmp_path):
     assert loop.fit(job, start_step=1, preemption=StopAfter(4)) is False
     assert job.steps == [1, 2, 3, 4] and loop.checkpointer.saved == [3, 5]
     assert job.evaluated == []
+
+
+@pytest.mark.parametrize(("start", "abandon_at", "saved", "said"), [
+    (0, 4, [3, 4], "checkpoint after step 4 written"),  # steps 1-4 done, step 3's checkpoint is older
+    (1, 3, [3], "the checkpoint after step 3 holds every step done"),  # step 3's checkpoint is the newest
+    (2, 2, [], "the checkpoint after step 2 holds every step done"),  # resumed at 2, nothing done since
+    (0, 0, [], "no step was done"),
+])
+def test_an_abandoned_step_checkpoints_the_last_completed_step_once(tmp_path, capsys, start, abandon_at, saved,
+                                                                     said):
+    loop, job = _loop(tmp_path, eval_every=None), FakeJob(abandon_at=abandon_at)
+    assert loop.fit(job, start_step=start, preemption=StopAfter(0)) is False
+    assert job.steps == list(range(start, abandon_at)) and loop.checkpointer.saved == saved
+    assert capsys.readouterr().out.strip().endswith(
+        f"preempted (SIGTERM) during step {abandon_at + 1}: its work dropped; {said}, exiting")
 
 
 def test_a_nonfinite_step_names_the_training_step(tmp_path):
