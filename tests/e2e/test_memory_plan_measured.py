@@ -1,7 +1,7 @@
-"""The memory plan against measured peaks: short runs on 2 CPU ranks of the 37.7M-parameter random Llama of
+"""The memory plan against measured peaks: a short PPO run on 2 CPU ranks of the 37.7M-parameter random Llama of
 benchmarks/memory_plan.py (which measures the whole SFT/DPO/PPO x ZeRO x layout grid); each stage's planned
 peak must lie within 25% of the resident set's growth that rank 0 measured (`MemoryPeaks`). On CUDA the same
-check reads max_memory_allocated (gpu-marked)."""
+check reads max_memory_allocated (gpu-marked; not run by benchmarks/gpu_smoke.sh, which runs tests/gpu)."""
 
 from __future__ import annotations
 
@@ -43,10 +43,11 @@ def check_within_tolerance(table: dict) -> None:
         assert abs(v["estimated"] / v["measured"] - 1) <= TOLERANCE, (stage, v)
 
 
-@pytest.mark.parametrize("job, zero, layout", [("ppo", 2, "padded"), ("dpo", 3, "ring")])
-def test_planned_peaks_within_25_percent_on_cpu(inputs, job, zero, layout, tmp_path, monkeypatch):
-    table = run_and_read(job, zero, layout, inputs, tmp_path / "save", monkeypatch)
-    assert set(table) == ({"generation", "experience", "train", "weight_sync"} if job == "ppo" else {"train"})
+def test_planned_peaks_within_25_percent_on_cpu(inputs, tmp_path, monkeypatch):
+    # PPO with ring attention at ZeRO-2: every stage, a frozen reference, the rollout engine and the ring split
+    # (one run: CI's budget; the other jobs, stages and layouts are in benchmarks/README.md)
+    table = run_and_read("ppo", 2, "ring", inputs, tmp_path / "save", monkeypatch)
+    assert set(table) == {"generation", "experience", "train", "weight_sync"}
     check_within_tolerance(table)
 
 
