@@ -11,7 +11,7 @@ gradient checkpointing not counted). Generation by the rollout engine is counted
 stage times into metrics: `perf/tokens_per_s` (trained tokens over the world), `perf/tflops` (per rank, mean
 over ranks), `perf/mfu` (against the device's dense bf16 peak, `--peak_tflops`, or none on a CPU without it),
 and per stage `perf/{stage}_tflops`, `perf/generated_tokens_per_s`. `MemoryPeaks` measures each stage's peak
-memory per rank, logged as `memory/peak_gb_<stage>` beside the memory plan's `memory/estimate_gb_<stage>`.
+memory per rank, logged as `perf/memory_peak_gb_<stage>` beside the memory plan's `perf/memory_estimate_gb_<stage>`.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ class MemoryPeaks:
         self.measurable = self.cuda or _proc_memory_resettable()
         if not self.measurable:
             warnings.warn("no measured peak memory per stage: this system has no /proc/self/clear_refs to reset the "
-                          "resident set's high-water mark (memory/peak_gb_* are not logged)", stacklevel=2)
+                          "resident set's high-water mark (perf/memory_peak_gb_* are not logged)", stacklevel=2)
             return
         self.baseline = self._current()
         self._reset()
@@ -266,7 +266,7 @@ def _status_kib(field: str) -> int:
 
 
 def memory_metrics(memory: MemoryPeaks, world: int) -> dict[str, float]:
-    """memory/peak_gb_<stage> (measured) and memory/estimate_gb_<stage> (planned), each the largest over the
+    """perf/memory_peak_gb_<stage> (measured) and perf/memory_estimate_gb_<stage> (planned), each the largest over the
     ranks, for the stages of `STAGES` but "step". Every rank calls it (one all-reduce with MAX over the world)."""
     stages = STAGES[:-1]
     peaks = memory.pop() if memory.measurable else {}
@@ -275,8 +275,8 @@ def memory_metrics(memory: MemoryPeaks, world: int) -> dict[str, float]:
     if world > 1:
         dist.all_reduce(local, op=dist.ReduceOp.MAX)
     values = local.tolist()
-    out = {f"memory/peak_gb_{s}": v / 2**30 for s, v in zip(stages, values) if v >= 0}
-    out.update({f"memory/estimate_gb_{s}": v / 2**30 for s, v in zip(stages, values[len(stages):]) if v >= 0})
+    out = {f"perf/memory_peak_gb_{s}": v / 2**30 for s, v in zip(stages, values) if v >= 0}
+    out.update({f"perf/memory_estimate_gb_{s}": v / 2**30 for s, v in zip(stages, values[len(stages):]) if v >= 0})
     return out
 
 
