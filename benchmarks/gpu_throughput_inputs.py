@@ -38,7 +38,7 @@ def build_model_dir(out: str, shape: str, device: str, dtype: torch.dtype) -> in
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(config).to(dtype)
-    model.save_pretrained(out)
+    model.save_pretrained(out, max_shard_size="100GB")  # one file (the floor reads model.safetensors too)
     for name in os.listdir(EMBEDDED_MODEL_DIR):
         if name.startswith(("tokenizer", "chat_template")):
             shutil.copy(os.path.join(EMBEDDED_MODEL_DIR, name), out)

@@ -213,7 +213,8 @@ def run(args) -> dict:
     config = AutoConfig.from_pretrained(args.model, local_files_only=True)
     steps = step_batches(args, load_tokenizer(args.model), device)
     model = Qwen2Floor(config, args.gradient_checkpointing)
-    model.load_hf(load_file(os.path.join(args.model, "model.safetensors")))
+    model.load_hf({name: t for f in sorted(os.listdir(args.model)) if f.endswith(".safetensors")
+                   for name, t in load_file(os.path.join(args.model, f)).items()})  # every shard
     model.to(device=device, dtype=dtype)
     optimizer = MasterAdamW(list(model.parameters()), args.learning_rate, args.max_norm, fused=device.type == "cuda")
     shape: ModelShape = shape_of_pretrained(args.model)
