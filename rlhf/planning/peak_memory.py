@@ -5,8 +5,10 @@ runs; `estimate` turns it into one `Breakdown` per rank and stage. Knows nothing
 
 Where each term comes from (P: a model's parameters, b: bytes of the parameter dtype, n: the ranks of the
 model's role, ZeRO partitions over all of them; ring-attention ranks included):
-- weights: P·b, or P·b/n at ZeRO-3 plus the parameters gathered for the modules being computed (DeepSpeed's
-  prefetch bucket, 5e7 elements, and two blocks).
+- weights: P·b, or P·b/n at ZeRO-3 plus the gathered parameters DeepSpeed keeps between forwards: up to
+  stage3_max_live_parameters (1e9 elements, which with the default stage3_max_reuse_distance of 1e9 are not
+  released), min(P, 1e9)·b per ZeRO-3 model, trained or frozen (measured on CPU: a PPO job's actor and reference
+  at ZeRO-3 hold this much more than their shards outside training).
 - gradients (trained models; LoRA: the adapters' parameters only): ZeRO-0/1 P·b; ZeRO-2 and 3 the reduce bucket
   (5e8 elements: every gradient of a smaller model, min(P, 5e8)·b) + the fp32 gradient partition 4·P/n, and at
   ZeRO-3 the 16-bit gradient shard P·b/n too; only during the model's own training pass (its optimizer step
@@ -40,7 +42,9 @@ from dataclasses import dataclass, field, replace
 from rlhf.planning.model_shapes import ModelShape
 
 GiB = 1 << 30
-ZERO3_PREFETCH_ELEMENTS = 5e7  # the engine's stage3_prefetch_bucket_size
+ZERO3_LIVE_ELEMENTS = 1e9
+"""The engine's stage3_max_live_parameters, with DeepSpeed's default stage3_max_reuse_distance (also 1e9): up to
+this many gathered parameters of a ZeRO-3 model stay on the device between its forwards."""
 REDUCE_BUCKET_ELEMENTS = 5e8  # the engine's reduce_bucket_size (ZeRO-2 and 3)
 CUDA_RESERVE_BYTES = 3 * GiB
 """The CUDA context (~0.5 GiB), NCCL buffers and allocator fragmentation, assumed for "fits" on a GPU."""
@@ -175,13 +179,16 @@ def resident(model: Model, n: int, t: Training, active: bool) -> Breakdown:
     training pass (`pass_bytes`), since its optimizer step drops them (DeepSpeed zeroes with set_to_none), so
     an actor and a critic trained one after the other on the same ranks never hold theirs at once."""
     b = t.dtype_bytes
-    weights = model.params * b // n if model.partitioned(t) else model.params * b
+    partitioned = model.partitioned(t)
+    weights = model.params * b // n if partitioned else model.params * b
+    gathered = {"buffers": int(min(model.params, ZERO3_LIVE_ELEMENTS) * b)} if partitioned else {}
     if not model.trained:
-        return {"frozen_models": 0 if model.offload and not active else weights}
+        return {"frozen_models": 0, "buffers": 0} if model.offload and not active else \
+            {"frozen_models": weights, **gathered}
     p = model.trainable_params
     if model.offload and not active:  # --deepspeed_enable_sleep: gradients and optimizer states on the host
-        return {"weights": weights}
-    return {"weights": weights, "optimizer": optimizer_bytes(p, n, t)}
+        return {"weights": weights, **gathered}
+    return {"weights": weights, "optimizer": optimizer_bytes(p, n, t), **gathered}
 
 
 def gradient_bytes(p: int, n: int, t: Training) -> int:
@@ -203,15 +210,12 @@ def optimizer_bytes(p: int, n: int, t: Training) -> int:
 
 
 def pass_bytes(model: Model, p: Pass, n: int, t: Training) -> Breakdown:
-    """The transient memory of one pass: activations, logits, a training pass's gradients and, at ZeRO-3, the
-    gathered parameters."""
+    """The transient memory of one pass: activations, logits and a training pass's gradients."""
     s, b = model.shape, t.dtype_bytes
     tokens = -(-p.tokens // t.ring_size)
     out = {"activations": activation_bytes(s, tokens, p.longest, p.train, t),
            "logits": 0 if model.scalar_head else tokens * s.vocab * b * (2 if p.train else 1),
            "gradients": gradient_bytes(model.trainable_params, n, t) if p.train and model.trained else 0}
-    if model.partitioned(t):
-        out["buffers"] = int(min(model.params, ZERO3_PREFETCH_ELEMENTS + 2 * s.layer_params) * b)
     return out
 
 
