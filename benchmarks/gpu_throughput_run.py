@@ -155,8 +155,10 @@ def run_job(s: Settings, job: str, model: str, data: dict[str, str], out: str, t
         cmd[cmd.index("--master_port") + 1] = str(free_port())
     seconds = round(time.perf_counter() - start, 1)
     if code != 0:
+        lines = text.strip().splitlines()
+        errors = [line for line in lines if "Error" in line or "error:" in line][:12]  # torchrun's tail hides them
         return {"status": "timeout" if code == "timeout" else "failed", "rc": code, "seconds": seconds,
-                "tail": text.strip().splitlines()[-12:]}
+                "errors": errors, "tail": lines[-12:]}
     result = json.loads(text.strip().splitlines()[-1]) if job == "floor" else job_summary(out)
     return {"status": "ok", "seconds": seconds, **result}
 

@@ -48,12 +48,12 @@ def flops_per_token(training: bool, seq_len: int) -> float:
     that multiplies every token; the input lookup costs nothing)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=256, vocab_size=512, tie_word_embeddings=True)
+    config = Qwen2Config(**benchmark("gpu_throughput_inputs").SHAPES["tiny"])
+    assert config.tie_word_embeddings
     with torch.device("meta"):
         N = sum(p.numel() for p in Qwen2ForCausalLM(config).parameters())
     dense, attention = (6, 12) if training else (2, 4)
-    return dense * N + attention * 2 * 64 * seq_len
+    return dense * N + attention * config.num_hidden_layers * config.hidden_size * seq_len
 
 
 def test_every_job_and_stage_ran(summary):
