@@ -8,7 +8,8 @@ model's role, ZeRO partitions over all of them; ring-attention ranks included):
 - weights: P·b, or P·b/n at ZeRO-3 plus the gathered parameters DeepSpeed keeps between forwards: up to
   stage3_max_live_parameters (1e9 elements, which with the default stage3_max_reuse_distance of 1e9 are not
   released), min(P, 1e9)·b per ZeRO-3 model, trained or frozen (measured on CPU: a PPO job's actor and reference
-  at ZeRO-3 hold this much more than their shards outside training).
+  at ZeRO-3 hold this much more than their shards outside training), and during a ZeRO-3 forward or backward
+  the flat buffer the all-gathers fill, min(P, 5e7)·b (stage3_prefetch_bucket_size).
 - gradients (trained models; LoRA: the adapters' parameters only): ZeRO-0/1 P·b; ZeRO-2 and 3 the reduce bucket
   (5e8 elements: every gradient of a smaller model, min(P, 5e8)·b) + the fp32 gradient partition 4·P/n, and at
   ZeRO-3 the 16-bit gradient shard P·b/n too; only during the model's own training pass (its optimizer step
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field, replace
 from rlhf.planning.model_shapes import ModelShape
 
 GiB = 1 << 30
+ZERO3_PREFETCH_ELEMENTS = 5e7  # the engine's stage3_prefetch_bucket_size
 ZERO3_LIVE_ELEMENTS = 1e9
 """The engine's stage3_max_live_parameters, with DeepSpeed's default stage3_max_reuse_distance (also 1e9): up to
 this many gathered parameters of a ZeRO-3 model stay on the device between its forwards."""
@@ -210,12 +212,15 @@ def optimizer_bytes(p: int, n: int, t: Training) -> int:
 
 
 def pass_bytes(model: Model, p: Pass, n: int, t: Training) -> Breakdown:
-    """The transient memory of one pass: activations, logits and a training pass's gradients."""
+    """The transient memory of one pass: activations, logits, a training pass's gradients and, at ZeRO-3, the
+    flat buffer its parameter all-gathers fill (a prefetch bucket, 5e7 elements)."""
     s, b = model.shape, t.dtype_bytes
     tokens = -(-p.tokens // t.ring_size)
     out = {"activations": activation_bytes(s, tokens, p.longest, p.train, t),
            "logits": 0 if model.scalar_head else tokens * s.vocab * b * (2 if p.train else 1),
            "gradients": gradient_bytes(model.trainable_params, n, t) if p.train and model.trained else 0}
+    if model.partitioned(t):  # the all-gather's flat buffer of a prefetch bucket while parameters are fetched
+        out["buffers"] = int(min(model.params, ZERO3_PREFETCH_ELEMENTS) * b)
     return out
 
 
