@@ -176,7 +176,8 @@ def readme() -> None:
         plan = plan_ranks(placement_from_config(cfg), world)
         shown = " ".join(a if not a.startswith("/") else os.path.basename(a) for a in argv)
         nodes = f"--nnodes {world // 8} " if world > 8 else ""
-        print(f"### {title}\n\n```\n$ torchrun {nodes}--nproc_per_node 8 ... -m rlhf.cli.train_ppo {shown} --dry_run")
+        launcher = f"python -m rlhf.cli.launch {nodes}--nproc_per_node 8 ..."
+        print(f"### {title}\n\n```\n$ {launcher} -m rlhf.cli.train_ppo {shown} --dry_run")
         print(report(cfg, job_memory(cfg, plan), plan, world) + "\n```\n")
 
 

@@ -294,7 +294,7 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM on CUDA, per engine")
     args = parser.parse_args()
     if args.engine is None:
-        from rlhf.engines.vllm_engine import vllm_available
+        from rlhf.engines.rollout import vllm_available
 
         args.engine = "vllm" if vllm_available() else "hf"
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,23 +19,22 @@ import torch
 from rlhf.agents import load_agent
 from rlhf.cli.entry_point import main_for
 from rlhf.config.errors import UsageError
-from rlhf.config.ppo_config import DEMO_LENGTHS, TrainPPOConfig
+from rlhf.config.ppo_config import DEMO_LENGTHS, DEMO_ROLLOUT_BATCH, TrainPPOConfig
 from rlhf.core.run import Assembled, JobParts, Started, run_job
 from rlhf.data.prompts import Prompt, PromptSampler, load_prompts
 from rlhf.distributed.launch_env import LaunchEnv
 from rlhf.distributed.topology import Role, Topology, plan_ranks
+from rlhf.engines.rollout import NO_VLLM, rollout_engine_choice
 from rlhf.models.loading import check_liger_kernel, check_local_model, load_tokenizer
 from rlhf.models.value import check_scalar_head, save_scalar_head_model
 from rlhf.rewards.base import RewardSource
 from rlhf.trainers.async_ppo_trainer import AsyncPPOTrainer
 from rlhf.trainers.ppo_build import (
-    NO_VLLM,
     build_roles,
     check_models,
     describe_algorithm,
     describe_layout,
     placement_from_config,
-    rollout_engine_choice,
 )
 from rlhf.trainers.ppo_trainer import PPOTrainer, Roles, total_steps
 from rlhf.trainers.prompt_eval import PromptEvaluator, prompt_unit
@@ -150,8 +149,8 @@ class PPORun(JobParts):
 
     name, bar = "rl", {"reward": "reward_mean"}
     demo_line = ("no --pretrain given: training the embedded tiny demo policy (--prompt_max_len "
-                 f"{DEMO_LENGTHS['prompt_max_len']} --generate_max_len {DEMO_LENGTHS['generate_max_len']} "
-                 "unless given)")
+                 f"{DEMO_LENGTHS['prompt_max_len']} --generate_max_len {DEMO_LENGTHS['generate_max_len']}, and "
+                 f"--rollout_batch_size {DEMO_ROLLOUT_BATCH} on its 512 prompts, unless given)")
 
     def extra_roles(self, cfg: TrainPPOConfig) -> tuple[Role, ...]:
         """Trained policy copies beside PPO's roles (on the actor's ranks unless placed)."""

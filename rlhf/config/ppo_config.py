@@ -385,6 +385,10 @@ DEMO_LENGTHS = {"prompt_max_len": 16, "generate_max_len": 8}
 """Lengths the embedded demo runs with where the defaults (OpenRLHF's, sized for real models) are still set: the
 demo policy has 256 positions; a copy-task prompt fits 16 tokens and its answer (four words and EOS) 8."""
 
+DEMO_ROLLOUT_BATCH = 128
+"""The demo's --rollout_batch_size on its own prompts where the default (1024) is still set: there are 512, so
+one pass takes 4 steps of one --train_batch_size (128) each."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainPPOConfig(JobConfig):
@@ -547,8 +551,11 @@ class TrainPPOConfig(JobConfig):
         if self.model.pretrain is not None:
             return self
         data, reward, rollout = self.data, self.reward, self.rollout
+        batch = self.batch
         if data.prompt_data is None:
             data = replace(data, prompt_data=EMBEDDED_PROMPTS)
+            if batch.rollout_batch_size == BatchConfig().rollout_batch_size:
+                batch = replace_quietly(batch, rollout_batch_size=DEMO_ROLLOUT_BATCH)
         if not (reward.reward_model_paths or reward.remote_rm_url or self.agent.agent_func_path):
             reward = replace(reward, remote_rm_url=EMBEDDED_REWARD)
         if data.prompt_max_len == DataConfig().prompt_max_len:  # sized for real models; the demo has 256 positions
@@ -556,7 +563,7 @@ class TrainPPOConfig(JobConfig):
         if rollout.generate_max_len == RolloutConfig().generate_max_len:
             rollout = replace_quietly(rollout, generate_max_len=DEMO_LENGTHS["generate_max_len"])
         return replace_quietly(self, model=replace(self.model, pretrain=EMBEDDED_MODEL_DIR), data=data,
-                               reward=reward, rollout=rollout)
+                               reward=reward, rollout=rollout, batch=batch)
 
     def check_world(self, world_size: int) -> None:
         """Validate rollout sharding against the world size (role sizes: `check_role_sizes`)."""

@@ -203,7 +203,8 @@ def start(parts: RunParts, cfg: Any, parse_warnings: Sequence[warnings.WarningMe
     launch, preemption = begin(logging or cfg.logging)
     demo = cfg.model.pretrain is None
     cfg = cfg.with_demo_defaults()
-    if trains:  # first: an unwritable output or a missing resume path is the first line a user reads
+    # first: an unwritable output or a missing resume path is the first line a user reads (a dry run writes none)
+    if trains and not cfg.dry_run:
         check_outputs(cfg.logging, cfg.checkpoint, default_ckpt_path(cfg), launch.world_size)
     show_parse_warnings(parse_warnings, launch.rank)
     cfg = for_this_machine(cfg)

@@ -11,11 +11,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from rlhf.data.records import Rollout
+
+if TYPE_CHECKING:
+    from rlhf.config.ppo_config import TrainPPOConfig
 
 # Below 2**62: vLLM seeds the k-th of a request's n samples with seed + k, and torch generators take
 # seeds below 2**64; -1 means "unseeded" to vLLM, so seeds are never negative.
@@ -117,3 +120,25 @@ def to_rollout(prompt_ids: list[list[int]], generations: list[list[Generation]],
         responses=tokenizer.batch_decode([g.token_ids for _, g, _, _ in rows], skip_special_tokens=True),
         labels=[label for _, _, _, label in rows],
     )
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+NO_VLLM = "vLLM is not installed"
+
+
+def rollout_engine_choice(cfg: TrainPPOConfig) -> tuple[str, str]:
+    """("vllm" or "hf", why): --vllm_num_engines 0 or --rollout_engine hf choose transformers' generate,
+    --rollout_engine vllm vLLM, and auto vLLM where it is installed."""
+    r = cfg.rollout
+    if r.vllm_num_engines == 0 and not r.async_train:
+        return "hf", "--vllm_num_engines 0"
+    if r.rollout_engine != "auto":
+        return r.rollout_engine, f"--rollout_engine {r.rollout_engine}"
+    return ("vllm", "installed") if vllm_available() else ("hf", NO_VLLM)

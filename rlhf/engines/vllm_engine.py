@@ -134,14 +134,6 @@ def weight_push_path(reload_parameters: list[str], copy_in_place: bool = False) 
     return RELOAD_IN_PLACE if "weights_iterator" in reload_parameters else LOAD_WEIGHTS
 
 
-def vllm_available() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 class _DropRotaryReloadWarning(logging.Filter):
     """vLLM warns on every in-place reload that rotary embeddings (which have no weights) were not
     loaded; the parity test proves the reload is complete, so the line is only noise."""

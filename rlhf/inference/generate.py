@@ -104,7 +104,7 @@ def rollout_tp_size(cfg: BatchInferenceConfig, world_size: int) -> int:
 
 def check_engine_available(cfg: BatchInferenceConfig) -> None:
     """--eval_task generate_vllm needs vLLM installed (checked before any engine starts)."""
-    from rlhf.engines.vllm_engine import vllm_available
+    from rlhf.engines.rollout import vllm_available
 
     if cfg.eval_task == "generate_vllm" and not vllm_available():
         raise UsageError("--eval_task generate_vllm needs vLLM: install the cpu or gpu extra, or use --eval_task "

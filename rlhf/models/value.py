@@ -40,6 +40,10 @@ class ScalarHeadModel(torch.nn.Module):
     def head(self) -> torch.nn.Linear:
         return getattr(self, self.head_prefix)
 
+    def get_input_embeddings(self) -> torch.nn.Module:
+        """The base's (as HF models answer it; FLOP counting leaves it out)."""
+        return self.base.get_input_embeddings()
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """Per-token values, float32 with the leading shape of `input_ids`. Extra kwargs (packed or ring

@@ -19,6 +19,7 @@ from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.config.preference_config import PreferenceJobConfig
 from rlhf.config.supervised_config import PairDataConfig, TrainKDConfig, TrainRMConfig
 from rlhf.distributed.topology import Role
+from rlhf.engines.rollout import rollout_engine_choice
 from rlhf.planning.model_shapes import read_shape
 from rlhf.planning.peak_memory import CUDA_RESERVE_BYTES, GiB, JobMemory, Model, Pass, Rollout, Training
 
@@ -50,8 +51,6 @@ def micro_tokens(cfg: Any, samples: int, longest: int) -> int:
 def ppo_memory(cfg: TrainPPOConfig, plan: dict[Role, tuple[int, ...]], device: int | None) -> JobMemory:
     """PPO and its critic-free relatives: the actor (and critic) trained, reference and reward models frozen,
     the rollout engine on every rank."""
-    from rlhf.trainers.ppo_build import rollout_engine_choice
-
     m, e, b, r = cfg.model, cfg.engine, cfg.batch, cfg.rollout
     longest = cfg.data.prompt_max_len + r.generate_max_len
     actor = read_shape(m.pretrain)

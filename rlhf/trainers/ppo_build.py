@@ -18,6 +18,7 @@ from rlhf.data.pretrain import PtxData, tokenize_texts
 from rlhf.data.prompts import load_texts
 from rlhf.distributed.topology import Placement, Role, Topology
 from rlhf.engines.deepspeed_engine import DeepSpeedModel, check_sleep_supported
+from rlhf.engines.rollout import rollout_engine_choice
 from rlhf.engines.weight_sync import meta_param_specs
 from rlhf.kernels.ring_attention import block_kernel_for
 from rlhf.kernels.varlen_attention import varlen_backend_for
@@ -105,22 +106,6 @@ def check_models(cfg: TrainPPOConfig) -> None:
     if cfg.rollout.max_len is not None:
         check_model_configs(paths[:1], m, cfg.engine, longest=cfg.max_model_len,
                             length_flags=f"--max_len {cfg.max_model_len} (vLLM's max_model_len)")
-
-
-NO_VLLM = "vLLM is not installed"
-
-
-def rollout_engine_choice(cfg: TrainPPOConfig) -> tuple[str, str]:
-    """("vllm" or "hf", why): --vllm_num_engines 0 or --rollout_engine hf choose transformers' generate,
-    --rollout_engine vllm vLLM, and auto vLLM where it is installed."""
-    from rlhf.engines.vllm_engine import vllm_available
-
-    r = cfg.rollout
-    if r.vllm_num_engines == 0 and not r.async_train:
-        return "hf", "--vllm_num_engines 0"
-    if r.rollout_engine != "auto":
-        return r.rollout_engine, f"--rollout_engine {r.rollout_engine}"
-    return ("vllm", "installed") if vllm_available() else ("hf", NO_VLLM)
 
 
 def describe_generation(cfg: TrainPPOConfig) -> str:

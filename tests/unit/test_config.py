@@ -246,12 +246,15 @@ def test_embedded_demo_only_without_pretrain():
     assert (demo.model.pretrain, demo.data.prompt_data, demo.reward.source) == \
         (EMBEDDED_MODEL_DIR, EMBEDDED_PROMPTS, EMBEDDED_REWARD)
     # OpenRLHF's lengths (1024 + 1024) exceed the demo policy's 256 positions: the demo's, unless given
-    assert (demo.data.prompt_max_len, demo.rollout.generate_max_len) == (16, 8)
-    given = parse("--prompt_max_len", "32", "--generate_max_len", "12").with_demo_defaults()
-    assert (given.data.prompt_max_len, given.rollout.generate_max_len) == (32, 12)
+    # and its 512 prompts are fewer than OpenRLHF's --rollout_batch_size 1024
+    assert (demo.data.prompt_max_len, demo.rollout.generate_max_len, demo.batch.rollout_batch_size) == (16, 8, 128)
+    given = parse("--prompt_max_len", "32", "--generate_max_len", "12", "--rollout_batch_size", "256")
+    given = given.with_demo_defaults()
+    assert (given.data.prompt_max_len, given.rollout.generate_max_len, given.batch.rollout_batch_size) == (32, 12, 256)
     # the user's own prompts and reward are kept; only the policy comes from the demo
     own = parse("--prompt_data", "mine.jsonl", "--reward_pretrain", "/rm").with_demo_defaults()
     assert (own.data.prompt_data, own.reward.reward_paths, own.reward.source) == ("mine.jsonl", ["/rm"], "")
+    assert own.batch.rollout_batch_size == 1024
     # the embedded model's path given explicitly is a --pretrain like any other
     with pytest.raises(ValueError, match="is given but --prompt_data is not"):
         parse("--pretrain", EMBEDDED_MODEL_DIR, "--remote_rm_url", "r.py")

@@ -19,6 +19,7 @@ LAYERS = [
     {"engines"},  # DeepSpeed and rollout engines
     {"rewards"},
     {"agents", "inference"},
+    {"planning"},  # the memory plan of a job's config (--dry_run), from model configs only
     {"core"},  # the job-agnostic core: loop, checkpoints, metrics, optimizer step, builders
     {"trainers"},  # each job's step
     {"repulse"},  # the research algorithm, beside PPO: its config, roles, step, evaluations, GCG and plots

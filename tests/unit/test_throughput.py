@@ -1,6 +1,7 @@
 """Throughput metrics by hand: the FLOPs of a tiny Llama (N counted from its weights, the input embedding left
 out), the sequence lengths of padded and packed inputs, the forward hook's count inside a step (training and
-forward-only, nothing outside a step), generation's count, and the per-step metrics with and without a peak."""
+forward-only, nothing outside a step; a value-head model too), generation's count, and the per-step metrics with
+and without a peak."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlhf.core import throughput
 from rlhf.core.throughput import ModelShape, Throughput, count_generated, count_work, sequence_lengths
+from rlhf.models.value import ScalarHeadModel
 from rlhf.utils import watchdog
 
 TINY = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -31,6 +33,8 @@ def test_model_shape_and_flops_by_hand(model):
     assert shape.flops(lengths, training=False) == 2 * N * 8 + 4 * 2 * 8 * (9 + 25)
     tied = LlamaForCausalLM(LlamaConfig(**{**TINY.to_dict(), "tie_word_embeddings": True}))
     assert ModelShape.of(tied).params == N  # the output projection still computes
+    # a critic or reward model: the backbone without lm_head (128), plus its value head (8 x 1)
+    assert ModelShape.of(ScalarHeadModel(model.model, "value_head")) == ModelShape(N - 128 + 8, 2, 8)
 
 
 def test_sequence_lengths_of_padded_packed_and_plain_inputs():
