@@ -172,20 +172,18 @@ def shape_of_pretrained(path: str, trust_remote_code: bool = False) -> ModelShap
 class MemoryPeaks:
     """This rank's measured peak memory per stage, above a baseline taken when it is built (after imports and
     process groups, before any model): CUDA's max_memory_allocated, or on CPU the resident set's high-water
-    mark (VmHWM; reset through /proc/self/clear_refs). A thread polls the stage the rank is in every few
-    milliseconds; at each change it files the peak since the last change under the stage left and resets the
-    peak, so a stage shorter than the poll may go unseen and a stage's first milliseconds count for the one
-    before. `estimates`: the memory plan's bytes per stage for this rank (without its reserve), logged beside."""
+    mark (VmHWM; reset through /proc/self/clear_refs). At every change of stage (a watchdog listener) the peak
+    since the last change is filed under the stage left and the peak is reset: both high-water marks are kept
+    by the allocator or the kernel, so nothing is polled and no stage goes unseen. `estimates`: the memory
+    plan's bytes per stage for this rank (without its reserve), logged beside."""
 
-    def __init__(self, device: torch.device, estimates: dict[str, int] | None = None, poll_s: float = 0.002) -> None:
+    def __init__(self, device: torch.device, estimates: dict[str, int] | None = None) -> None:
         self.cuda = device.type == "cuda"
-        self.device, self.estimates, self.poll_s = device, estimates or {}, poll_s
+        self.device, self.estimates = device, estimates or {}
         self.step_peaks: dict[str, int] = {}  # since the last `pop`
         self.run_peaks: dict[str, int] = {}
         self._stage: str | None = None
-        self._lock = threading.Lock()  # `file` runs on the polling thread and from `Throughput.metrics`
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # `file` runs on any thread that changes stage, and from `Throughput.metrics`
         self.measurable = self.cuda or _proc_memory_resettable()
         if not self.measurable:
             warnings.warn("no measured peak memory per stage: this system has no /proc/self/clear_refs to reset the "
@@ -193,8 +191,7 @@ class MemoryPeaks:
             return
         self.baseline = self._current()
         self._reset()
-        self._thread = threading.Thread(target=self._run, name="memory-peaks", daemon=True)
-        self._thread.start()
+        watchdog.on_change(self.file)
 
     def _current(self) -> int:
         if self.cuda:
@@ -213,12 +210,8 @@ class MemoryPeaks:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # resets VmHWM to the current resident set (Linux >= 4.0)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            self.file()
-
     def file(self) -> None:
-        """At a change of stage, the peak since the last one goes to the stage left (polling thread)."""
+        """At a change of stage, the peak since the last one goes to the stage left."""
         if not self.measurable:
             return
         with self._lock:
@@ -237,9 +230,8 @@ class MemoryPeaks:
         return out
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self.measurable:
+            watchdog.off_change(self.file)
 
     def table(self) -> dict[str, dict[str, int]]:
         """stage -> {"measured": peak bytes over the run, "estimated": the plan's bytes} for this rank."""

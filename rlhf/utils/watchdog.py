@@ -69,6 +69,20 @@ def current_stack() -> tuple[str, ...]:
 def _mark() -> None:
     _PROGRESS.since_wall = time.time()
     _PROGRESS.count += 1
+    for listener in _LISTENERS:
+        listener()
+
+
+_LISTENERS: list[Callable[[], None]] = []
+
+
+def on_change(listener: Callable[[], None]) -> None:
+    """Call `listener()` after every stage entered or left, on the thread that entered or left it."""
+    _LISTENERS.append(listener)
+
+
+def off_change(listener: Callable[[], None]) -> None:
+    _LISTENERS.remove(listener)
 
 
 def describe() -> str:
