@@ -12,6 +12,7 @@ that stops answering for `timeout_s` (its host is gone) ends the rank the same w
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from rlhf.utils import watchdog
 
 EXIT_STATUS = 1
+JOIN_TIMEOUT_S = 30.0  # a store call in flight at exit ends within the store's own timeout, or this
 DONE = "done"
 
 
@@ -89,8 +91,18 @@ class Heartbeat:
 
     def start(self) -> Heartbeat:
         self.beat()  # at once: a peer that starts its watch first finds this rank's key
-        threading.Thread(target=self._run, name="rlhf-heartbeat", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="rlhf-heartbeat", daemon=True)
+        self._thread.start()
+        atexit.register(self._join)
         return self
+
+    def _join(self) -> None:
+        """At interpreter exit: end the thread before Python finalizes. A daemon thread still inside a store call
+        then (C++ that released the GIL) is ended by the interpreter as it takes the GIL back, and that unwinds
+        through C++ frames that may not be unwound: `terminate called without an active exception`, exit -6,
+        after a run that succeeded."""
+        self._stop.set()
+        self._thread.join(timeout=JOIN_TIMEOUT_S)
 
     def stop(self) -> None:
         """This rank is done: peers stop waiting for its heartbeat."""
