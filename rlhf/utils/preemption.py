@@ -16,11 +16,11 @@ under torchrun: a job started from a shell that then exits (`nohup`) is meant to
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -48,8 +48,10 @@ class PreemptionWatch:
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
         if watch_parent if watch_parent is not None else "TORCHELASTIC_RUN_ID" in os.environ:
-            self._parent = os.getppid()
-            threading.Thread(target=self._watch_parent, name="rlhf-launcher-watch", daemon=True).start()
+            self._parent, self._exiting = os.getppid(), threading.Event()
+            thread = threading.Thread(target=self._watch_parent, name="rlhf-launcher-watch", daemon=True)
+            thread.start()
+            atexit.register(lambda: (self._exiting.set(), thread.join(timeout=5)))  # no thread left at finalization
         _ACTIVE = self
 
     def _handle(self, signum, frame) -> None:
@@ -58,7 +60,8 @@ class PreemptionWatch:
 
     def _watch_parent(self) -> None:
         while os.getppid() == self._parent:
-            time.sleep(PARENT_POLL_S)
+            if self._exiting.wait(PARENT_POLL_S):
+                return
         print(f"[rank {os.environ.get('RANK', '0')}] the launcher (pid {self._parent}) is gone: checkpointing at "
               "the end of this step, then exiting", file=sys.stderr, flush=True)
         self.requested = True

@@ -10,6 +10,7 @@ nothing about collectives or configs; `--dist_timeout` (the collectives' own lim
 
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 import time
@@ -130,10 +131,16 @@ class Watchdog:
         if self.interval_s > 0 and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="rlhf-watchdog", daemon=True)
             self._thread.start()
+            atexit.register(self._join)
         return self
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _join(self) -> None:
+        """At interpreter exit: no thread of ours is left running while Python finalizes (see heartbeat.py)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
 
     def _run(self) -> None:
         tick = min(1.0, self.interval_s / 4)

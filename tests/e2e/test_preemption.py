@@ -79,7 +79,8 @@ def test_usr1_to_plain_torchrun_leaves_workers_that_checkpoint_and_exit(tmp_path
     _, err = proc.communicate(timeout=300)  # the pipes close once the workers, which hold them too, exit
     assert proc.returncode == -signal.SIGUSR1
     assert not [p for p in pids if running(p)], err[-4000:]
-    assert err.count("is gone: checkpointing at the end of this step, then exiting") == 2, err[-4000:]
+    # the first rank to notice stops both at the step's end (the other may exit before its next look)
+    assert "is gone: checkpointing at the end of this step, then exiting" in err, err[-4000:]
     steps = logged_steps(out)
     assert [s for s, _ in complete_checkpoints(str(ckpt))] == [steps[-1]]
     assert steps[-1] < 200

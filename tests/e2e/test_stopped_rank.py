@@ -5,6 +5,7 @@ checkpoint is intact."""
 
 import datetime
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,7 +60,8 @@ def test_a_stopped_rank_ends_the_run_naming_it(tmp_path):
     named = "no heartbeat for more than 7.5 s from rank 1"
     lines = [line for line in err.splitlines() if named in line]
     assert len(lines) == 1 and lines[0].startswith("[rank 0] "), err[-3000:]
-    assert "(at its last heartbeat in stage 'step" in lines[0]
+    # the stopped rank was in a step, or between two (a loaded machine may stop it there)
+    assert re.search(r"\(at its last heartbeat (in stage 'step|outside any stage since \S+, after 'step)", lines[0])
     # torchrun logs the moment rank 0 exited ("... Sending process P closing signal SIGTERM" to rank 1)
     closing = next(line for line in err.splitlines() if "closing signal SIGTERM" in line)
     stamp = datetime.datetime.strptime(f"{datetime.date.today().year}{closing.split()[0][1:]} {closing.split()[1]}",
