@@ -49,10 +49,15 @@ class PreemptionWatch:
             signal.signal(sig, self._handle)
         if watch_parent if watch_parent is not None else "TORCHELASTIC_RUN_ID" in os.environ:
             self._parent, self._exiting = os.getppid(), threading.Event()
-            thread = threading.Thread(target=self._watch_parent, name="rlhf-launcher-watch", daemon=True)
-            thread.start()
-            atexit.register(lambda: (self._exiting.set(), thread.join(timeout=5)))  # no thread left at finalization
+            self._thread = threading.Thread(target=self._watch_parent, name="rlhf-launcher-watch", daemon=True)
+            self._thread.start()
+            atexit.register(self._join)
         _ACTIVE = self
+
+    def _join(self) -> None:
+        """At interpreter exit: no thread of ours is left running while Python finalizes (see heartbeat.py)."""
+        self._exiting.set()
+        self._thread.join(timeout=5)
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
