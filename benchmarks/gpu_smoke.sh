@@ -17,8 +17,8 @@
 # flash-attn package (no prebuilt wheel for every torch/CUDA pair; the built-in flash kernel is used).
 #   SMOKE_ONLY="env install gpu_tests"     # run only these sections (the others report "not run")
 #
-# Sections (each bounded by `timeout`): env, install, gpu-marked tests, Triton log-prob kernel vs the
-# chunked reference (bf16, vocabulary 152k: time and peak memory), DeepSpeed ZeRO-2 and ZeRO-3
+# Sections (each bounded by `timeout`): env, install, gpu-marked tests, the memory plan against measured peaks
+# (SFT and PPO), Triton log-prob kernel vs the chunked reference (bf16, vocabulary 152k: time and peak memory), DeepSpeed ZeRO-2 and ZeRO-3
 # offload/reload round trip followed by a forward on the tiny model, Liger on vs off log-probs (separate
 # processes), ring attention at 8k tokens (flash blocks, fp32 blocks, varlen kernels), torch's flash varlen
 # op as a block kernel, the NCCL+gloo default group, and short train_sft (packed, ZeRO-2), train_ppo (GRPO,
@@ -384,7 +384,8 @@ PY
 }
 
 gpu_tests() {
-  python -m pytest -q -p no:cacheprovider --junitxml "$WORK/junit.xml" tests/gpu >&2
+  python -m pytest -q -p no:cacheprovider --junitxml "$WORK/junit.xml" tests/gpu \
+    --ignore tests/gpu/test_memory_plan_cuda.py >&2  # its own section: memory_plan
   python - "$WORK/junit.xml" <<'EOF'
 import json, sys
 import xml.etree.ElementTree as ET
@@ -395,6 +396,22 @@ failed = [c.get("classname", "") + "::" + c.get("name", "") for c in suite.iter(
 counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
 print(json.dumps({"status": "failed" if failed else "ok", **counts, "failed": failed}))
 EOF
+}
+
+# The memory plan against max_memory_allocated (tests/gpu/test_memory_plan_cuda.py): SFT and PPO, bf16, ZeRO-2,
+# packed, each stage's planned and measured MiB on rank 0; fails past 25%.
+memory_plan() {
+  python -m pytest -q -s -p no:cacheprovider -o addopts="" tests/gpu/test_memory_plan_cuda.py >"$WORK/memory_plan.log" 2>&1
+  local rc=$?
+  cat "$WORK/memory_plan.log" >&2
+  python - "$WORK/memory_plan.log" "$rc" <<'PY'
+import json, sys
+lines = [line for line in open(sys.argv[1]) if line.startswith("MEMORY_PLAN ")]
+table = json.loads(lines[-1][len("MEMORY_PLAN "):]) if lines else None
+status = "failed" if sys.argv[2] != "0" else ("ok" if table else "skipped")  # skipped: no CUDA
+print(json.dumps({"status": status, "tolerance": 0.25, "rank0": table}))
+PY
+  return "$rc"
 }
 
 # train JOB METRIC FLAGS...: one short run of a CLI job on this GPU (bf16, the embedded model and data); prints
@@ -435,11 +452,12 @@ PY
 }
 
 export ROOT WORK WHEELHOUSE
-export -f torchrun1 install_wheels gpu_tests train grpo
+export -f torchrun1 install_wheels gpu_tests memory_plan train grpo
 
 run_section env 30 python "$CHECKS" env
 run_section install 120 install_wheels
 run_section gpu_tests 120 gpu_tests
+run_section memory_plan 150 memory_plan
 run_section logprobs_triton_vs_chunked 60 python "$CHECKS" logprobs
 run_section deepspeed_offload_reload 100 torchrun1 "$CHECKS" deepspeed
 run_section liger_off 40 python "$CHECKS" liger 0 "$WORK/liger_off.pt"
@@ -460,7 +478,7 @@ run_section train_dpo_zero3_offload 120 train train_dpo eval_acc --zero_stage 3 
 python - "$WORK" "$SMOKE_JSON" <<'EOF'
 import json, sys
 work, dest = sys.argv[1], sys.argv[2]
-names = ["env", "install", "gpu_tests", "logprobs_triton_vs_chunked", "deepspeed_offload_reload", "liger_off",
+names = ["env", "install", "gpu_tests", "memory_plan", "logprobs_triton_vs_chunked", "deepspeed_offload_reload", "liger_off",
          "liger_on", "liger_on_vs_off", "ring_attention_8k", "flash_block_kernel", "nccl_gloo_group", "train_sft_packed_zero2",
          "train_grpo_hf_rollout_sleep", "train_dpo_zero3_offload"]
 summary = {n: json.load(open(f"{work}/{n}.json")) for n in names}

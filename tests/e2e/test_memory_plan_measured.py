@@ -1,7 +1,7 @@
 """The memory plan against measured peaks: a short PPO run on 2 CPU ranks of the 37.7M-parameter random Llama of
 benchmarks/memory_plan.py (which measures the whole SFT/DPO/PPO x ZeRO x layout grid); each stage's planned
 peak must lie within 25% of the resident set's growth that rank 0 measured (`MemoryPeaks`). On CUDA the same
-check reads max_memory_allocated (gpu-marked; not run by benchmarks/gpu_smoke.sh, which runs tests/gpu)."""
+check reads max_memory_allocated: tests/gpu/test_memory_plan_cuda.py, run by benchmarks/gpu_smoke.sh."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 from tests.distributed import ROOT, run_torchrun
 
@@ -50,10 +49,3 @@ def test_planned_peaks_within_25_percent_on_cpu(inputs, tmp_path, monkeypatch):
     assert set(table) == {"generation", "experience", "train", "weight_sync"}
     check_within_tolerance(table)
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_planned_peaks_within_25_percent_on_cuda(inputs, tmp_path, monkeypatch):
-    ranks = min(2, torch.cuda.device_count())
-    for job in ("sft", "ppo"):
-        check_within_tolerance(run_and_read(job, 2, "packed", inputs, tmp_path / job, monkeypatch, True, ranks))
