@@ -25,7 +25,7 @@ from rlhf.config.inference_config import DEMO_LENGTHS, BatchInferenceConfig
 from rlhf.config.shared_config import EngineConfig, LoggingConfig
 from rlhf.core.role_models import check_model_configs
 from rlhf.core.run import RunParts, check_writable, start
-from rlhf.distributed.launch_env import LaunchEnv, finish_heartbeat
+from rlhf.distributed.launch_env import LaunchEnv, finish_distributed
 from rlhf.distributed.topology import Placement, Role, Topology, plan_ranks
 from rlhf.inference.generate import (
     ChunkGenerator,
@@ -196,6 +196,7 @@ def run(cfg: BatchInferenceConfig, parse_warnings: Sequence[warnings.WarningMess
         if is_writer:
             print(f"{cfg.data.output_path} is complete ({progress_path(cfg.data.output_path)}): nothing to do; delete "
                   "it to write it again", flush=True)
+        finish_distributed()
         return
     if is_writer:
         if started.demo:
@@ -205,7 +206,7 @@ def run(cfg: BatchInferenceConfig, parse_warnings: Sequence[warnings.WarningMess
     seed_everything(cfg.seed + started.launch.rank, cfg.full_determinism)  # vLLM re-seeds globally (samples: own seeds)
     finished = process(cfg, len(parts.items), parts.writer, compute, started.preemption, group)
     dist.barrier(group=group)
-    finish_heartbeat()
+    finish_distributed()
     if not finished:
         raise SystemExit(PREEMPTED_EXIT_CODE)
 

@@ -53,7 +53,7 @@ from rlhf.cli.entry_point import main_for
 from rlhf.config.errors import UsageError
 from rlhf.core.run import check_writable
 from rlhf.data.formatting import make_chat_template
-from rlhf.distributed.launch_env import finish_heartbeat, init_distributed, read_launch_env
+from rlhf.distributed.launch_env import finish_distributed, init_distributed, read_launch_env
 from rlhf.inference.generate import generated_text
 from rlhf.inference.output import write_atomically
 from rlhf.models.loading import check_local_model, load_causal_lm, load_tokenizer, resolve_attention
@@ -355,8 +355,7 @@ def gather_records(indices: list[int], records: list[dict], num_goals: int) -> l
     """Every rank's records (of its goals `indices`) in goal order, on every rank; then the group ends."""
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, list(zip(indices, records)))
-    finish_heartbeat()
-    dist.destroy_process_group()
+    finish_distributed()
     by_index = dict(pair for part in parts for pair in part)
     return [by_index[i] for i in range(num_goals)]
 

@@ -34,7 +34,7 @@ from rlhf.core.throughput import (
     device_peak_tflops,
     gather_memory_table,
 )
-from rlhf.distributed.launch_env import LaunchEnv, finish_heartbeat, init_distributed, read_launch_env
+from rlhf.distributed.launch_env import LaunchEnv, finish_distributed, init_distributed, read_launch_env
 from rlhf.distributed.topology import Role, Topology
 from rlhf.engines.deepspeed_compat import install_subgroup_patches
 from rlhf.models.loading import resolve_attention
@@ -278,7 +278,7 @@ def run_job(parts: JobParts, cfg: Any, parse_warnings: Sequence[warnings.Warning
         logger.close()
     table = gather_memory_table(memory, launch.rank, os.path.join(cfg.logging.save_path, "memory_peaks.json"))
     dist.barrier()
-    finish_heartbeat()
+    finish_distributed()
     if cfg.logging.perf and run.is_writer:
         print(throughput.summary(), flush=True)
         print("\n".join(table), flush=True)

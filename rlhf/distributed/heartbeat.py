@@ -93,11 +93,11 @@ class Heartbeat:
         self.beat()  # at once: a peer that starts its watch first finds this rank's key
         self._thread = threading.Thread(target=self._run, name="rlhf-heartbeat", daemon=True)
         self._thread.start()
-        atexit.register(self._join)
+        atexit.register(self.join)
         return self
 
-    def _join(self) -> None:
-        """At interpreter exit: end the thread before Python finalizes. A daemon thread still inside a store call
+    def join(self) -> None:
+        """At the end of the run, and at interpreter exit: end the thread before Python finalizes. A daemon thread still inside a store call
         then (C++ that released the GIL) is ended by the interpreter as it takes the GIL back, and that unwinds
         through C++ frames that may not be unwound: `terminate called without an active exception`, exit -6,
         after a run that succeeded."""

@@ -159,6 +159,18 @@ def finish_heartbeat() -> None:
         HEARTBEAT.stop()
 
 
+def finish_distributed() -> None:
+    """This rank's work is done (after the run's last collective): its peers stop watching it, its heartbeat
+    thread ends, and every process group is destroyed while the interpreter is whole. Gloo's worker threads
+    left to interpreter finalization can abort a process whose run succeeded (`terminate called without an
+    active exception`, exit -6; torch asks for `destroy_process_group` at the end of every program)."""
+    finish_heartbeat()
+    if HEARTBEAT is not None:
+        HEARTBEAT.join()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _store(launch: LaunchEnv, timeout: datetime.timedelta) -> dist.Store:
     """The rendezvous store, with keys prefixed by the restart attempt.
 

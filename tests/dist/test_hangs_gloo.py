@@ -43,3 +43,25 @@ def test_waiting_rank_prints_its_stage_and_times_out():
     assert rank1["lines"][0].startswith("[rank 1] no progress for 1 s: in stage 'experience/reward_func' since ")
     assert 3 <= len(rank0["lines"]) <= 6  # about one a second until the timeout
     assert rank0["error"] is not None and 3.5 <= rank0["error_after"] <= 10, rank0
+
+
+def _finish_after_a_collective(port: int) -> dict:
+    """init_distributed (its heartbeat on), one all_reduce, then finish_distributed."""
+    import torch.distributed as dist
+
+    from rlhf.distributed import launch_env
+
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    launch_env.init_distributed(launch_env.read_launch_env(), timeout_minutes=1)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    launch_env.finish_distributed()
+    return {"total": total.item(), "initialized": dist.is_initialized(),
+            "heartbeat_alive": launch_env.HEARTBEAT._thread.is_alive()}
+
+
+def test_finish_destroys_the_groups_and_ends_the_heartbeat_thread():
+    # nothing of gloo's or ours is left running for interpreter finalization (which can abort a finished run)
+    assert run_on_ranks(2, _finish_after_a_collective, free_port()) == [
+        {"total": 2.0, "initialized": False, "heartbeat_alive": False}] * 2
