@@ -414,6 +414,21 @@ PY
   return "$rc"
 }
 
+# Each job run below also reports rank 0's planned and measured peak per stage (memory_peaks.json beside its
+# metrics.jsonl; CUDA's max_memory_allocated), and the ratio.
+cat >"$WORK/smoke_peaks.py" <<'EOF'
+import json
+import os
+
+
+def planned_vs_measured(metrics_path: str) -> dict:
+    with open(os.path.join(os.path.dirname(metrics_path), "memory_peaks.json")) as f:
+        rank0 = json.load(f)["0"]
+    return {stage: {"planned_mib": round(v["estimated"] / 2**20, 1), "measured_mib": round(v["measured"] / 2**20, 1),
+                    "planned/measured": round(v["estimated"] / v["measured"], 3) if v["measured"] else None}
+            for stage, v in rank0.items()}
+EOF
+
 # train JOB METRIC FLAGS...: one short run of a CLI job on this GPU (bf16, the embedded model and data); prints
 # the held-out METRIC before training and at the end (metrics.jsonl), and the wall time of the run.
 train() {
@@ -424,11 +439,13 @@ train() {
   torchrun1 -m "rlhf.cli.$job" --pretrain "$tiny/policy" --save_path "$dir" --save_steps -1 --logging_steps 1 \
     --eval_steps -1 --max_epochs 1 --max_len 32 --train_batch_size 32 --micro_train_batch_size 8 \
     --param_dtype bf16 --seed 1 --input_template "{} " "${@//@TINY@/$tiny}" >&2 || return 1
-  python - "$dir/metrics.jsonl" "$metric" <<'PY'
+  PYTHONPATH="$WORK" python - "$dir/metrics.jsonl" "$metric" <<'PY'
 import json, sys
+from smoke_peaks import planned_vs_measured
 rows = [json.loads(line) for line in open(sys.argv[1])]
 values = [r[sys.argv[2]] for r in rows if sys.argv[2] in r]
-print(json.dumps({"metric": sys.argv[2], "first": values[0], "last": values[-1], "logged_rows": len(rows)}))
+print(json.dumps({"metric": sys.argv[2], "first": values[0], "last": values[-1], "logged_rows": len(rows),
+                  "memory_plan": planned_vs_measured(sys.argv[1])}))
 PY
 }
 
@@ -444,10 +461,12 @@ grpo() {
     --n_samples_per_prompt 8 --rollout_batch_size 16 --micro_rollout_batch_size 32 --train_batch_size 64 \
     --micro_train_batch_size 16 --generate_max_len 8 --prompt_max_len 16 --actor_learning_rate 3e-3 \
     --lr_warmup_ratio 0.05 --num_episodes 8 --max_steps 24 --seed 1 --save_path "$dir" >&2 || return 1
-  python - "$dir/metrics.jsonl" <<'PY'
+  PYTHONPATH="$WORK" python - "$dir/metrics.jsonl" <<'PY'
 import json, sys
+from smoke_peaks import planned_vs_measured
 rewards = [json.loads(line)["reward_mean"] for line in open(sys.argv[1])]
-print(json.dumps({"steps": len(rewards), "reward_first_2": sum(rewards[:2]) / 2, "reward_last_2": sum(rewards[-2:]) / 2}))
+print(json.dumps({"steps": len(rewards), "reward_first_2": sum(rewards[:2]) / 2, "reward_last_2": sum(rewards[-2:]) / 2,
+                  "memory_plan": planned_vs_measured(sys.argv[1])}))
 PY
 }
 

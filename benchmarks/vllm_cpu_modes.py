@@ -1,12 +1,15 @@
-"""vLLM on CPU, eager (`--enforce_eager`) against compiled (torch.compile of the model: vLLM's default, and ours
-since this benchmark), measured in one run: for each model and mode a fresh process builds the engine the way
-`train_ppo` does (in-process, external launcher) and times engine start-up, the first generate call, and the
-mean of the next calls (P prompts x K samples x T new tokens, every call different seeds), then pushes new
-weights and checks that generation follows them (a compiled graph must not keep the old weights). Prints one
-row per (model, mode), the ratios compiled/eager, and the calls after which compiled mode's start-up is paid
-back. vLLM caches compiled graphs (~/.cache/vllm): a second run of the same model starts faster.
+"""vLLM on CPU, eager (`--enforce_eager`) against compiled (torch.compile of the model: vLLM's default and
+OpenRLHF's, `--enforce_eager` off), measured in one run: for each model and mode a fresh process builds the
+engine the way `train_ppo` does (in-process, external launcher) and times engine start-up, the first generate
+call, and the mean of the next calls (P prompts x K samples x T new tokens, every call different seeds), then
+pushes new weights and checks that generation follows them (a compiled graph must not keep the old weights).
+Prints one row per (model, mode), the ratios compiled/eager, and the calls after which compiled mode's start-up
+is paid back. Models: `tiny`, the embedded demo policy (0.14M parameters); `4m` and `30m`, rl_step.py's random
+Llamas (3.2M and 30M, the embedded 64-word tokenizer). vLLM caches compiled graphs (~/.cache/vllm, or
+VLLM_CACHE_ROOT): a second run of the same model starts faster; point VLLM_CACHE_ROOT and
+TORCHINDUCTOR_CACHE_DIR at empty folders to time a first run.
 
-    python benchmarks/vllm_cpu_modes.py [--prompts 64] [--samples 4] [--tokens 16] [--calls 5] [--models demo,tiny]
+    python benchmarks/vllm_cpu_modes.py [--prompts 64] [--samples 4] [--tokens 16] [--calls 5] [--models tiny,4m,30m]
 """
 
 from __future__ import annotations
@@ -14,19 +17,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
-MODELS = {"demo": "EMBEDDED_MODEL_DIR", "tiny": "TINY_DIR/policy"}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # rl_step's random Llamas
 
 
-def model_path(name: str) -> str:
-    from rlhf import assets
+def model_dir(name: str, work: str) -> str:
+    """The embedded demo policy (`tiny`) or rl_step.py's random Llama of that size, saved under `work`."""
+    if name == "tiny":
+        from rlhf.assets import EMBEDDED_MODEL_DIR
 
-    attr, _, sub = MODELS[name].partition("/")
-    base = getattr(assets, attr)
-    return os.path.join(base, sub) if sub else base
+        return EMBEDDED_MODEL_DIR
+    from rl_step import build_model_dir
+
+    out = os.path.join(work, name)
+    build_model_dir(out, name)
+    return out
 
 
 def child(path: str, eager: bool, prompts: int, samples: int, tokens: int, calls: int) -> dict:
@@ -79,33 +89,37 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--calls", type=int, default=5)
-    parser.add_argument("--models", default="demo,tiny")
+    parser.add_argument("--models", default="tiny,4m,30m", help="comma-separated: tiny, 4m, 30m")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        name, mode = args.child.split(":")
-        print(json.dumps(child(model_path(name), mode == "eager", args.prompts, args.samples, args.tokens,
-                               args.calls)))
+        path, mode = args.child.rsplit(":", 1)
+        print(json.dumps(child(path, mode == "eager", args.prompts, args.samples, args.tokens, args.calls)))
         return
     rows = {}
-    for name in args.models.split(","):
-        for mode in ("eager", "compiled"):
-            cmd = [sys.executable, __file__, "--child", f"{name}:{mode}", "--prompts", str(args.prompts),
-                   "--samples", str(args.samples), "--tokens", str(args.tokens), "--calls", str(args.calls)]
-            out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
-            if out.returncode:
-                print(out.stderr[-3000:])
-                raise SystemExit(f"{name} {mode} failed")
-            rows[name, mode] = json.loads(out.stdout.strip().splitlines()[-1])
-            r = rows[name, mode]
-            print(f"{name:5} {mode:8} init {r['init_s']:6.1f} s  first call {r['first_call_s']:6.2f} s  "
-                  f"call {r['call_s']:6.3f} s  weights follow a push: {r['weights_follow_push']}", flush=True)
-        e, c = rows[name, "eager"], rows[name, "compiled"]
-        extra = (c["init_s"] + c["first_call_s"]) - (e["init_s"] + e["first_call_s"])
-        saved = e["call_s"] - c["call_s"]
-        payback = f"{extra / saved:.0f} calls" if saved > 0 else "never"
-        print(f"{name:5} compiled/eager: call {c['call_s'] / e['call_s']:.2f}x, start-up + first call "
-              f"{extra:+.1f} s, paid back after {payback}", flush=True)
+    work = tempfile.mkdtemp(prefix="vllm_cpu_modes_")
+    try:
+        for name in args.models.split(","):
+            path = model_dir(name, work)
+            for mode in ("eager", "compiled"):
+                cmd = [sys.executable, __file__, "--child", f"{path}:{mode}", "--prompts", str(args.prompts),
+                       "--samples", str(args.samples), "--tokens", str(args.tokens), "--calls", str(args.calls)]
+                out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+                if out.returncode:
+                    print(out.stderr[-3000:])
+                    raise SystemExit(f"{name} {mode} failed")
+                rows[name, mode] = json.loads(out.stdout.strip().splitlines()[-1])
+                r = rows[name, mode]
+                print(f"{name:5} {mode:8} init {r['init_s']:6.1f} s  first call {r['first_call_s']:6.2f} s  "
+                      f"call {r['call_s']:6.3f} s  weights follow a push: {r['weights_follow_push']}", flush=True)
+            e, c = rows[name, "eager"], rows[name, "compiled"]
+            extra = (c["init_s"] + c["first_call_s"]) - (e["init_s"] + e["first_call_s"])
+            saved = e["call_s"] - c["call_s"]
+            payback = f"{extra / saved:.0f} calls" if saved > 0 else "never"
+            print(f"{name:5} compiled/eager: call {c['call_s'] / e['call_s']:.2f}x, start-up + first call "
+                  f"{extra:+.1f} s, paid back after {payback}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -189,7 +189,7 @@ class VLLMEngine:
             tensor_parallel_size=tp_size, distributed_executor_backend="external_launcher",
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             logprobs_mode="processed_logprobs", trust_remote_code=trust_remote_code,
-            enforce_eager=enforce_eager,  # on CPU too: compiled pays its start-up back within 5-17 calls
+            enforce_eager=enforce_eager,  # on CPU too, as OpenRLHF (benchmarks/vllm_cpu_modes.py)
 
         )
         if max_num_seqs is not None:
