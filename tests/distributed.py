@@ -76,8 +76,8 @@ def run_variants_on_ranks(world_size: int, variants: list[tuple]) -> list[list]:
 
 @contextmanager
 def exclusive(name: str) -> Iterator[None]:
-    """Holds a machine-wide lock named `name` (a file lock): tests that cannot overlap, such as vLLM CPU engines of
-    TP > 1, which share fixed /dev/shm names, run one at a time whatever pytest-xdist worker runs them."""
+    """Holds a machine-wide lock named `name` (a file lock): tests that cannot overlap (the private SLURM cluster)
+    run one at a time whatever pytest-xdist worker runs them."""
     import fcntl
 
     with open(os.path.join(tempfile.gettempdir(), f"spmd-rlhf-tests-{name}.lock"), "w") as lock:

@@ -97,8 +97,9 @@ class Heartbeat:
         return self
 
     def join(self) -> None:
-        """At the end of the run, and at interpreter exit: end the thread before Python finalizes. A daemon thread still inside a store call
-        then (C++ that released the GIL) is ended by the interpreter as it takes the GIL back, and that unwinds
+        """At the end of the run, and at interpreter exit: end the thread before Python finalizes. A daemon thread
+        still inside a store call then (C++ that released the GIL) is ended by the interpreter as it takes the GIL
+        back, and that unwinds
         through C++ frames that may not be unwound: `terminate called without an active exception`, exit -6,
         after a run that succeeded."""
         self._stop.set()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -147,6 +148,7 @@ def init_distributed(launch: LaunchEnv, timeout_minutes: float = 30) -> torch.de
         store = _store(launch, timeout)
         dist.init_process_group(backend=backend, store=store, rank=launch.rank, world_size=launch.world_size,
                                 timeout=timeout)
+        os.environ[RUN_TAG_ENV] = _run_tag(store, launch.rank)
         if launch.world_size > 1:  # a stopped peer ends the run within --dist_timeout, naming it
             global HEARTBEAT
             HEARTBEAT = Heartbeat(store, launch.rank, launch.world_size, timeout.total_seconds()).start()
@@ -169,6 +171,18 @@ def finish_distributed() -> None:
         HEARTBEAT.join()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+RUN_TAG_ENV = "RLHF_RUN_TAG"
+"""Set by `init_distributed`: a tag every rank of this run (this restart attempt) shares and no other run has."""
+
+
+def _run_tag(store: dist.Store, rank: int) -> str:
+    """Rank 0's random tag, read by every rank from the rendezvous store: it names this run's machine-wide
+    resources (vLLM's CPU shared-memory segments) apart from those of other runs and of crashed ones."""
+    if rank == 0:
+        store.set("run_tag", uuid.uuid4().hex[:12])
+    return store.get("run_tag").decode()
 
 
 def _store(launch: LaunchEnv, timeout: datetime.timedelta) -> dist.Store:

@@ -169,6 +169,22 @@ def kv_cache_shortfall(kv_cache_bytes: int, num_blocks: int, block_size: int, ma
             f"({need / 2**20:.3g} MiB) or more if memory allows.")
 
 
+def tag_cpu_shm_names(tag: str) -> None:
+    """Put this run's tag (`RLHF_RUN_TAG`, agreed by every rank in `init_distributed`) in the names of vLLM's CPU
+    tensor-parallel shared-memory segments. vLLM names them after the group's ranks only (an external launcher's
+    init method is `env://`, so every run on a machine gets `/dev/shm/-tp:0-[0-1]-cpushm...`): two runs at once
+    would share them, and the segments a killed run leaves behind break the next run of the same layout."""
+    if not tag:
+        raise RuntimeError("RLHF_RUN_TAG is not set: a CPU vLLM engine of TP > 1 needs init_distributed first")
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = cpu_communicator._CPUSHMDistributed
+    untagged = getattr(shm, "_rlhf_untagged", None) or shm.make_group_name
+    shm._rlhf_untagged = untagged
+    # a shared-memory name has no "/" past its first character (vLLM's starts with the "//" of `env://`)
+    shm.make_group_name = staticmethod(lambda communicator: f"rlhf{tag}" + untagged(communicator).replace("/", ""))
+
+
 class VLLMEngine:
     """`RolloutEngine` backed by `vllm.LLM` in this process."""
 
@@ -190,7 +206,6 @@ class VLLMEngine:
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
             logprobs_mode="processed_logprobs", trust_remote_code=trust_remote_code,
             enforce_eager=enforce_eager,  # on CPU too, as OpenRLHF (benchmarks/vllm_cpu_modes.py)
-
         )
         if max_num_seqs is not None:
             kwargs.update(max_num_seqs=max_num_seqs)
@@ -198,6 +213,8 @@ class VLLMEngine:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep)
         else:
             kwargs.update(kv_cache_memory_bytes=kv_cache_bytes)
+        if not on_cuda and tp_size > 1:
+            tag_cpu_shm_names(os.environ.get("RLHF_RUN_TAG", ""))
         set_num_threads = torch.set_num_threads
         num_threads = torch.get_num_threads()
         llm = LLM(**kwargs)

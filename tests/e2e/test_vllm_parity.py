@@ -1,25 +1,36 @@
 """Right after a weight sync, the actor's log-probs and the vLLM engine's log-probs of the same
 sampled sequences agree (fp32, max abs difference <= 1e-4), also on multi-turn agent episodes (the
-model's tokens of every turn, with the environment's tokens between them)."""
+model's tokens of every turn, with the environment's tokens between them). The TP-2 engine starts beside the
+shared-memory segments a killed TP-2 run leaves under vLLM's own names (which made the next run fail: EEXIST)."""
 
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
+import os
 
 import pytest
 
-from tests.distributed import exclusive, run_torchrun
+from tests.distributed import run_torchrun
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
+
+UNTAGGED_SHM = ["/dev/shm/-tp:0-[0-1]-cpushm_0", "/dev/shm/-tp:0-[0-1]-cpushm_1"]
+"""vLLM's CPU TP-2 segment names without the run tag (`rlhf.engines.vllm_engine.tag_cpu_shm_names`)."""
 
 
 @pytest.mark.parametrize("zero_stage,tp", [(3, 1), (2, 2)])
 def test_engine_logprobs_match_actor_after_sync(tmp_path, zero_stage, tp):
     out = tmp_path / "parity.json"
-    with exclusive("vllm-tp") if tp > 1 else nullcontext():  # TP > 1 engines share fixed /dev/shm names
+    left_by_a_killed_run = [p for p in UNTAGGED_SHM if tp > 1 and not os.path.exists(p)]
+    try:
+        for path in left_by_a_killed_run:
+            with open(path, "wb") as f:
+                f.write(bytes(4096))
         proc = run_torchrun(2, "tests/workers/vllm_parity.py", str(out), str(zero_stage), str(tp))
+    finally:
+        for path in left_by_a_killed_run:
+            os.remove(path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     report = json.loads(out.read_text())
     assert report["num_tokens"] > 20
