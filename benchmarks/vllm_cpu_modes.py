@@ -23,20 +23,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # rl_step's random Llamas
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the other benchmarks' models
 
-
-def model_dir(name: str, work: str) -> str:
-    """The embedded demo policy (`tiny`) or rl_step.py's random Llama of that size, saved under `work`."""
-    if name == "tiny":
-        from rlhf.assets import EMBEDDED_MODEL_DIR
-
-        return EMBEDDED_MODEL_DIR
-    from rl_step import build_model_dir
-
-    out = os.path.join(work, name)
-    build_model_dir(out, name)
-    return out
+from hf_rollout_engine import model_dir  # noqa: E402  (the demo policy, or rl_step.py's random Llama of a size)
 
 
 def child(path: str, eager: bool, prompts: int, samples: int, tokens: int, calls: int) -> dict:
