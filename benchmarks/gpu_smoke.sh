@@ -18,11 +18,12 @@
 #   SMOKE_ONLY="env install gpu_tests"     # run only these sections (the others report "not run")
 #
 # Sections (each bounded by `timeout`): env, install, gpu-marked tests, the memory plan against measured peaks
-# (SFT and PPO), Triton log-prob kernel vs the chunked reference (bf16, vocabulary 152k: time and peak memory), DeepSpeed ZeRO-2 and ZeRO-3
-# offload/reload round trip followed by a forward on the tiny model, Liger on vs off log-probs (separate
-# processes), ring attention at 8k tokens (flash blocks, fp32 blocks, varlen kernels), torch's flash varlen
-# op as a block kernel, the NCCL+gloo default group, and short train_sft (packed, ZeRO-2), train_ppo (GRPO,
-# HF rollout, --deepspeed_enable_sleep) and train_dpo (ZeRO-3, --ref_offload) runs on the embedded data.
+# (SFT and PPO), Triton log-prob kernel vs the chunked reference (bf16, vocabulary 152k: time and peak memory),
+# DeepSpeed ZeRO-2 and ZeRO-3 offload/reload round trip followed by a forward on the tiny model, Liger on vs off
+# log-probs (separate processes), ring attention at 8k tokens (flash blocks, fp32 blocks, varlen kernels), torch's
+# flash varlen op as a block kernel, the NCCL+gloo default group, and short train_sft (packed, ZeRO-2), train_ppo
+# (GRPO, HF rollout, --deepspeed_enable_sleep) and train_dpo (ZeRO-3, --ref_offload) runs on the embedded data,
+# each with rank 0's planned and measured memory peak per stage.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)

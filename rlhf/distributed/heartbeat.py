@@ -99,9 +99,8 @@ class Heartbeat:
     def join(self) -> None:
         """At the end of the run, and at interpreter exit: end the thread before Python finalizes. A daemon thread
         still inside a store call then (C++ that released the GIL) is ended by the interpreter as it takes the GIL
-        back, and that unwinds
-        through C++ frames that may not be unwound: `terminate called without an active exception`, exit -6,
-        after a run that succeeded."""
+        back, and that unwinds through C++ frames that may not be unwound: `terminate called without an active
+        exception`, exit -6, after a run that succeeded."""
         self._stop.set()
         self._thread.join(timeout=JOIN_TIMEOUT_S)
 
