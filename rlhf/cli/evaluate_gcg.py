@@ -356,6 +356,7 @@ def gather_records(indices: list[int], records: list[dict], num_goals: int) -> l
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, list(zip(indices, records)))
     finish_distributed()
+    dist.destroy_process_group()  # rank 0 goes on alone
     by_index = dict(pair for part in parts for pair in part)
     return [by_index[i] for i in range(num_goals)]
 

@@ -5,6 +5,7 @@ Owns the default process group only; every other group is created by `Topology`.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import re
@@ -129,6 +130,8 @@ def init_distributed(launch: LaunchEnv, timeout_minutes: float = 30) -> torch.de
     (`cuda_device_index`): both libraries pick `cuda:LOCAL_RANK`, which is 0 where srun binds one GPU per
     task. Called once by every rank.
     """
+    global FINISHED
+    FINISHED = False
     device_index = launch.local_rank
     if torch.cuda.is_available():
         device_index = cuda_device_index(launch.local_rank, launch.local_world_size, torch.cuda.device_count())
@@ -149,6 +152,7 @@ def init_distributed(launch: LaunchEnv, timeout_minutes: float = 30) -> torch.de
         dist.init_process_group(backend=backend, store=store, rank=launch.rank, world_size=launch.world_size,
                                 timeout=timeout)
         os.environ[RUN_TAG_ENV] = _run_tag(store, launch.rank)
+        atexit.register(_destroy_groups_at_exit)  # before the heartbeat's join: atexit runs the last one first
         if launch.world_size > 1:  # a stopped peer ends the run within --dist_timeout, naming it
             global HEARTBEAT
             HEARTBEAT = Heartbeat(store, launch.rank, launch.world_size, timeout.total_seconds()).start()
@@ -161,15 +165,26 @@ def finish_heartbeat() -> None:
         HEARTBEAT.stop()
 
 
+FINISHED = False
+"""Set by `finish_distributed`: this process's last run reached its end, so its groups go at exit."""
+
+
 def finish_distributed() -> None:
     """This rank's work is done (after the run's last collective): its peers stop watching it, its heartbeat
-    thread ends, and every process group is destroyed while the interpreter is whole. Gloo's worker threads
-    left to interpreter finalization can abort a process whose run succeeded (`terminate called without an
-    active exception`, exit -6; torch asks for `destroy_process_group` at the end of every program)."""
+    thread ends, and at interpreter exit (not now: a process may run several jobs, and DeepSpeed keeps the
+    groups it saw) every process group is destroyed while the interpreter is still whole. Gloo's worker
+    threads left to interpreter finalization can abort a process whose run succeeded (`terminate called
+    without an active exception`, exit -6; torch asks for `destroy_process_group` before a program ends). A run
+    that fails skips it: destroying a group whose peer is gone can wait for gloo's timeout."""
+    global FINISHED
     finish_heartbeat()
     if HEARTBEAT is not None:
         HEARTBEAT.join()
-    if dist.is_initialized():
+    FINISHED = True
+
+
+def _destroy_groups_at_exit() -> None:
+    if FINISHED and dist.is_initialized():
         dist.destroy_process_group()
 
 

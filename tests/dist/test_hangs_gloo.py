@@ -46,22 +46,34 @@ def test_waiting_rank_prints_its_stage_and_times_out():
 
 
 def _finish_after_a_collective(port: int) -> dict:
-    """init_distributed (its heartbeat on), one all_reduce, then finish_distributed."""
+    """init_distributed (its heartbeat on), one all_reduce, finish_distributed, then the exit handlers it
+    registered, in atexit's order (the last registered first)."""
+    import atexit
+
     import torch.distributed as dist
 
     from rlhf.distributed import launch_env
 
     dist.destroy_process_group()
     os.environ["MASTER_PORT"] = str(port)
-    launch_env.init_distributed(launch_env.read_launch_env(), timeout_minutes=1)
+    registered = []
+    register, atexit.register = atexit.register, registered.append
+    try:
+        launch_env.init_distributed(launch_env.read_launch_env(), timeout_minutes=1)
+    finally:
+        atexit.register = register
     total = torch.ones(1)
     dist.all_reduce(total)
     launch_env.finish_distributed()
-    return {"total": total.item(), "initialized": dist.is_initialized(),
-            "heartbeat_alive": launch_env.HEARTBEAT._thread.is_alive()}
+    after_finish = {"initialized": dist.is_initialized(), "heartbeat_alive": launch_env.HEARTBEAT._thread.is_alive()}
+    for handler in reversed(registered):
+        handler()
+    return {"total": total.item(), "after_finish": after_finish, "initialized_at_exit": dist.is_initialized()}
 
 
-def test_finish_destroys_the_groups_and_ends_the_heartbeat_thread():
-    # nothing of gloo's or ours is left running for interpreter finalization (which can abort a finished run)
+def test_finish_ends_the_heartbeat_thread_and_exit_destroys_the_groups():
+    # nothing of gloo's or ours is left running for interpreter finalization (which can abort a finished run); the
+    # groups stay until exit, for a process that runs another job
     assert run_on_ranks(2, _finish_after_a_collective, free_port()) == [
-        {"total": 2.0, "initialized": False, "heartbeat_alive": False}] * 2
+        {"total": 2.0, "after_finish": {"initialized": True, "heartbeat_alive": False},
+         "initialized_at_exit": False}] * 2
