@@ -106,7 +106,7 @@ class InferenceVLLMConfig:
     vllm_kv_cache_bytes: int = opt(64 << 20, "KV-cache bytes per engine on CPU (vLLM needs an explicit size)")
     vllm_gpu_memory_utilization: float = opt(0.9, "fraction of GPU memory vLLM may take (CUDA)")
     enforce_eager: bool = opt(False, "run vLLM's model eagerly: no CUDA graphs, and on CPU no torch.compile "
-                               "(CPU, compiled: +5-25 s at start, each call 0.77-1.03x eager's time; "
+                               "(CPU, compiled: +1-26 s at start, each call 0.77-1.03x eager's time; "
                                "benchmarks/vllm_cpu_modes.py)")
     max_num_seqs: int = opt(256, "most sequences a vLLM engine runs in one batch")
 

@@ -103,7 +103,7 @@ class RolloutConfig:
     vllm_kv_cache_bytes: int = opt(64 << 20, "KV-cache bytes per engine on CPU (vLLM needs an explicit size)")
     weight_sync_bucket_mb: int = opt(256, "MiB per broadcast bucket when pushing weights to ranks without the actor")
     enforce_eager: bool = opt(False, "run vLLM's model eagerly: no CUDA graphs, and on CPU no torch.compile "
-                               "(CPU, compiled: +5-25 s at start, each call 0.77-1.03x eager's time; "
+                               "(CPU, compiled: +1-26 s at start, each call 0.77-1.03x eager's time; "
                                "benchmarks/vllm_cpu_modes.py)")
     vllm_enable_sleep: bool = opt(False, "vLLM releases its memory (sleep level 2) outside generation (CUDA)")
     enable_prefix_caching: bool = opt(False, "vLLM prefix caching")
