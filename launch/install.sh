@@ -21,6 +21,8 @@ case "$flavour" in
     # DeepSpeed's isolated build would fetch a CUDA torch: build against the installed one.
     pip_install --no-build-isolation deepspeed==0.19.8 torch==2.13.0
     pip_install --no-build-isolation -e '.[dev]' torch==2.13.0 'transformers<5.20'
+    # DeepSpeed compiles its CPU communication op on first use (1-2 minutes): build it now, not in the first run.
+    python -c 'from rlhf.engines.deepspeed_compat import build_cpu_comm_op; build_cpu_comm_op(0)'
     # tcmalloc, which vLLM's CPU backend asks for (rlhf.cli.launch preloads it where present): the OS package,
     # where this runs as root with apt; otherwise say so (vLLM then runs on glibc's malloc).
     if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4; then

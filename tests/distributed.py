@@ -106,8 +106,29 @@ def run_torchrun(nproc: int, target: str, *args: str, timeout: int = 600) -> sub
                "--master_addr=127.0.0.1", f"--master_port={free_port()}", *target_args, *args]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode == 0 or not _rendezvous_port_taken(proc.stderr) or attempt == 2:
+            if proc.returncode == 0:
+                assert_clean_exit(proc)
             return proc
     raise AssertionError("unreachable")
+
+
+CRASH_MARKS = ("Traceback (most recent call last)", "terminate called")
+"""What a run that succeeded must never print: a Python traceback, or a C++ abort (`terminate called ...`)."""
+
+
+def assert_clean_exit(proc: subprocess.CompletedProcess, *save_paths) -> None:
+    """A run that exited 0 printed no traceback or abort on its console, nor in the `logs/` of `save_paths`
+    (the libraries' full output)."""
+    texts = {"stdout": proc.stdout or "", "stderr": proc.stderr or ""}
+    for save_path in save_paths:
+        logs = os.path.join(str(save_path), "logs")
+        for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else ():
+            with open(os.path.join(logs, name), errors="replace") as f:
+                texts[os.path.join(logs, name)] = f.read()
+    for where, text in texts.items():
+        for mark in CRASH_MARKS:
+            at = text.find(mark)
+            assert at < 0, f"exit 0, but {where} holds {mark!r}:\n{text[max(0, at - 500):at + 3000]}"
 
 
 def _rendezvous_port_taken(stderr: str) -> bool:

@@ -32,10 +32,11 @@ def run_job(nproc: int, module: str, out, *args: str) -> tuple[list[dict], dict,
     metrics rows, its saved weights (model.safetensors) and its stdout."""
     from safetensors.torch import load_file
 
-    from tests.distributed import run_torchrun
+    from tests.distributed import assert_clean_exit, run_torchrun
 
     proc = run_torchrun(nproc, f"-m rlhf.cli.{module}", *args, "--save_path", str(out))
     assert proc.returncode == 0, proc.stderr[-6000:]
+    assert_clean_exit(proc, out)
     return read_metrics(out), load_file(os.path.join(out, "model.safetensors")), proc.stdout
 
 
@@ -47,12 +48,13 @@ def run_jobs(nproc: int, runs: list[tuple[str, object, list[str]]], tmp) -> list
 
     from safetensors.torch import load_file
 
-    from tests.distributed import run_torchrun
+    from tests.distributed import assert_clean_exit, run_torchrun
 
     spec = tmp / f"variants-{len(os.listdir(tmp))}.json"
     spec.write_text(json.dumps([[module, [*args, "--save_path", str(out)]] for module, out, args in runs]))
     proc = run_torchrun(nproc, "tests/workers/job_variants.py", str(spec), timeout=1200)
     assert proc.returncode == 0, proc.stderr[-6000:]
+    assert_clean_exit(proc, *(out for _, out, _ in runs))
     stdouts = proc.stdout.split("=== variant ")[1:]
     assert len(stdouts) == len(runs), proc.stdout[-3000:]
     return [(read_metrics(out), load_file(os.path.join(out, "model.safetensors")), text)

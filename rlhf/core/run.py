@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import sys
 import tempfile
+import time
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -27,6 +29,7 @@ from rlhf.config.errors import UsageError
 from rlhf.config.shared_config import CheckpointConfig, LoggingConfig, replace_quietly
 from rlhf.core.checkpointer import Checkpointer, restarted_by_launcher
 from rlhf.core.loop import Job, Loop
+from rlhf.core.summary import read_rows, summary_block
 from rlhf.core.throughput import (
     TOKENS_PER_S,
     MemoryPeaks,
@@ -40,6 +43,7 @@ from rlhf.engines.deepspeed_compat import install_subgroup_patches
 from rlhf.models.loading import resolve_attention
 from rlhf.utils.checkpoint_files import check_resumable, check_resume_path
 from rlhf.utils.console import route_library_output
+from rlhf.utils.curves import plot_runs
 from rlhf.utils.logging import MetricsLogger, WandbSettings, check_no_earlier_run
 from rlhf.utils.preemption import PreemptionWatch
 from rlhf.utils.seeding import seed_everything
@@ -143,6 +147,7 @@ class Started:
     topology: Topology
     device: torch.device
     demo: bool
+    started_at: float = field(default_factory=time.time)
 
     @property
     def is_writer(self) -> bool:
@@ -180,10 +185,12 @@ class RunParts(ABC):
 
 class JobParts(RunParts):
     """A training job's parts of a run: the start's, its description and its step. `name`: the progress bar's
-    (`{name} steps`); `bar`: progress-bar label -> metric."""
+    (`{name} steps`); `bar`: progress-bar label -> metric; `summary`: metrics the end-of-run summary and plots
+    show after the bar's (held-out ones are always shown)."""
 
     name: str
     bar: dict[str, str]
+    summary: tuple[str, ...] = ()
 
     def describe(self, run: Started) -> list[str]:
         """Lines rank 0 prints before the engines are built."""
@@ -200,6 +207,7 @@ def start(parts: RunParts, cfg: Any, parse_warnings: Sequence[warnings.WarningMe
     the config's) and preemption handling, a training job's outputs (`trains`: --save_path, --ckpt_path,
     --load_checkpoint; checked first, so their error is the first line shown), the flags' notes, the config as
     this machine runs it, the job's own checks and inputs, the process groups, the watchdog and the topology."""
+    started_at = process_start_time()
     launch, preemption = begin(logging or cfg.logging)
     demo = cfg.model.pretrain is None
     cfg = cfg.with_demo_defaults()
@@ -214,7 +222,20 @@ def start(parts: RunParts, cfg: Any, parse_warnings: Sequence[warnings.WarningMe
         sys.exit(0)
     device = init_distributed(launch, cfg.dist_timeout)
     Watchdog(launch.rank, cfg.watchdog_interval).start()  # prints where this rank is stuck, if it is
-    return Started(cfg, launch, preemption, parts.topology(cfg, plan), device, demo)
+    return Started(cfg, launch, preemption, parts.topology(cfg, plan), device, demo, started_at)
+
+
+def process_start_time() -> float:
+    """When this process started (wall clock; its imports count toward a run's time), or now where /proc
+    cannot tell."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, clock ticks after boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time()
 
 
 def print_memory_plan(cfg: Any, plan: dict[Role, tuple[int, ...]], launch: LaunchEnv) -> None:
@@ -276,9 +297,35 @@ def run_job(parts: JobParts, cfg: Any, parse_warnings: Sequence[warnings.Warning
             job.save()
     finally:
         logger.close()
-    table = gather_memory_table(memory, launch.rank, os.path.join(cfg.logging.save_path, "memory_peaks.json"))
+    peaks_path = os.path.join(cfg.logging.save_path, "memory_peaks.json")
+    table = gather_memory_table(memory, launch.rank, peaks_path)
     dist.barrier()
     finish_distributed()
+    if run.is_writer:
+        print_summary(parts, cfg, run.started_at, begin_step, peaks_path)
     if cfg.logging.perf and run.is_writer:
         print(throughput.summary(), flush=True)
         print("\n".join(table), flush=True)
+
+
+def print_summary(parts: JobParts, cfg: Any, started_at: float, begin_step: int, peaks_path: str) -> None:
+    """Rank 0, at the end of a run: its plots (SAVE_PATH/plots) from metrics.jsonl, then the summary block."""
+    save_path = cfg.logging.save_path
+    metrics_path = os.path.join(save_path, "metrics.jsonl")
+    rows = read_rows(metrics_path) if os.path.isfile(metrics_path) else []
+    keys = (*parts.bar.values(), *parts.summary)
+    plots = os.path.join(save_path, "plots")
+    if rows:
+        plot_runs({os.path.basename(os.path.abspath(save_path)): rows}, plots, keys)
+    memory = None
+    if os.path.isfile(peaks_path):
+        with open(peaks_path) as f:
+            memory = json.load(f)
+    model = os.path.join(save_path, "model")
+    outputs = [("model", model if os.path.isdir(model) else
+                save_path if os.path.isfile(os.path.join(save_path, "config.json")) else ""),
+               ("metrics", metrics_path), ("TensorBoard", cfg.logging.use_tensorboard or ""), ("plots", plots),
+               ("logs", os.path.join(save_path, "logs"))]
+    lines = summary_block(rows, keys, name=parts.name, wall_s=time.time() - started_at, outputs=outputs,
+                          memory=memory, resumed_after=begin_step)
+    print("\n".join(lines), flush=True)

@@ -10,6 +10,7 @@ import datetime
 import os
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -183,8 +184,23 @@ def finish_distributed() -> None:
     FINISHED = True
 
 
+_CLOSE_BEFORE_GROUPS: list[Callable[[], None]] = []
+
+
+def close_before_groups(close: Callable[[], None]) -> None:
+    """Run `close()` at interpreter exit after a finished run, before the process groups are destroyed (the
+    newest first). For an engine that tears down process groups of its own when it shuts down (vLLM's engine
+    core destroys its groups and then the default one, from a finalizer that would otherwise run after
+    ours and find them gone: `ValueError: Invalid process group specified`, a traceback after a good run)."""
+    _CLOSE_BEFORE_GROUPS.append(close)
+
+
 def _destroy_groups_at_exit() -> None:
-    if FINISHED and dist.is_initialized():
+    if not FINISHED:
+        return
+    while _CLOSE_BEFORE_GROUPS:
+        _CLOSE_BEFORE_GROUPS.pop()()
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -13,11 +13,42 @@ the check verifies. Building a transformers model under ZeRO-3 on a subgroup nee
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+
+SHM_OP_BUILD_S = 600.0
+"""How long the watchdog waits on the one-time build of DeepSpeed's CPU communication op before it speaks (the
+build takes 1-2 minutes on 2 cores, more on a loaded machine)."""
+
+
+def build_cpu_comm_op(rank: int) -> None:
+    """Without CUDA, DeepSpeed JIT-compiles its shared-memory communication op (`deepspeed_shm_comm`) the first
+    time a process initialises it on a machine, silently, for a minute or two. Build it here when it is not
+    built yet, saying so on rank 0 and telling the watchdog (`launch/install.sh cpu` builds it ahead); DeepSpeed
+    then loads the cached op. Every rank calls it (torch's extension lock lets one build while the others wait)."""
+    if torch.cuda.is_available():
+        return
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.cpp_extension import _get_build_directory
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return
+    directory = _get_build_directory(builder.NAME, verbose=False)
+    if os.path.isfile(os.path.join(directory, builder.NAME + ".so")):
+        return
+    from rlhf.utils import watchdog
+
+    if rank == 0:
+        print(f"building DeepSpeed's CPU communication op ({builder.NAME}) into {directory}: once per machine, "
+              "1-2 minutes (`bash launch/install.sh cpu` builds it ahead)", flush=True)
+    with watchdog.stage(f"building DeepSpeed's {builder.NAME} op", patience_s=SHM_OP_BUILD_S):
+        builder.load(verbose=False)
 
 
 @contextmanager

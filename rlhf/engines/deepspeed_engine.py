@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from rlhf.config.errors import UsageError
 from rlhf.config.shared_config import EngineConfig, OptimConfig
-from rlhf.engines.deepspeed_compat import barriers_scoped_to, hpz_scoped_to, zero3_construction
+from rlhf.engines.deepspeed_compat import barriers_scoped_to, build_cpu_comm_op, hpz_scoped_to, zero3_construction
 from rlhf.engines.weight_ema import WeightEMA
 from rlhf.models import lora
 
@@ -216,6 +216,7 @@ class DeepSpeedModel:
         assert engine_cfg.hpz_size == 1 or hpz_group is not None, "--zpg at ZeRO-3 needs the topology's hpz group"
         self.config = ds_config(engine_cfg, optim_cfg, bf16=bf16, fp16=fp16, micro_batch_size=micro_batch_size,
                                 grad_accum_steps=grad_accum_steps)
+        build_cpu_comm_op(dist.get_rank())
         deepspeed.init_distributed(dist_backend="nccl" if "nccl" in dist.get_backend() else "gloo",
                                    auto_mpi_discovery=False)
         model = self._build(build)

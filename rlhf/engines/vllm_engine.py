@@ -23,10 +23,12 @@ import inspect
 import logging
 import os
 import warnings
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 
 import torch
 
+from rlhf.distributed.launch_env import close_before_groups
 from rlhf.engines.rollout import MAX_REQUEST_SEED, Generation, SamplingSpec
 
 COPY_IN_PLACE = "copy_in_place"
@@ -185,6 +187,19 @@ def tag_cpu_shm_names(tag: str) -> None:
     shm.make_group_name = staticmethod(lambda communicator: f"rlhf{tag}" + untagged(communicator).replace("/", ""))
 
 
+def _shutdown_at_exit(llm) -> Callable[[], None]:
+    """Shuts the in-process engine core down (once: vLLM's own finalizer is detached by it) if `llm` is still
+    alive at exit; it destroys vLLM's groups and then the default group, while they all exist."""
+    client = weakref.ref(llm.llm_engine.engine_core)
+
+    def shutdown() -> None:
+        engine_core = client()
+        if engine_core is not None:
+            engine_core.shutdown()
+
+    return shutdown
+
+
 class VLLMEngine:
     """`RolloutEngine` backed by `vllm.LLM` in this process."""
 
@@ -230,6 +245,7 @@ class VLLMEngine:
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(num_threads)
         gc.unfreeze()
+        close_before_groups(_shutdown_at_exit(llm))
         self._attach(llm, sleep_enabled=on_cuda and enable_sleep)
 
     @classmethod

@@ -29,6 +29,7 @@ class _Progress:
     since_wall: float = 0.0  # time.time() of the last stage entry or exit
     count: int = 0  # progress events (stages entered or left) so far
     step: int | None = None
+    patience: float = 0.0  # the current stage's announced length: no line before it has passed
 
 
 _PROGRESS = _Progress(since_wall=time.time())
@@ -53,12 +54,15 @@ def set_step(step: int) -> None:
 
 
 @contextmanager
-def stage(name: str) -> Iterator[None]:
-    """Mark a stage for the watchdog without timing it (see `StageTimer.stage` for timed ones)."""
+def stage(name: str, patience_s: float = 0.0) -> Iterator[None]:
+    """Mark a stage for the watchdog without timing it (see `StageTimer.stage` for timed ones). `patience_s`: a
+    stage known to be long and announced to the user (a one-time build) raises no line before it has passed."""
     enter(name)
+    _PROGRESS.patience = patience_s
     try:
         yield
     finally:
+        _PROGRESS.patience = 0.0
         leave()
 
 
@@ -120,7 +124,7 @@ class Watchdog:
         if _PROGRESS.count != self._seen:
             self._seen, self._seen_at, self._reports = _PROGRESS.count, now, 0
         idle = now - self._seen_at
-        if idle < self.interval_s * (self._reports + 1):
+        if idle < max(self.interval_s, _PROGRESS.patience) * (self._reports + 1):
             return None
         self._reports += 1
         line = f"[rank {self.rank}] no progress for {idle:.0f} s: {describe()}"

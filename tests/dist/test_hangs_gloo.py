@@ -64,16 +64,26 @@ def _finish_after_a_collective(port: int) -> dict:
         atexit.register = register
     total = torch.ones(1)
     dist.all_reduce(total)
+    engine_group, closed = dist.new_group([0, 1]), []
+
+    def close_engine() -> None:  # as vLLM's engine shutdown: its own group first, then the default one
+        closed.append(dist.is_initialized())
+        dist.destroy_process_group(engine_group)
+        dist.destroy_process_group()
+
+    launch_env.close_before_groups(close_engine)
     launch_env.finish_distributed()
     after_finish = {"initialized": dist.is_initialized(), "heartbeat_alive": launch_env.HEARTBEAT._thread.is_alive()}
     for handler in reversed(registered):
         handler()
-    return {"total": total.item(), "after_finish": after_finish, "initialized_at_exit": dist.is_initialized()}
+    return {"total": total.item(), "after_finish": after_finish, "initialized_at_exit": dist.is_initialized(),
+            "engine_closed_with_groups_alive": closed}
 
 
 def test_finish_ends_the_heartbeat_thread_and_exit_destroys_the_groups():
     # nothing of gloo's or ours is left running for interpreter finalization (which can abort a finished run); the
-    # groups stay until exit, for a process that runs another job
+    # groups stay until exit, for a process that runs another job; an engine that destroys groups of its own at
+    # shutdown (vLLM) is shut down first, while they exist (after them: "Invalid process group specified")
     assert run_on_ranks(2, _finish_after_a_collective, free_port()) == [
         {"total": 2.0, "after_finish": {"initialized": True, "heartbeat_alive": False},
-         "initialized_at_exit": False}] * 2
+         "initialized_at_exit": False, "engine_closed_with_groups_alive": [True]}] * 2

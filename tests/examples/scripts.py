@@ -5,7 +5,7 @@ import os
 import subprocess
 import time
 
-from tests.distributed import ROOT
+from tests.distributed import ROOT, assert_clean_exit
 
 
 def run_script(script: str, out, *args: str, timeout: int = 900) -> float:
@@ -14,6 +14,7 @@ def run_script(script: str, out, *args: str, timeout: int = 900) -> float:
     proc = subprocess.run(["bash", f"launch/examples/{script}", str(out), *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr[-6000:]
+    assert_clean_exit(proc, out)
     return time.monotonic() - start
 
 

@@ -173,11 +173,9 @@ def test_dry_run_of_the_seed_commands_prints_plans_without_loading_weights(tmp_p
     # rank 0 of a 2-rank launch, planned from this one process (a dry run starts no process group)
     env = {**os.environ, "PYTHONPATH": ROOT, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "29500"}
-    start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", f"ARGVS = {argvs!r}\n{REFUSE_WEIGHTS}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert time.perf_counter() - start < 90  # three plans, imports included
     plans = proc.stdout.split("rank plan (2 ranks):")[1:]
     assert len(plans) == 3, proc.stdout
     assert all("fits: peak" in plan for plan in plans), proc.stdout
