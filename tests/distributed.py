@@ -119,7 +119,12 @@ CRASH_MARKS = ("Traceback (most recent call last)", "terminate called")
 def assert_clean_exit(proc: subprocess.CompletedProcess, *save_paths) -> None:
     """A run that exited 0 printed no traceback or abort on its console, nor in the `logs/` of `save_paths`
     (the libraries' full output)."""
-    texts = {"stdout": proc.stdout or "", "stderr": proc.stderr or ""}
+    assert_clean_output(proc.stdout or "", proc.stderr or "", *save_paths)
+
+
+def assert_clean_output(stdout: str, stderr: str, *save_paths) -> None:
+    """`assert_clean_exit` for the output of a process read otherwise (`Popen.communicate`)."""
+    texts = {"stdout": stdout or "", "stderr": stderr or ""}
     for save_path in save_paths:
         logs = os.path.join(str(save_path), "logs")
         for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else ():

@@ -19,7 +19,7 @@ from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_PROMPTS, EMBEDDED_REWARD_MO
 from rlhf.inference.generate import generated_text
 from rlhf.inference.output import progress_path
 from rlhf.inference.post_process import rejection_sampling
-from tests.distributed import ROOT, free_port, run_torchrun
+from tests.distributed import ROOT, assert_clean_output, free_port, run_torchrun
 
 CPU = ["--param_dtype", "fp32", "--attn_implementation", "sdpa"]
 GEN = [*CPU, "--max_samples", "24", "--best_of_n", "2", "--chunk_size", "6"]
@@ -77,6 +77,7 @@ def test_generate_rows_and_a_stopped_single_rank_run_resumed_equal_two_ranks(hf_
     proc = _single_rank(*args)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-6000:]
+    assert_clean_output(stdout, stderr)
     assert f"resuming {out}: {done} of 4 chunks ({done * 12} rows)" in stdout
     assert out.read_bytes() == hf_generated.read_bytes()
 
@@ -152,4 +153,5 @@ def test_vllm_sampled_rows_do_not_depend_on_the_rank_count(tmp_path):
     one = _single_rank(*args, "--output_path", str(tmp_path / "one.jsonl"))
     stdout, stderr = one.communicate(timeout=600)
     assert one.returncode == 0, stderr[-6000:]
+    assert_clean_output(stdout, stderr)
     assert (tmp_path / "one.jsonl").read_bytes() == (tmp_path / "two.jsonl").read_bytes()

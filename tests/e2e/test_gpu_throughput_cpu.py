@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.distributed import ROOT
+from tests.distributed import ROOT, assert_clean_exit
 
 ROW, STEPS, BATCH, PEAK = 64, 3, 8, 2.0
 PROMPT, NEW, PROMPTS, SAMPLES = 16, 8, 4, 4
@@ -29,6 +29,7 @@ def summary(tmp_path_factory) -> dict:
     proc = subprocess.run(["bash", "benchmarks/gpu_throughput.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_clean_exit(proc)
     printed = json.loads(proc.stdout.strip().splitlines()[-1])
     assert json.loads(out.read_text()) == printed
     assert "| tiny | sft | ok |" in proc.stdout  # the table

@@ -14,7 +14,7 @@ import torch
 
 from rlhf.assets import TINY_DIR
 from rlhf.utils.checkpoint_files import complete_checkpoints
-from tests.distributed import ROOT, free_port
+from tests.distributed import ROOT, assert_clean_output, free_port
 from tests.tiny_runs import CPU
 
 pytest.importorskip("vllm")
@@ -87,6 +87,7 @@ def test_usr1_to_plain_torchrun_leaves_workers_that_checkpoint_and_exit(tmp_path
     resumed = launch(out, ckpt, "--max_steps", str(steps[-1] + 2), "--load_checkpoint")
     stdout, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err[-4000:]
+    assert_clean_output(stdout, err, out)
     assert f"resumed from {ckpt}/global_step{steps[-1]}" in stdout
     assert logged_steps(out)[-2:] == [steps[-1] + 1, steps[-1] + 2]
 
@@ -180,6 +181,7 @@ def test_sigterm_mid_step_abandons_it_and_the_resumed_run_equals_the_straight_on
         proc = launch(out, ckpt, *ABANDON, "--remote_rm_url", str(reward), *extra, env=env)
         stdout, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-4000:]
+        assert_clean_output(stdout, err, out)
         runs[name] = stdout, out
     said = "preempted (SIGTERM) during step 3: its work dropped; checkpoint after step 2 written"
     assert said in runs["abandoned"][0]

@@ -18,7 +18,7 @@ import uuid
 import pytest
 import torch
 
-from tests.distributed import ROOT, free_port, run_torchrun
+from tests.distributed import ROOT, assert_clean_output, free_port, run_torchrun
 from tests.slurm_cluster import private_slurm
 from tests.tiny_runs import SMALL, read_metrics
 
@@ -111,8 +111,9 @@ def run_two_nodes(nodes, two, args=PPO) -> list[tuple[str, str]]:
             for q in procs:
                 q.kill()
             raise
-    for (_, host, _), p, (_, stderr) in zip(nodes, procs, outputs):
+    for (_, host, _), p, (stdout, stderr) in zip(nodes, procs, outputs):
         assert p.returncode == 0, f"{host}:\n{stderr[-4000:]}"
+        assert_clean_output(stdout, stderr)
     return outputs
 
 

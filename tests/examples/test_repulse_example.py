@@ -8,7 +8,7 @@ import json
 import os
 import subprocess
 
-from tests.distributed import ROOT
+from tests.distributed import ROOT, assert_clean_exit
 
 MIN_REWARD = 0.985
 """Final exact expected reward of every method (0.9915-0.998 at seeds 1-3 when measured; RePULSe's is the lowest)."""
@@ -24,6 +24,7 @@ def test_repulse_toy_reaches_a_lower_log_p_bad_at_equal_reward(tmp_path):
     proc = subprocess.run(["bash", "launch/examples/repulse_toy_cpu.sh", str(out)], cwd=ROOT, capture_output=True,
                           text=True, timeout=1800, env={**os.environ, "REPULSE_TOY_SEEDS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert_clean_exit(proc)
     summary = json.loads((out / "figures" / "summary.json").read_text())
     print(json.dumps({m: {"log_p_bad": v["log_p_bad"], "reward_mean": v["reward_mean"],
                           "samples": v["final_samples_drawn"]} for m, v in summary.items()}, indent=1))

@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from tests.distributed import ROOT
+from tests.distributed import ROOT, assert_clean_exit
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -27,6 +27,7 @@ def _reward_by_fifths(cmd: list[str], out) -> tuple[float, float]:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500,
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr[-6000:]
+    assert_clean_exit(proc, out)
     with open(out / "metrics.jsonl") as f:
         rewards = [json.loads(line)["reward_mean"] for line in f]
     fifth = len(rewards) // 5
