@@ -13,7 +13,7 @@ import argparse
 import os
 
 from rlhf.config.errors import UsageError, usage_errors_exit
-from rlhf.core.summary import read_rows
+from rlhf.core.run_summary import read_rows
 from rlhf.utils.curves import MAIN_METRICS, plot_runs
 
 

@@ -29,7 +29,7 @@ from rlhf.config.errors import UsageError
 from rlhf.config.shared_config import CheckpointConfig, LoggingConfig, replace_quietly
 from rlhf.core.checkpointer import Checkpointer, restarted_by_launcher
 from rlhf.core.loop import Job, Loop
-from rlhf.core.summary import read_rows, summary_block
+from rlhf.core.run_summary import read_rows, summary_block
 from rlhf.core.throughput import (
     TOKENS_PER_S,
     MemoryPeaks,

@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from rlhf.cli import plot as plot_cli
-from rlhf.core.summary import first_last, summary_block
+from rlhf.core.run_summary import first_last, summary_block
 from rlhf.utils import watchdog
 from rlhf.utils.curves import moving_average, plot_runs, plotted_metrics
 from rlhf.utils.watchdog import Watchdog
