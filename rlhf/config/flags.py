@@ -224,6 +224,12 @@ def _strip_ignored(argv: Sequence[str], config_cls: type) -> list[str]:
     return kept
 
 
+ANALOGUES = {"prompt_key": "input_key", "input_key": "prompt_key", "prompt_data": "dataset", "dataset": "prompt_data",
+             "pretrain_data": "dataset", "max_len": "prompt_max_len", "learning_rate": "actor_learning_rate",
+             "actor_learning_rate": "learning_rate"}
+"""A flag of one job -> the flag that means the same in another (RL jobs read prompts, supervised ones rows)."""
+
+
 def _explain_unknown(unknown: list[str], known_flags: list[str], config_cls: type, prog: str) -> list[str]:
     """One line per unknown flag or stray value, each with its fix."""
     pending = config_cls.PENDING_FLAGS
@@ -242,8 +248,10 @@ def _explain_unknown(unknown: list[str], known_flags: list[str], config_cls: typ
             continue
         elsewhere = jobs_with_flag(name, config_cls)
         if elsewhere:
+            analogue = ANALOGUES.get(name)
+            fix = f"; did you mean --{analogue}?" if analogue in known_flags else "; see --help"
             lines.append(f"unknown flag --{name}: {prog} has no such flag ({', '.join(elsewhere)} "
-                         f"{'has' if len(elsewhere) == 1 else 'have'} it); see --help")
+                         f"{'has' if len(elsewhere) == 1 else 'have'} it){fix}")
             continue
         hint = difflib.get_close_matches(name, known_flags, n=1)
         lines.append(f"unknown flag --{name}" + (f"; did you mean --{hint[0]}?" if hint else "; see --help"))

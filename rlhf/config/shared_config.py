@@ -215,7 +215,8 @@ class EngineConfig:
         needs_packing = [flag for flag, on in (("--ring_attn_size > 1", self.ring_attn_size > 1),
                                                ("--use_dynamic_batch", self.use_dynamic_batch)) if on]
         if needs_packing and not self.packing_samples:  # as OpenRLHF v0.9.5: packing on, with a warning
-            warnings.warn(f"{' and '.join(needs_packing)} work on packed sequences: turning on --packing_samples",
+            verb = "work" if len(needs_packing) > 1 else "works"
+            warnings.warn(f"{' and '.join(needs_packing)} {verb} on packed sequences: turning on --packing_samples",
                           stacklevel=2)
             object.__setattr__(self, "packing_samples", True)
         require(self.train_max_tokens_per_gpu >= 1, "--train_max_tokens_per_gpu must be >= 1")

@@ -150,7 +150,7 @@ def test_role_sizes_must_split_the_batch():
 
 
 def test_ring_attention_flags():
-    with pytest.warns(UserWarning, match=r"^--ring_attn_size > 1 work on packed sequences: turning on "
+    with pytest.warns(UserWarning, match=r"^--ring_attn_size > 1 works on packed sequences: turning on "
                                          r"--packing_samples$"):
         assert parse("--ring_attn_size", "2").engine.packing_samples
     cfg = parse("--rollout_batch_size", "4", "--n_samples_per_prompt", "2", "--train_batch_size", "8",

@@ -203,7 +203,7 @@ def test_config_notes_are_shown_once_from_rank0_without_a_location(capsys):
     show_parse_warnings(parse_warnings, rank=1)
     assert capsys.readouterr().err == ""
     show_parse_warnings(parse_warnings, rank=0)
-    assert capsys.readouterr().err == ("UserWarning: --use_dynamic_batch work on packed sequences: turning on "
+    assert capsys.readouterr().err == ("UserWarning: --use_dynamic_batch works on packed sequences: turning on "
                                        "--packing_samples\n")
 
 
