@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from rlhf.config.ppo_config import TrainPPOConfig
+from rlhf.config.shared_config import replace_quietly
 from rlhf.core.role_models import check_model_configs, micro_batcher, model_builder, role_model
 from rlhf.data.pretrain import PtxData, tokenize_texts
 from rlhf.data.prompts import load_texts
@@ -260,10 +261,9 @@ def stored_reward_norms(cfg: TrainPPOConfig) -> list[tuple[float, float]] | None
 
 
 def _with_steps(cfg: TrainPPOConfig, total_steps: int) -> TrainPPOConfig:
-    """The config with max_steps pinned to the real step count (sizes the LR schedule)."""
-    import dataclasses
-
-    return dataclasses.replace(cfg, batch=dataclasses.replace(cfg.batch, max_steps=total_steps))
+    """The config with max_steps pinned to the real step count (sizes the LR schedule); its notes were shown when
+    the flags were parsed, not again."""
+    return replace_quietly(cfg, batch=replace_quietly(cfg.batch, max_steps=total_steps))
 
 
 def _reward_models(cfg: TrainPPOConfig, topology: Topology, device: torch.device,

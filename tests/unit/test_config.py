@@ -369,3 +369,16 @@ def test_every_job_runs_its_demo_without_flags():
     for cls in (TrainSFTConfig, TrainRMConfig, TrainPRMConfig, TrainDPOConfig, TrainKTOConfig):
         assert parse_config(cls, []).with_demo_defaults().data.max_len == DEMO_MAX_LEN == 64
         assert parse_config(cls, ["--max_len", "32"]).with_demo_defaults().data.max_len == 32
+
+
+def test_a_config_derived_during_the_run_repeats_no_note():
+    """A note of the flags is shown once, when they are parsed: the config the run derives (max_steps pinned to the
+    real step count) is built quietly (it printed `--reward_pretrain is not used` once per derivation)."""
+    from rlhf.trainers.ppo_build import _with_steps
+
+    with pytest.warns(UserWarning, match="--reward_pretrain is not used"):
+        cfg = parse("--pretrain", "/m", "--prompt_data", "p.jsonl", "--reward_pretrain", "/rm", "--remote_rm_url",
+                    "r.py")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _with_steps(cfg, 7).batch.max_steps == 7
