@@ -31,13 +31,13 @@ from rl_step_hooks import IGNORE_EOS, install_ignore_eos, peak_rss_bytes, torch_
 from rlhf.kernels import next_token_targets, pack_padded, unpack_to_padded
 from transformers import AutoModelForCausalLM
 
-from rlhf.cli.train_ppo import build_rollout_engine
 from rlhf.config.flags import parse_config
 from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.core.run import for_this_machine
 from rlhf.distributed.launch_env import init_distributed, read_launch_env
 from rlhf.models.attention import register_varlen_attention
 from rlhf.models.loading import load_tokenizer
+from rlhf.trainers.ppo_run import build_rollout_engine
 
 
 class Plain:

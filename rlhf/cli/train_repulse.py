@@ -2,7 +2,7 @@
 (or srun), with the fork's flags (../shared/design/REPULSE.md): PPO with the fork's evaluations and sample
 counts, or, with --do_harmlessness_training, RePULSe (a proposal q learns sigma ∝ p·exp(beta·r); the policy is
 trained away from q's weighted samples) and its baselines. The fork's README commands run after changing
-`python -m openrlhf.cli.train_ppo` to this module. Built on PPO's run (`rlhf.cli.train_ppo.PPORun`); the final
+`python -m openrlhf.cli.train_ppo` to this module. Built on PPO's run (`rlhf.trainers.ppo_run.PPORun`); the final
 models go to --save_path (`model`, and `proposal` when q exists).
 """
 
@@ -14,7 +14,6 @@ import warnings
 from collections.abc import Sequence
 
 from rlhf.cli.entry_point import main_for
-from rlhf.cli.train_ppo import PPORun
 from rlhf.core.run import Started, run_job
 from rlhf.data.prompts import Prompt, load_prompts
 from rlhf.distributed.topology import Role
@@ -23,6 +22,7 @@ from rlhf.repulse.repulse_eval import AnalyticEvaluator, HeldoutEvaluator, the_s
 from rlhf.repulse.repulse_trainer import PROPOSAL, RepulseTrainer, describe_repulse
 from rlhf.trainers.async_ppo_trainer import AsyncPPOTrainer
 from rlhf.trainers.ppo_build import build_policy, describe_generation
+from rlhf.trainers.ppo_run import PPORun
 from rlhf.trainers.ppo_trainer import PPOTrainer, Roles
 from rlhf.trainers.prompt_eval import prompt_unit
 from rlhf.trainers.run_records import RunRecords

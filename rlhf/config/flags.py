@@ -50,6 +50,17 @@ REPULSE_FLAGS = tuple((
 """The RePULSe fork's `train_ppo` flags, which `train_ppo` does not know: an unknown-flag error names the module
 that does (a unit test keeps the list equal to that module's own flags)."""
 ELSEWHERE = "python -m rlhf.cli.train_repulse (the RePULSe fork's train_ppo)"
+FORK_BOOKKEEPING_FLAGS = ("n_seeds_f_q", "no_test_info", "rm_type", "test_info_every")
+"""The fork's flags that train_repulse accepts and ignores with a note (its test-info bookkeeping, its reward-model
+switch); a unit test keeps them equal to that module's ignored fork flags."""
+
+
+def fork_flags_in(argv: list[str]) -> list[str]:
+    """The RePULSe fork's own flags in a command line, in order, each once: such a command is the fork's
+    `train_ppo`, which `rlhf.cli.train_ppo` runs as `rlhf.cli.train_repulse`."""
+    fork = set(REPULSE_FLAGS) | set(FORK_BOOKKEEPING_FLAGS)
+    names = (token[2:].split("=", 1)[0] for token in argv if token.startswith("--"))
+    return list(dict.fromkeys(f"--{name}" for name in names if name in fork))
 
 
 JOB_CONFIGS = {
@@ -243,7 +254,7 @@ def _explain_unknown(unknown: list[str], known_flags: list[str], config_cls: typ
         if name in pending:
             lines.append(f"--{name} is an OpenRLHF flag whose feature is not implemented yet in this build")
             continue
-        if name in REPULSE_FLAGS and name not in known_flags:
+        if (name in REPULSE_FLAGS or name in FORK_BOOKKEEPING_FLAGS) and name not in known_flags:
             lines.append(f"--{name} is a flag of {ELSEWHERE}: run that module instead")
             continue
         elsewhere = jobs_with_flag(name, config_cls)

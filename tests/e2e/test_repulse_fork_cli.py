@@ -1,6 +1,7 @@
 """The RePULSe research fork's README commands (tests/repulse_fork_commands.txt) under torchrun: a realistic one stops
-at the model load with one error line; two toy ones (the PPO method without KL, RePULSe with KL 10) train on the
-embedded toy with the analytic evaluation after every fit step."""
+at the model load with one error line; two toy ones (the PPO method without KL, RePULSe with KL 10), launched as
+`-m rlhf.cli.train_ppo` (the fork's module name with the launcher replaced), train on the embedded toy with the
+analytic evaluation after every fit step."""
 
 import json
 import math
@@ -77,8 +78,10 @@ REPLAYED = [0, 8]
 @pytest.mark.parametrize("heading,argv", [TOY[i] for i in REPLAYED],
                          ids=[_toy_id(i, *TOY[i]) for i in REPLAYED])
 def test_toy_command_trains_on_the_embedded_toy(heading, argv, tmp_path):
-    proc = run_torchrun(1, "-m rlhf.cli.train_repulse", *toy_replay(argv, tmp_path), timeout=900)
+    # under the module name the rule "replace the launcher" gives for the fork's openrlhf.cli.train_ppo
+    proc = run_torchrun(1, "-m rlhf.cli.train_ppo", *toy_replay(argv, tmp_path), timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.stdout.count("running this command as python -m rlhf.cli.train_repulse") == 1
     out = tmp_path / "model_out"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
     evals = [r for r in rows if "log_p_bad" in r]

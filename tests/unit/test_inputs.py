@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_PROMPTS, EMBEDDED_REWARD, EMBEDDED_REWARD_MODEL_DIR
-from rlhf.cli.train_ppo import check_before_engines, run
 from rlhf.config.errors import UsageError
 from rlhf.config.flags import parse_config
 from rlhf.config.ppo_config import DataConfig, TrainPPOConfig
@@ -18,6 +17,7 @@ from rlhf.models.loading import load_tokenizer
 from rlhf.models.value import check_scalar_head, load_scalar_head_model
 from rlhf.rewards.base import RewardInputs
 from rlhf.rewards.reward_func import RewardFuncFile
+from rlhf.trainers.ppo_run import check_before_engines, run
 
 
 def inputs(queries, prompts, labels):

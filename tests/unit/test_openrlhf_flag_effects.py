@@ -166,7 +166,7 @@ def test_prompt_data_probs_mixes_prompt_sources_as_dataset_probs(tmp_path):
 def test_max_len_is_the_rollout_engines_max_model_len(monkeypatch):
     """v0.9.5: --max_len only sets vLLM's max_model_len, by default --prompt_max_len + --generate_max_len."""
     import rlhf.engines.vllm_engine as vllm_engine
-    from rlhf.cli.train_ppo import build_rollout_engine
+    from rlhf.trainers.ppo_run import build_rollout_engine
 
     seen = {}
     monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda path, **kw: seen.update(kw))

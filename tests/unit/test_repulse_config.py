@@ -69,18 +69,19 @@ def test_repulse_config_checks():
 def test_the_forks_flags_belong_to_train_repulse_only(capsys):
     """RePULSe lives beside PPO: `train_ppo` does not know the fork's flags and names the module that does;
     the fork's bookkeeping flags are accepted (with a note) by that module only."""
-    from rlhf.config.flags import REPULSE_FLAGS, flag_specs, parse_config
+    from rlhf.config.flags import FORK_BOOKKEEPING_FLAGS, REPULSE_FLAGS, flag_specs, parse_config
     from rlhf.config.ppo_config import TrainPPOConfig
-    from rlhf.repulse.repulse_config import TrainRepulseConfig
+    from rlhf.repulse.repulse_config import FORK_IGNORED_FLAGS, TrainRepulseConfig
 
     ppo = {s.flag for s in flag_specs(TrainPPOConfig)}
     assert set(REPULSE_FLAGS) == {s.flag for s in flag_specs(TrainRepulseConfig)} - ppo
+    assert set(FORK_BOOKKEEPING_FLAGS) == set(FORK_IGNORED_FLAGS)
     with pytest.raises(SystemExit) as exc:
         parse_config(TrainPPOConfig, ["--do_harmlessness_training", "--rm_type", "x"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--do_harmlessness_training is a flag of python -m rlhf.cli.train_repulse" in err
-    assert "unknown flag --rm_type" in err
+    assert "--rm_type is a flag of python -m rlhf.cli.train_repulse" in err  # no look-alike hint
     with pytest.warns(UserWarning, match="--rm_type is ignored: the RePULSe fork's reward-model plumbing"):
         assert parse_config(TrainRepulseConfig, ["--rm_type", "x", "--duplicate_rollout_batch_by", "2"]
                             ).samples_per_prompt == 2

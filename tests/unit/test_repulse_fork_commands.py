@@ -20,6 +20,25 @@ def test_the_file_holds_the_forks_commands():
     assert methods == {"PPO", "REINFORCE", "REINFORCE with reward transformation", "Base model proposal", "RePULSe"}
 
 
+def test_every_fork_command_is_recognised_by_train_ppo(monkeypatch, capsys):
+    """`python -m rlhf.cli.train_ppo` (the module the rule "replace the launcher" gives for the fork's
+    `openrlhf.cli.train_ppo`) runs each of the fork's 31 training commands as train_repulse, saying so once."""
+    from rlhf.cli import train_ppo, train_repulse
+
+    ran = []
+    monkeypatch.setattr(train_repulse, "main", ran.append)
+    monkeypatch.setenv("RANK", "0")
+    for _, argv in TRAIN:
+        train_ppo.main(argv)
+    assert ran == [argv for _, argv in TRAIN] and len(ran) == 31
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 31 and all(line.startswith("the RePULSe fork's flags (--") and line.endswith(
+        "running this command as python -m rlhf.cli.train_repulse") for line in lines)
+    monkeypatch.setenv("RANK", "1")  # the other ranks run it without a word
+    train_ppo.main(TRAIN[0][1])
+    assert capsys.readouterr().out == ""
+
+
 @pytest.mark.parametrize("heading,argv", TRAIN, ids=[f"{i}" for i in range(len(TRAIN))])
 def test_every_train_command_parses_into_what_it_means(heading, argv):
     cfg = parse_config(TrainRepulseConfig, argv)
@@ -48,8 +67,8 @@ def test_every_train_command_parses_into_what_it_means(heading, argv):
 def test_realistic_commands_stop_only_at_the_model_download(heading, argv):
     """Every check before the engines passes up to the model load, which names --pretrain and says the model
     must be a local path."""
-    from rlhf.cli.train_ppo import check_before_engines
     from rlhf.cli.train_repulse import RepulseRun
+    from rlhf.trainers.ppo_run import check_before_engines
 
     cfg = for_this_machine(parse_config(TrainRepulseConfig, argv).with_demo_defaults())
     world = 1

@@ -13,7 +13,6 @@ import sys
 import torch.distributed as dist
 
 from rlhf.assets import EMBEDDED_MODEL_DIR
-from rlhf.cli.train_ppo import build_rollout_engine
 from rlhf.config.flags import parse_config
 from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.core.run import for_this_machine
@@ -24,6 +23,7 @@ from rlhf.distributed.topology import Topology, plan_ranks
 from rlhf.engines.rollout import SamplingSpec, request_seed
 from rlhf.models.loading import load_tokenizer
 from rlhf.trainers.ppo_build import placement_from_config
+from rlhf.trainers.ppo_run import build_rollout_engine
 from rlhf.trainers.ppo_trainer import PPOTrainer
 
 # the same prompt in several rows of one step's batch (and on different engines with 2 engines)
