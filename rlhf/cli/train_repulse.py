@@ -1,5 +1,5 @@
 """Entry point of the RePULSe research fork's `train_ppo`: `torchrun ... -m rlhf.cli.train_repulse --pretrain ...`
-(or srun), with the fork's flags (../shared/design/REPULSE.md): PPO with the fork's evaluations and sample
+(or srun), with the fork's flags (README.md, RePULSe section): PPO with the fork's evaluations and sample
 counts, or, with --do_harmlessness_training, RePULSe (a proposal q learns sigma ∝ p·exp(beta·r); the policy is
 trained away from q's weighted samples) and its baselines. The fork's README commands run after changing
 `python -m openrlhf.cli.train_ppo` to this module. Built on PPO's run (`rlhf.trainers.ppo_run.PPORun`); the final

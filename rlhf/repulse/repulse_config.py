@@ -1,4 +1,4 @@
-"""RePULSe's config (../shared/design/REPULSE.md): `TrainRepulseConfig`, `train_ppo`'s config with the research
+"""RePULSe's config (README.md, RePULSe section): `TrainRepulseConfig`, `train_ppo`'s config with the research
 fork's flags (the fork's `train_ppo` runs PPO and RePULSe), read by `python -m rlhf.cli.train_repulse`. Its
 sub-config `RepulseConfig` carries the fork's flag names and defaults: the proposal q (`--actor_loss_type ctl`,
 `--actor_learning_rate`), the policy's update (`--harmlessness_training_loss_type`, `--alpha`,

@@ -1,4 +1,4 @@
-"""RePULSe's losses and weights as pure tensor functions (../shared/design/REPULSE.md): the target
+"""RePULSe's losses and weights as pure tensor functions (README.md, RePULSe section): the target
 sigma(s|x) ∝ p(s|x)·exp(beta·r(x,s)) approximated by self-normalised importance sampling over a prompt's
 K proposal samples, the CTL update of the proposal q, the negative-training and REINFORCE (RLOO) updates
 of the policy p, the reward transforms, and the held-out risk statistics. No models, configs or groups.

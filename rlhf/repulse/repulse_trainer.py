@@ -1,4 +1,4 @@
-"""RePULSe's step on PPO's engines (../shared/design/REPULSE.md): K samples per prompt from the
+"""RePULSe's step on PPO's engines (README.md, RePULSe section): K samples per prompt from the
 policy p and from the proposal q, q's CTL update toward sigma ∝ p·exp(beta·r), then p's update (REINFORCE
 with the leave-one-out baseline, plus alpha x the SNIS-weighted log-likelihood of q's samples, pushed down).
 
