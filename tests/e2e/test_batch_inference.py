@@ -20,6 +20,7 @@ from rlhf.inference.generate import generated_text
 from rlhf.inference.output import progress_path
 from rlhf.inference.post_process import rejection_sampling
 from tests.distributed import ROOT, assert_clean_output, free_port, run_torchrun
+from tests.tiny_runs import EAGER
 
 CPU = ["--param_dtype", "fp32", "--attn_implementation", "sdpa"]
 GEN = [*CPU, "--max_samples", "24", "--best_of_n", "2", "--chunk_size", "6"]
@@ -118,9 +119,9 @@ def test_vllm_greedy_rows_equal_hf_greedy_decoding(tmp_path):
     from rlhf.models.loading import load_tokenizer
 
     out = tmp_path / "greedy.jsonl"
-    proc = run_torchrun(2, "-m rlhf.cli.batch_inference", "--eval_task", "generate_vllm", *CPU, "--tp_size", "1",
-                        "--max_samples", "12", "--chunk_size", "5", "--greedy_sampling", "--output_path", str(out),
-                        "--max_num_seqs", "4")
+    proc = run_torchrun(2, "-m rlhf.cli.batch_inference", "--eval_task", "generate_vllm", *CPU, *EAGER,
+                        "--tp_size", "1", "--max_samples", "12", "--chunk_size", "5", "--greedy_sampling",
+                        "--output_path", str(out), "--max_num_seqs", "4")
     assert proc.returncode == 0, proc.stderr[-6000:]
     hf_out = tmp_path / "hf_greedy.jsonl"
     hf = run_torchrun(1, "-m rlhf.cli.batch_inference", "--eval_task", "generate", *CPU, "--max_samples", "12",
@@ -147,7 +148,7 @@ def test_vllm_greedy_rows_equal_hf_greedy_decoding(tmp_path):
 @pytest.mark.vllm
 def test_vllm_sampled_rows_do_not_depend_on_the_rank_count(tmp_path):
     pytest.importorskip("vllm")
-    args = ["--eval_task", "generate_vllm", *GEN, "--tp_size", "1"]
+    args = ["--eval_task", "generate_vllm", *GEN, *EAGER, "--tp_size", "1"]
     two = run_torchrun(2, "-m rlhf.cli.batch_inference", *args, "--output_path", str(tmp_path / "two.jsonl"))
     assert two.returncode == 0, two.stderr[-6000:]
     one = _single_rank(*args, "--output_path", str(tmp_path / "one.jsonl"))

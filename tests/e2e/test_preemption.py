@@ -15,12 +15,12 @@ import torch
 from rlhf.assets import TINY_DIR
 from rlhf.utils.checkpoint_files import complete_checkpoints
 from tests.distributed import ROOT, assert_clean_output, free_port
-from tests.tiny_runs import CPU
+from tests.tiny_runs import CPU, EAGER
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-GRPO = [*CPU, "--init_kl_coef", "0", "--advantage_estimator", "group_norm",
+GRPO = [*CPU, *EAGER, "--init_kl_coef", "0", "--advantage_estimator", "group_norm",
         "--pretrain", f"{TINY_DIR}/policy", "--remote_rm_url", f"{TINY_DIR}/reward.py",
         "--prompt_data", f"{TINY_DIR}/prompts.jsonl", "--label_key", "label", "--n_samples_per_prompt", "4",
         "--rollout_batch_size", "4", "--train_batch_size", "16", "--micro_train_batch_size", "4",

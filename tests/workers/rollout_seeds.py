@@ -42,7 +42,7 @@ def main(out_path: str, tp: int, temperature: float) -> None:
         "--n_samples_per_prompt", "4", "--train_batch_size", "8", "--micro_train_batch_size", "2",
         "--generate_max_len", "6", "--prompt_max_len", "16",
         "--temperature", str(temperature), "--seed", "7", "--vllm_tensor_parallel_size", str(tp),
-        "--rollout_engine", "vllm"])
+        "--rollout_engine", "vllm", "--enforce_eager"])
     cfg = for_this_machine(cfg.with_demo_defaults())  # the embedded tiny policy, as train_ppo does
     cfg.check_world(launch.world_size)
     tok = load_tokenizer(EMBEDDED_MODEL_DIR)
