@@ -12,7 +12,6 @@ import sys
 from rlhf.cli.entry_point import main_for
 from rlhf.config.flags import fork_flags_in
 from rlhf.config.ppo_config import TrainPPOConfig
-from rlhf.trainers.ppo_run import run
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -29,7 +28,15 @@ def main(argv: list[str] | None = None) -> None:
                   flush=True)
         train_repulse.main(argv)
         return
-    main_for(TrainPPOConfig, run, "python -m rlhf.cli.train_ppo", argv)
+    main_for(TrainPPOConfig, _run, "python -m rlhf.cli.train_ppo", argv)
+
+
+def _run(cfg: TrainPPOConfig, parse_warnings) -> None:
+    """PPO's run, imported once the flags have parsed: a refused command answers before torch's and the engines'
+    libraries load (transformers, DeepSpeed, vLLM: seconds)."""
+    from rlhf.trainers.ppo_run import run
+
+    run(cfg, parse_warnings)
 
 
 if __name__ == "__main__":
