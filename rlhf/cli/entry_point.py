@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,3 +24,13 @@ def main_for(config_cls: type, run: Callable[[Any, Sequence[warnings.WarningMess
             warnings.simplefilter("default")
             cfg = parse_config(config_cls, argv, prog=prog)
         run(cfg, parse_warnings)
+
+
+def deferred(module: str) -> Callable[[Any, Sequence[warnings.WarningMessage]], None]:
+    """The `run` of job module `module`, imported when called: after the flags have parsed, so a refused command
+    answers before torch's and the engines' libraries load (transformers, DeepSpeed, vLLM: seconds)."""
+
+    def run(cfg: Any, parse_warnings: Sequence[warnings.WarningMessage]) -> None:
+        importlib.import_module(module).run(cfg, parse_warnings)
+
+    return run

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from rlhf.cli.entry_point import main_for
+from rlhf.cli.entry_point import deferred, main_for
 from rlhf.config.flags import fork_flags_in
 from rlhf.config.ppo_config import TrainPPOConfig
 
@@ -28,15 +28,7 @@ def main(argv: list[str] | None = None) -> None:
                   flush=True)
         train_repulse.main(argv)
         return
-    main_for(TrainPPOConfig, _run, "python -m rlhf.cli.train_ppo", argv)
-
-
-def _run(cfg: TrainPPOConfig, parse_warnings) -> None:
-    """PPO's run, imported once the flags have parsed: a refused command answers before torch's and the engines'
-    libraries load (transformers, DeepSpeed, vLLM: seconds)."""
-    from rlhf.trainers.ppo_run import run
-
-    run(cfg, parse_warnings)
+    main_for(TrainPPOConfig, deferred("rlhf.trainers.ppo_run"), "python -m rlhf.cli.train_ppo", argv)
 
 
 if __name__ == "__main__":

@@ -7,18 +7,12 @@ libraries load).
 
 from __future__ import annotations
 
-from rlhf.cli.entry_point import main_for
+from rlhf.cli.entry_point import deferred, main_for
 from rlhf.repulse.repulse_config import TrainRepulseConfig
 
 
-def _run(cfg: TrainRepulseConfig, parse_warnings) -> None:
-    from rlhf.repulse.repulse_run import run
-
-    run(cfg, parse_warnings)
-
-
 def main(argv: list[str] | None = None) -> None:
-    main_for(TrainRepulseConfig, _run, "python -m rlhf.cli.train_repulse", argv)
+    main_for(TrainRepulseConfig, deferred("rlhf.repulse.repulse_run"), "python -m rlhf.cli.train_repulse", argv)
 
 
 if __name__ == "__main__":

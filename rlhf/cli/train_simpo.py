@@ -7,23 +7,12 @@ embedded pairs' chosen answers. The policy is written in HF format to --save_pat
 
 from __future__ import annotations
 
-from rlhf.cli.entry_point import main_for
-from rlhf.cli.supervised_run import SupervisedJob, run_supervised, save_trained_model
-from rlhf.cli.train_dpo import pair_samples
-from rlhf.cli.train_sft import SFT_JOB
+from rlhf.cli.entry_point import deferred, main_for
 from rlhf.config.preference_config import TrainSimPOConfig
-from rlhf.trainers.preference_trainers import SimPOTrainer
-
-SIMPO_JOB = SupervisedJob(
-    name="simpo", samples=pair_samples, load_model=SFT_JOB.load_model, save=save_trained_model,
-    make_trainer=lambda cfg, b: SimPOTrainer(*b.trainer_args, beta=cfg.beta, gamma=cfg.simpo_gamma),
-    bar={"loss": "loss", "acc": "acc", "margin": "margin"},
-    demo_line="no --pretrain given: SimPO of the embedded tiny demo model on its pairs")
 
 
 def main(argv: list[str] | None = None) -> None:
-    main_for(TrainSimPOConfig, lambda cfg, w: run_supervised(SIMPO_JOB, cfg, w), "python -m rlhf.cli.train_simpo",
-             argv)
+    main_for(TrainSimPOConfig, deferred("rlhf.jobs.simpo"), "python -m rlhf.cli.train_simpo", argv)
 
 
 if __name__ == "__main__":

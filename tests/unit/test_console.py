@@ -13,6 +13,7 @@ import torch
 import rlhf
 import rlhf.cli.entry_point as entry_point
 import rlhf.cli.train_ppo as train_ppo
+import rlhf.trainers.ppo_run as ppo_run
 from rlhf.config import errors
 from rlhf.config.errors import UsageError, usage_errors_exit
 from rlhf.config.flags import parse_config
@@ -98,7 +99,7 @@ def test_library_value_error_keeps_its_traceback(single_process, capsys):
     def run(cfg, parse_warnings=()):
         json.loads("{")  # a ValueError raised inside a library
 
-    single_process.setattr(train_ppo, "run", run)
+    single_process.setattr(ppo_run, "run", run)
     with pytest.raises(json.JSONDecodeError):
         train_ppo.main([])
     assert capsys.readouterr().err == ""
@@ -108,7 +109,7 @@ def test_errors_after_start_keep_their_traceback_but_usage_errors_do_not(single_
     def run(cfg, parse_warnings=()):
         raise ValueError("reward_func returned 1 rewards for 3 queries")
 
-    single_process.setattr(train_ppo, "run", run)
+    single_process.setattr(ppo_run, "run", run)
     single_process.setattr(entry_point.dist, "is_initialized", lambda: True)
     with pytest.raises(ValueError, match="returned 1 rewards"):
         train_ppo.main([])
@@ -116,7 +117,7 @@ def test_errors_after_start_keep_their_traceback_but_usage_errors_do_not(single_
     def run_usage(cfg, parse_warnings=()):
         raise UsageError("--vllm_tensor_parallel_size 2 needs vLLM")
 
-    single_process.setattr(train_ppo, "run", run_usage)
+    single_process.setattr(ppo_run, "run", run_usage)
     single_process.setenv("RANK", "1")
     with pytest.raises(SystemExit):
         train_ppo.main([])

@@ -22,7 +22,7 @@ LAYERS = [
     {"planning"},  # the memory plan of a job's config (--dry_run), from model configs only
     {"core"},  # the job-agnostic core: loop, checkpoints, metrics, optimizer step, builders
     {"trainers"},  # each job's step
-    {"repulse"},  # the research algorithm, beside PPO: its config, roles, step, evaluations, GCG and plots
+    {"repulse", "jobs"},  # the research algorithm beside PPO; each supervised and preference job's parts
     {"cli"},  # one thin module per job
 ]
 """Lowest first: a package may import its own layer's other packages only where that makes no circle."""
