@@ -1,6 +1,5 @@
 """The DPO job's parts (`DPO_JOB`) and its run; the entry point is `rlhf.cli.train_dpo`."""
 
-
 from __future__ import annotations
 
 from rlhf.config.preference_config import PreferenceJobConfig, TrainDPOConfig

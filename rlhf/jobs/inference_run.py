@@ -1,7 +1,6 @@
 """Batch inference's run (`InferenceRun` and `run`): the entry point, its flags and its output are described in
 `rlhf.cli.batch_inference`."""
 
-
 from __future__ import annotations
 
 import dataclasses

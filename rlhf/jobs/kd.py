@@ -1,6 +1,5 @@
 """The KD job's parts (`KD_JOB`) and its run; the entry point is `rlhf.cli.train_kd`."""
 
-
 from __future__ import annotations
 
 from rlhf.config.supervised_config import TrainKDConfig

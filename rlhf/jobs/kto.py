@@ -1,6 +1,5 @@
 """The KTO job's parts (`KTO_JOB`) and its run; the entry point is `rlhf.cli.train_kto`."""
 
-
 from __future__ import annotations
 
 from rlhf.config.preference_config import TrainKTOConfig

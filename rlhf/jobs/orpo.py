@@ -1,6 +1,5 @@
 """The ORPO job's parts (`ORPO_JOB`) and its run; the entry point is `rlhf.cli.train_orpo`."""
 
-
 from __future__ import annotations
 
 from rlhf.config.preference_config import TrainORPOConfig

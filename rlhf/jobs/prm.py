@@ -1,6 +1,5 @@
 """The PRM job's parts (`PRM_JOB`) and its run; the entry point is `rlhf.cli.train_prm`."""
 
-
 from __future__ import annotations
 
 from rlhf.config.supervised_config import TrainPRMConfig

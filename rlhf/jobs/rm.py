@@ -1,6 +1,5 @@
 """The RM job's parts (`RM_JOB`) and its run; the entry point is `rlhf.cli.train_rm`."""
 
-
 from __future__ import annotations
 
 from rlhf.config.supervised_config import TrainRMConfig

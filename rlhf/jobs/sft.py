@@ -1,6 +1,5 @@
 """The SFT job's parts (`SFT_JOB`) and its run; the entry point is `rlhf.cli.train_sft`."""
 
-
 from __future__ import annotations
 
 from rlhf.config.supervised_config import TrainSFTConfig

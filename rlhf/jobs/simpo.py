@@ -1,6 +1,5 @@
 """The SIMPO job's parts (`SIMPO_JOB`) and its run; the entry point is `rlhf.cli.train_simpo`."""
 
-
 from __future__ import annotations
 
 from rlhf.config.preference_config import TrainSimPOConfig

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
+from rlhf.config.errors import UsageError
 from rlhf.config.inference_config import BatchInferenceConfig
 from rlhf.config.ppo_config import TrainPPOConfig
-from rlhf.config.preference_config import PreferenceJobConfig
-from rlhf.config.supervised_config import PairDataConfig, TrainKDConfig, TrainRMConfig
+from rlhf.config.preference_config import PreferenceBaseConfig, PreferenceJobConfig
+from rlhf.config.supervised_config import PairDataConfig, TrainKDConfig, TrainPRMConfig, TrainRMConfig, TrainSFTConfig
 from rlhf.distributed.topology import Role
 from rlhf.engines.rollout import rollout_engine_choice
 from rlhf.planning.model_shapes import read_shape
@@ -134,8 +135,14 @@ def inference_memory(cfg: BatchInferenceConfig, plan: dict[Role, tuple[int, ...]
 READERS: list[tuple[type, Callable[[Any, dict, int | None], JobMemory]]] = [
     (TrainPPOConfig, ppo_memory),
     (BatchInferenceConfig, inference_memory),
+    (TrainSFTConfig, supervised_memory),
+    (TrainRMConfig, supervised_memory),
+    (TrainPRMConfig, supervised_memory),
+    (TrainKDConfig, supervised_memory),
+    (PreferenceBaseConfig, supervised_memory),
 ]
-"""Config root type -> its reader, first match wins; any other root is read as a supervised job."""
+"""Config root type -> its reader, first match wins (RePULSe's root is a TrainPPOConfig); a root none matches is
+refused, never planned as some other job (tests/unit/test_job_registry.py: every job has a reader)."""
 
 
 def job_memory(cfg: Any, plan: dict[Role, tuple[int, ...]]) -> JobMemory:
@@ -144,4 +151,5 @@ def job_memory(cfg: Any, plan: dict[Role, tuple[int, ...]]) -> JobMemory:
     for root, reader in READERS:
         if isinstance(cfg, root):
             return reader(cfg, plan, device)
-    return supervised_memory(cfg, plan, device)
+    raise UsageError(f"--dry_run: no memory plan for {type(cfg).__name__} (rlhf.planning.job_memory.READERS has no "
+                     "reader for it)")
