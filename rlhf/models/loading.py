@@ -7,6 +7,7 @@ alive while the model is constructed (so transformers partitions and initialises
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import warnings
 
@@ -56,6 +57,27 @@ def slow_tokenizer_kwargs(path: str, transformers_major: int) -> dict:
     return {}
 
 
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                        "vocab.json")
+"""The tokenizer files that are JSON: each is parsed before transformers reads it, so a damaged one is named."""
+
+
+def check_tokenizer_json(path: str, flag: str) -> None:
+    """Every JSON tokenizer file in `path` parses; a damaged one (cut short by a full disk or a broken copy) is a
+    UsageError naming the file, where it breaks and the fix (transformers says only `Expecting ',' delimiter`)."""
+    for name in TOKENIZER_JSON_FILES:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            continue
+        try:
+            with open(file, encoding="utf-8") as f:
+                json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            where = f"line {err.lineno} column {err.colno}" if isinstance(err, json.JSONDecodeError) else "its bytes"
+            raise UsageError(f"{flag} {path}: {name} is damaged ({where}: {getattr(err, 'msg', err)}); copy it "
+                             "again from the model it came from") from err
+
+
 def read_tokenizer(path: str, trust_remote_code: bool = False, flag: str = "--pretrain", use_fast: bool = True):
     """The tokenizer saved in `path`, as saved (`use_fast` False: --disable_fast_tokenizer, see
     `slow_tokenizer_kwargs`). A directory with no tokenizer files at all is a UsageError naming the directory and
@@ -65,6 +87,7 @@ def read_tokenizer(path: str, trust_remote_code: bool = False, flag: str = "--pr
     from transformers import AutoTokenizer
 
     check_local_model(path, flag)
+    check_tokenizer_json(path, flag)
     kind = {} if use_fast else slow_tokenizer_kwargs(path, int(transformers.__version__.split(".")[0]))
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True,

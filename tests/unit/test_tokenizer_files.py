@@ -1,5 +1,5 @@
 """A model directory without its tokenizer files: one line naming the directory and the files it lacks, not
-transformers' advice to install sentencepiece or tiktoken."""
+transformers' advice to install sentencepiece or tiktoken; a damaged tokenizer file: one line naming it."""
 
 from __future__ import annotations
 
@@ -40,6 +40,18 @@ def test_a_broken_tokenizer_file_keeps_transformers_error(tmp_path):
     with pytest.raises(Exception) as info:
         load_tokenizer(broken)
     assert not isinstance(info.value, UsageError)
+
+
+def test_a_damaged_tokenizer_file_is_named_with_where_it_breaks(tmp_path):
+    """A tokenizer.json cut short (a full disk, a broken copy) is one line naming the file (it was a bare
+    `JSONDecodeError: Expecting ',' delimiter`)."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(EMBEDDED_MODEL_DIR, damaged)
+    text = (damaged / "tokenizer.json").read_text()
+    (damaged / "tokenizer.json").write_text(text[: len(text) // 2])
+    with pytest.raises(UsageError, match=rf"^--reward_pretrain {damaged}: tokenizer.json is damaged \(line \d+ "
+                                         r"column \d+: .+\); copy it again from the model it came from$"):
+        load_tokenizer(str(damaged), flag="--reward_pretrain")
 
 
 def test_train_sft_exits_2_with_one_line(tmp_path, capsys):
