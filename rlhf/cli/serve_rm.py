@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import socket
 import sys
 import warnings
 from dataclasses import dataclass, replace
@@ -198,21 +199,43 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         parser.error(str(err))
     try:
+        check_port_free(args.host, args.port)  # before the model loads: a busy port is known at once
         with notes_to_stderr():
             warn_unused_flags(args, parser)
             source, tokenizer = build_source(args, ModelLoading() if args.remote_rm_url else model_loading(args))
+        server = RewardServer((args.host, args.port), source, tokenizer, limits=limits, max_len=args.max_len,
+                              score_chunk=args.batch_size if tokenizer is not None else 0,
+                              api_key=args.api_key or os.environ.get(API_KEY_ENV))
+    except OSError as err:  # the port was taken while the model loaded
+        print(f"error: {port_error(args.host, args.port, err)}", file=sys.stderr)
+        sys.exit(2)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    server = RewardServer((args.host, args.port), source, tokenizer, limits=limits, max_len=args.max_len,
-                          score_chunk=args.batch_size if tokenizer is not None else 0,
-                          api_key=args.api_key or os.environ.get(API_KEY_ENV))
     auth = "bearer token required" if server.api_key else "no authentication (set --api_key or " + API_KEY_ENV + ")"
     print(f"serving rewards on http://{args.host}:{server.server_address[1]}/get_reward ({auth})", flush=True)
     try:
         server.serve_forever()
     finally:
         server.server_close()
+
+
+def port_error(host: str, port: int, err: OSError) -> str:
+    return (f"--host {host} --port {port}: cannot listen there ({err.strerror or err}); stop what listens on that "
+            "port or pick another --port")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind `host:port` once, as the server will (address reuse on, as http.server sets it), and let it go: a port
+    another process listens on, or an address this machine does not have, is a ValueError naming both."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+            probe.listen(1)
+        except OSError as err:
+            raise ValueError(port_error(host, port, err)) from err
 
 
 @contextlib.contextmanager

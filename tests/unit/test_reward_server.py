@@ -680,3 +680,29 @@ def test_packing_samples_with_a_process_reward_model_gets_a_note(cpu_only):
     with pytest.warns(UserWarning, match="--packing_samples is ignored with --prm: the process reward model scores "
                                          "padded rows"):
         assert not model_loading(args).packing_samples
+
+
+def test_a_busy_port_is_named_before_the_model_loads(monkeypatch, capsys):
+    """Another process listening on --port: one error line naming host and port, before any model loads (it was a
+    traceback after the model had loaded); a port taken while the model loads gets the same line."""
+    import socket
+
+    from rlhf.cli import serve_rm
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(serve_rm, "build_source", lambda *a: pytest.fail("the model loaded first"))
+        with pytest.raises(SystemExit) as exc:
+            serve_rm.main(["--reward_pretrain", EMBEDDED_REWARD_MODEL_DIR, "--port", str(port)])
+        assert exc.value.code == 2
+        assert capsys.readouterr().err.strip() == (
+            f"error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in use); stop what "
+            "listens on that port or pick another --port")
+        monkeypatch.setattr(serve_rm, "check_port_free", lambda host, port: None)  # taken during the load
+        monkeypatch.setattr(serve_rm, "build_source", lambda *a: (LengthReward(), None))
+        with pytest.raises(SystemExit):
+            serve_rm.main(["--reward_pretrain", EMBEDDED_REWARD_MODEL_DIR, "--port", str(port)])
+        assert capsys.readouterr().err.strip().endswith("(Address already in use); stop what listens on that port "
+                                                         "or pick another --port")
