@@ -104,6 +104,7 @@ def assert_adam_weights_close(ref: dict, other: dict, lr: float, steps: int, wha
     worst, worst_name = 0.0, ""
     for name, w in ref.items():
         diff = (other[name].double() - w.double()).abs()
+        assert torch.isfinite(diff).all(), f"{what}: {name} holds non-finite weights"
         total += diff.numel()
         far += int((diff > agree * lr).sum())
         if float(diff.max()) > worst:
@@ -111,4 +112,3 @@ def assert_adam_weights_close(ref: dict, other: dict, lr: float, steps: int, wha
     assert far <= share * total, (f"{what}: {far} of {total} weights differ by more than {agree} lr (worst {worst:.3g} "
                                   f"in {worst_name}): more than near-zero gradients can explain")
     assert worst <= 2 * lr * steps * (1 + 1e-6), f"{what}: {worst_name} differs by {worst:.3g} > 2 lr x {steps} steps"
-    assert torch.isfinite(torch.tensor(worst))

@@ -236,7 +236,7 @@ def _strip_ignored(argv: Sequence[str], config_cls: type) -> list[str]:
 
 
 ANALOGUES = {"prompt_key": "input_key", "input_key": "prompt_key", "prompt_data": "dataset", "dataset": "prompt_data",
-             "pretrain_data": "dataset", "max_len": "prompt_max_len", "learning_rate": "actor_learning_rate",
+             "pretrain_data": "dataset", "learning_rate": "actor_learning_rate",
              "actor_learning_rate": "learning_rate"}
 """A flag of one job -> the flag that means the same in another (RL jobs read prompts, supervised ones rows)."""
 

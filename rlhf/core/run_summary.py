@@ -9,9 +9,10 @@ one row each); a metric logged only at evaluations (held-out ones) as the first 
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Sequence
+
+from rlhf.utils.curves import series
 
 STAGE_ORDER = ("generation", "experience", "train", "weight_sync")
 """The stages of a step shown first in the throughput line (others follow by name)."""
@@ -27,16 +28,6 @@ def read_rows(path: str) -> list[dict]:
             except json.JSONDecodeError:
                 continue
     return rows
-
-
-def series(rows: Sequence[dict], key: str) -> list[tuple[int, float]]:
-    """(step, value) of every row with a finite number under `key`."""
-    out = []
-    for row in rows:
-        value = row.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            out.append((int(row["step"]), float(value)))
-    return out
 
 
 def first_last(points: Sequence[tuple[int, float]]) -> tuple[float, float, str]:

@@ -22,14 +22,19 @@ STAGE_TIMES = "stage_time"
 """The figure of seconds per stage (`time/<stage>`), every stage one line."""
 
 
-def _points(rows: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
-    steps, values = [], []
+def series(rows: Sequence[dict], key: str) -> list[tuple[int, float]]:
+    """(step, value) of every metrics row with a finite number under `key` (a NaN is logged as null)."""
+    out = []
     for row in rows:
         value = row.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            steps.append(int(row["step"]))
-            values.append(float(value))
-    return steps, values
+            out.append((int(row["step"]), float(value)))
+    return out
+
+
+def _points(rows: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
+    points = series(rows, key)
+    return [s for s, _ in points], [v for _, v in points]
 
 
 def moving_average(values: Sequence[float], window: int) -> list[float]:
