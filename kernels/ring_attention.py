@@ -16,6 +16,9 @@ Block kernels: on CUDA with fp16/bf16 inputs each block is PyTorch's built-in Fl
 kernel (`flash_ops`: its log-sum-exp output merges the blocks, its backward takes the final output and
 log-sum-exp); elsewhere (CPU, fp32, pre-Ampere) plain PyTorch blocks with fp32 accumulation
 (`block_kernel_for` says which runs). Both accumulate the output and dK/dV across blocks in fp32.
+Sliding windows and logit soft-capping (`window`, `softcap`, as in `varlen_attention`) run on the einsum
+blocks: the window is a mask over global positions, the soft-cap bends each block's scores (and its backward
+multiplies by the tanh's derivative); the flash blocks take neither.
 `head_stride` is this module's reading of OpenRLHF's `--ring_head_stride` (kv heads per
 communication step in ring-flash-attn): the ring pass runs once per group of `head_stride` kv heads,
 so communication buffers and score blocks hold only that many heads at a time.
@@ -80,6 +83,7 @@ class _RingLayout:
     rank: int
     ring_size: int
     causal: bool
+    window: int | None
     position_WN: torch.Tensor
     segment_WN: torch.Tensor
     first_half_N: torch.Tensor
@@ -91,7 +95,7 @@ class _RingLayout:
 
     @staticmethod
     def build(cu_seqlens: torch.Tensor, rank: int, ring_size: int, causal: bool,
-              device: torch.device) -> _RingLayout:
+              device: torch.device, window: int | None = None) -> _RingLayout:
         cu = cu_seqlens.to(device)
         position_WN = torch.stack([zigzag_indices(cu, r, ring_size) for r in range(ring_size)])
         segment_WN = segment_ids_from_cu(cu)[position_WN]
@@ -99,7 +103,7 @@ class _RingLayout:
         half_len_N = ((local_cu[1:] - local_cu[:-1]) // 2).long()[segment_ids_from_cu(local_cu)]
         is_first_N = position_ids_from_cu(local_cu) < half_len_N  # chunk r; the rest is chunk 2W-1-r
         max_local = int((local_cu[1:] - local_cu[:-1]).max())
-        return _RingLayout(rank, ring_size, causal, position_WN, segment_WN,
+        return _RingLayout(rank, ring_size, causal, window, position_WN, segment_WN,
                            is_first_N.nonzero().squeeze(-1), (~is_first_N).nonzero().squeeze(-1),
                            local_cu, (local_cu // 2).to(torch.int32), max_local, max_local // 2)
 
@@ -129,10 +133,15 @@ class _RingLayout:
         return self.half_cu, self.local_cu, self.max_half, self.max_local, False  # our second chunks, all of src
 
     def visible(self, src: int, rows: slice | torch.Tensor, cols: slice | torch.Tensor) -> torch.Tensor:
-        """bool [rows, cols]: same segment, and (causal) key position <= query position."""
+        """bool [rows, cols]: same segment, (causal) key position <= query position, and (window) fewer than
+        `window` positions back."""
         q_pos, k_pos = self.position_WN[self.rank][rows], self.position_WN[src][cols]
         mask = self.segment_WN[self.rank][rows][:, None] == self.segment_WN[src][cols][None, :]
-        return mask & (k_pos[None, :] <= q_pos[:, None]) if self.causal else mask
+        if self.causal:
+            mask &= k_pos[None, :] <= q_pos[:, None]
+        if self.window is not None:
+            mask &= q_pos[:, None] - k_pos[None, :] < self.window
+        return mask
 
 
 # ---- block math (fp32) ---------------------------------------------------------------------------
@@ -142,14 +151,24 @@ class _RingLayout:
 ROWS_PER_TILE = 512
 
 
+def _scores(q_KRnD: torch.Tensor, k_KMD: torch.Tensor, scale: float, softcap: float | None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(scores [K, R, n, M], tanh of the capped scores or None): q.k * scale, soft-capped when softcap is set."""
+    scores = torch.einsum("krnd,kmd->krnm", q_KRnD, k_KMD).mul_(scale)
+    if softcap is None:
+        return scores, None
+    tanh = scores.div_(softcap).tanh_()
+    return tanh * softcap, tanh
+
+
 def _block_forward(q_KRND: torch.Tensor, k_KMD: torch.Tensor, v_KMD: torch.Tensor, visible_NM: torch.Tensor,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   scale: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q against one K/V block: (normalised output [K, R, N, D], log-sum-exp [K, R, N])."""
     k, v = k_KMD.float(), v_KMD.float()
     outs, lses = [], []
     for r0 in range(0, q_KRND.shape[2], ROWS_PER_TILE):
         rows = slice(r0, r0 + ROWS_PER_TILE)
-        scores = torch.einsum("krnd,kmd->krnm", q_KRND[:, :, rows].float(), k).mul_(scale)
+        scores, _ = _scores(q_KRND[:, :, rows].float(), k, scale, softcap)
         scores.masked_fill_(~visible_NM[rows], float("-inf"))
         row_max = _finite(scores.amax(dim=-1, keepdim=True))
         probs = scores.sub_(row_max).exp_()  # in place; rows with no visible key are all zero
@@ -162,7 +181,7 @@ def _block_forward(q_KRND: torch.Tensor, k_KMD: torch.Tensor, v_KMD: torch.Tenso
 
 def _block_backward(dout_KRND: torch.Tensor, q_KRND: torch.Tensor, k_KMD: torch.Tensor, v_KMD: torch.Tensor,
                     lse_KRN: torch.Tensor, delta_KRN: torch.Tensor, visible_NM: torch.Tensor,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    scale: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradient contributions of one block, given the FINAL (all-block) lse and delta = rowsum(dO * O)."""
     k, v = k_KMD.float(), v_KMD.float()
     dk_KMD, dv_KMD = torch.zeros_like(k), torch.zeros_like(v)
@@ -170,11 +189,14 @@ def _block_backward(dout_KRND: torch.Tensor, q_KRND: torch.Tensor, k_KMD: torch.
     for r0 in range(0, q_KRND.shape[2], ROWS_PER_TILE):
         rows = slice(r0, r0 + ROWS_PER_TILE)
         q, dout = q_KRND[:, :, rows].float(), dout_KRND[:, :, rows]
-        probs = torch.einsum("krnd,kmd->krnm", q, k).mul_(scale).sub_(lse_KRN[:, :, rows, None]).exp_()
+        scores, tanh = _scores(q, k, scale, softcap)
+        probs = scores.sub_(lse_KRN[:, :, rows, None]).exp_()
         probs.masked_fill_(~visible_NM[rows], 0.0)
         dv_KMD += torch.einsum("krnm,krnd->kmd", probs, dout)
         dscores = torch.einsum("krnd,kmd->krnm", dout, v).sub_(delta_KRN[:, :, rows, None]).mul_(probs)
         del probs
+        if tanh is not None:  # d(softcap * tanh(s / softcap)) / ds = 1 - tanh^2
+            dscores.mul_(1 - tanh.square_())
         dqs.append(torch.einsum("krnm,kmd->krnd", dscores, k).mul_(scale))
         dk_KMD += torch.einsum("krnm,krnd->kmd", dscores, q).mul_(scale)
     return torch.cat(dqs, dim=2), dk_KMD, dv_KMD
@@ -185,13 +207,16 @@ class _EinsumBlocks:
 
     name = "fp32 einsum blocks"
 
+    def __init__(self, softcap: float | None = None):
+        self.softcap = softcap
+
     def forward(self, layout: _RingLayout, src: int, rows, cols, q_KRND, k_KMD, v_KMD, scale):
-        return _block_forward(q_KRND, k_KMD, v_KMD, layout.visible(src, rows, cols), scale)
+        return _block_forward(q_KRND, k_KMD, v_KMD, layout.visible(src, rows, cols), scale, self.softcap)
 
     def backward(self, layout: _RingLayout, src: int, rows, cols, dout_KRND, q_KRND, k_KMD, v_KMD, out_KRND,
                  lse_KRN, delta_KRN, scale):
         return _block_backward(dout_KRND, q_KRND, k_KMD, v_KMD, lse_KRN, delta_KRN, layout.visible(src, rows, cols),
-                               scale)
+                               scale, self.softcap)
 
 
 class _FlashBlocks:
@@ -226,24 +251,33 @@ class _FlashBlocks:
 BLOCK_KERNELS = ("auto", "flash", "einsum")
 
 
-def block_kernel_for(q: torch.Tensor, block_kernel: str = "auto") -> _EinsumBlocks | _FlashBlocks:
-    """The block kernel ring attention runs for tensors like q ("auto": flash where `flash_ops` supports q)."""
+def block_kernel_for(q: torch.Tensor, block_kernel: str = "auto", window: int | None = None,
+                     softcap: float | None = None) -> _EinsumBlocks | _FlashBlocks:
+    """The block kernel ring attention runs for tensors like q ("auto": flash where `flash_ops` supports q and
+    neither a sliding window nor a soft-cap is set)."""
     if block_kernel not in BLOCK_KERNELS:
         raise ValueError(f"unknown ring block kernel {block_kernel!r}; choose one of {BLOCK_KERNELS}")
-    supported = flash_ops.flash_varlen_supported(q)
+    variants = window is not None or softcap is not None
+    supported = flash_ops.flash_varlen_supported(q) and not variants
     if block_kernel == "flash" and not supported:
         raise ValueError("block_kernel='flash' needs fp16/bf16 CUDA tensors on an Ampere or newer GPU, head dim a "
-                         "multiple of 8 up to 256")
-    return _FlashBlocks() if block_kernel == "flash" or (block_kernel == "auto" and supported) else _EinsumBlocks()
+                         "multiple of 8 up to 256, and no sliding window or soft-cap")
+    if block_kernel == "flash" or (block_kernel == "auto" and supported):
+        return _FlashBlocks()
+    return _EinsumBlocks(softcap)
 
 
-def describe_block_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    """The block kernel's name for a model's device, dtype and head dim (for the start-up layout line)."""
+def describe_block_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, variants: bool = False) -> str:
+    """The block kernel's name for a model's device, dtype and head dim (for the start-up layout line);
+    variants: the model has a sliding window or soft-cap on some layer (those layers run einsum blocks)."""
     if device.type == "cuda" and torch.cuda.is_available():
         probe = torch.empty(1, 1, head_dim, device=device, dtype=dtype)
     else:
         probe = torch.empty(1, 1, head_dim, dtype=dtype)
-    return block_kernel_for(probe).name
+    name = block_kernel_for(probe).name
+    if variants and name != _EinsumBlocks.name:
+        return f"{name}; {_EinsumBlocks.name} on sliding-window or soft-capped layers"
+    return name
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
@@ -394,7 +428,8 @@ class _RingAttention(torch.autograd.Function):
 def ring_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor, cu_seqlens: torch.Tensor,
                    group: dist.ProcessGroup | None, causal: bool = True, scale: float | None = None,
                    head_stride: int | None = None, layout_cache: dict | None = None,
-                   block_kernel: str = "auto") -> torch.Tensor:
+                   block_kernel: str = "auto", window: int | None = None,
+                   softcap: float | None = None) -> torch.Tensor:
     """Attention of this rank's zigzag shard against the whole packed row; returns the local [N, H, D].
 
     q/k/v: this rank's shard (`zigzag_shard` of the global packed tensors). cu_seqlens: the GLOBAL
@@ -403,8 +438,13 @@ def ring_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor
     head_stride: kv heads per ring pass (None = all at once). layout_cache: a dict kept for the duration
     of one model forward (all its layers share the same boundaries): the zigzag block plan is built once
     and reused from it. block_kernel: "auto" (flash blocks on fp16/bf16 CUDA, else fp32 einsum blocks),
-    "flash" or "einsum" (`block_kernel_for`). Differentiable in q, k, v.
+    "flash" or "einsum" (`block_kernel_for`). window / softcap: sliding-window attention and logit
+    soft-capping (module docstring; einsum blocks). Differentiable in q, k, v.
     """
+    if window is not None and (window <= 0 or not causal):
+        raise ValueError(f"sliding window {window}: needs a positive window and causal attention")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"soft-cap {softcap}: must be positive (None: no soft-capping)")
     if group is None and dist.is_initialized():
         group = dist.group.WORLD  # get_global_rank(None, r) raises: name the default group explicitly
     ring_size = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -416,12 +456,12 @@ def ring_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor
                          f"{tuple(k_NKD.shape)}, {tuple(v_NKD.shape)}")
     if H % k_NKD.shape[1]:
         raise ValueError(f"{H} query heads are not a multiple of {k_NKD.shape[1]} kv heads")
-    key = (causal, str(q_NHD.device), rank, ring_size)
+    key = (causal, str(q_NHD.device), rank, ring_size, window)
     layout = layout_cache.get(key) if layout_cache is not None else None
     if layout is None:
-        layout = _RingLayout.build(cu_seqlens, rank, ring_size, causal, q_NHD.device)
+        layout = _RingLayout.build(cu_seqlens, rank, ring_size, causal, q_NHD.device, window)
         if layout_cache is not None:
             layout_cache[key] = layout
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    kernel = block_kernel_for(q_NHD, block_kernel)
+    kernel = block_kernel_for(q_NHD, block_kernel, window, softcap)
     return _RingAttention.apply(q_NHD, k_NKD, v_NKD, layout, group, scale, head_stride, kernel)

@@ -50,17 +50,18 @@ def check_against_reference(per_rank_results, ring_size):
             torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-5, msg=lambda m, n=name, c=i: f"d{n} case {c}: {m}")
 
 
-def simulated_ring(q, k, v, w, cu, ring_size, block_kernel, head_stride=None):
+def simulated_ring(q, k, v, w, cu, ring_size, block_kernel, head_stride=None, window=None, softcap=None):
     """Every rank's ring pass of `ring_attention`, run one after the other in this process (the K/V and dK/dV
-    blocks are taken from the other ranks' shards instead of being sent): global (out, dq, dk, dv) in fp32."""
+    blocks are taken from the other ranks' shards instead of being sent): global (out, dq, dk, dv) in fp32.
+    window / softcap: a sliding window and a logit soft-cap (einsum blocks)."""
     import importlib
 
     ring = importlib.import_module("rlhf.kernels.ring_attention")
     K, D = k.shape[1], q.shape[-1]
     scale = D ** -0.5
     shards = [[zigzag_shard(t, cu, r, ring_size) for t in (q, k, v, w)] for r in range(ring_size)]
-    layouts = [ring._RingLayout.build(cu, r, ring_size, True, q.device) for r in range(ring_size)]
-    kernels = [ring.block_kernel_for(q, block_kernel) for _ in range(ring_size)]
+    layouts = [ring._RingLayout.build(cu, r, ring_size, True, q.device, window) for r in range(ring_size)]
+    kernels = [ring.block_kernel_for(q, block_kernel, window, softcap) for _ in range(ring_size)]
     outs, lses = [], []
     for r, (layout, kernel) in enumerate(zip(layouts, kernels)):
         q_KRND = ring._to_KRND(shards[r][0], K)

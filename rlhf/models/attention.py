@@ -23,7 +23,11 @@ VARLEN_ATTENTION = "rlhf_varlen"
 RING_ATTENTION = "rlhf_ring"
 
 
-def _check_packed_call(name: str, query_BHND: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
+# attention arguments of some families that change the math and that these kernels do not implement
+UNSUPPORTED_VARIANTS = {"s_aux": "attention sinks", "sinks": "attention sinks"}
+
+
+def _check_packed_call(module: torch.nn.Module, name: str, query_BHND: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
                        kwargs: dict) -> torch.Tensor:
     """Validate what both packed attention functions need; returns cu_seq_lens_q."""
     cu_seqlens = kwargs.get("cu_seq_lens_q")
@@ -39,9 +43,18 @@ def _check_packed_call(name: str, query_BHND: torch.Tensor, attention_mask: torc
         raise ValueError("pass attention_mask=None with packed input; boundaries come from cu_seq_lens_q")
     if dropout:
         raise ValueError(f"{name} attention has no dropout; set attention_dropout=0 in the model config")
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError(f"{name} attention does not implement sliding-window attention")
+    for key, what in UNSUPPORTED_VARIANTS.items():
+        if kwargs.get(key) is not None:
+            raise ValueError(f"{name} attention does not implement {what} ({module.__class__.__name__} passes "
+                             f"{key}=...); train this model without --packing_samples / --ring_attn_size")
     return cu_seqlens
+
+
+def _variants(kwargs: dict) -> dict:
+    """The sliding window and logit soft-cap a layer passes (transformers' `sliding_window`, `softcap`)."""
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    return {"window": int(window) if window is not None else None,
+            "softcap": float(softcap) if softcap is not None else None}
 
 
 def varlen_attention_forward(module: torch.nn.Module, query_BHND: torch.Tensor, key_BKND: torch.Tensor,
@@ -50,16 +63,17 @@ def varlen_attention_forward(module: torch.nn.Module, query_BHND: torch.Tensor, 
                              **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function: packed [1, H, N, D] inputs -> [1, N, H, D] output, no weights.
 
-    Needs `cu_seq_lens_q` (int32 [S + 1]) in kwargs; `max_length_q` is optional (without it, it is computed
+    Needs `cu_seq_lens_q` (int32 [S + 1]) in kwargs; `sliding_window` and `softcap` (what Mistral, Gemma-2/3 and
+    windowed Qwen2 layers pass) are applied; `max_length_q` is optional (without it, it is computed
     from the boundaries: a host sync per layer on CUDA). `attention_mask` must be None.
     """
-    cu_seqlens = _check_packed_call(VARLEN_ATTENTION, query_BHND, attention_mask, dropout, kwargs)
+    cu_seqlens = _check_packed_call(module, VARLEN_ATTENTION, query_BHND, attention_mask, dropout, kwargs)
     max_seqlen = kwargs.get("max_length_q")
     if max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     q_NHD, k_NKD, v_NKD = (t[0].transpose(0, 1) for t in (query_BHND, key_BKND, value_BKND))
     out_NHD = varlen_attention(q_NHD, k_NKD, v_NKD, cu_seqlens, int(max_seqlen),
-                               causal=getattr(module, "is_causal", True), scale=scaling)
+                               causal=getattr(module, "is_causal", True), scale=scaling, **_variants(kwargs))
     return out_NHD[None], None
 
 
@@ -78,14 +92,15 @@ def ring_attention_forward(module: torch.nn.Module, query_BHND: torch.Tensor, ke
     Needs kwargs `ring_group` (the sequence-parallel ProcessGroup) and `cu_seq_lens_q` (the GLOBAL packed
     boundaries); optional `ring_head_stride` (kv heads per ring pass). Collective over `ring_group`.
     """
-    cu_seqlens = _check_packed_call(RING_ATTENTION, query_BHND, attention_mask, dropout, kwargs)
+    cu_seqlens = _check_packed_call(module, RING_ATTENTION, query_BHND, attention_mask, dropout, kwargs)
     if "ring_group" not in kwargs:
         raise ValueError(f"attn_implementation={RING_ATTENTION!r} needs ring_group=<sequence-parallel group> "
                          "in the model call (ring_forward_kwargs())")
     q_NHD, k_NKD, v_NKD = (t[0].transpose(0, 1) for t in (query_BHND, key_BKND, value_BKND))
     out_NHD = ring_attention(q_NHD, k_NKD, v_NKD, cu_seqlens, kwargs["ring_group"],
                              causal=getattr(module, "is_causal", True), scale=scaling,
-                             head_stride=kwargs.get("ring_head_stride"), layout_cache=kwargs.get("ring_layout_cache"))
+                             head_stride=kwargs.get("ring_head_stride"), layout_cache=kwargs.get("ring_layout_cache"),
+                             **_variants(kwargs))
     return out_NHD[None], None
 
 

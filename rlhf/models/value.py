@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rlhf.models.layout import PADDED, SequenceLayout, position_ids_for
-from rlhf.models.loading import check_local_model, quantization_config
+from rlhf.models.loading import check_local_model, exact_attention, quantization_config
 
 
 class ScalarHeadModel(torch.nn.Module):
@@ -134,7 +134,9 @@ def load_scalar_head_model(path: str, head_prefix: str, dtype: torch.dtype, attn
     if not fresh_head:
         check_scalar_head(path, head_prefix, flag)
     with _quiet_transformers():  # its load report lists a causal LM's lm_head as "unexpected": expected here
-        base = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+        base = AutoModel.from_pretrained(path, dtype=dtype,
+                                         attn_implementation=exact_attention(path, attn_implementation,
+                                                                             trust_remote_code),
                                          trust_remote_code=trust_remote_code, local_files_only=True,
                                          quantization_config=quantization_config(load_in_4bit))
     model = ScalarHeadModel(base, head_prefix)
