@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,16 +66,18 @@ class HFGenerateEngine:
 
     `max_batch_kv_bytes` bounds the KV cache of one decode batch (rows x (longest prompt + max_tokens)); prompts
     beyond it decode in further batches, which changes no sample. None: 2 GiB on CPU, half the free memory at the
-    call on CUDA."""
+    call on CUDA. `eos_token_id`: the token, or tokens (`stop_token_ids`), that end a sample."""
 
-    def __init__(self, model_path: str, *, dtype: torch.dtype, device: torch.device, eos_token_id: int,
+    def __init__(self, model_path: str, *, dtype: torch.dtype, device: torch.device,
+                 eos_token_id: int | Sequence[int],
                  pad_token_id: int, attn_implementation: str = "sdpa", trust_remote_code: bool = False,
                  max_batch_kv_bytes: int | None = None) -> None:
         if max_batch_kv_bytes is not None and max_batch_kv_bytes <= 0:
             raise ValueError(f"max_batch_kv_bytes must be positive, got {max_batch_kv_bytes}")
         self.model = load_causal_lm(model_path, dtype, attn_implementation, trust_remote_code).to(device).eval()
         self.device = device
-        self.eos_token_id = eos_token_id
+        self.stop_token_ids = [eos_token_id] if isinstance(eos_token_id, int) else sorted(set(eos_token_id))
+        self._stop_ids = torch.tensor(self.stop_token_ids, device=device)
         self.pad_token_id = pad_token_id
         self.max_batch_kv_bytes = max_batch_kv_bytes
         self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
@@ -119,7 +121,7 @@ class HFGenerateEngine:
                                                repetition_penalty=spec.repetition_penalty, seen_BV=batch.seen_BV,
                                                uniforms_B=uniforms_B)
             tokens_RT[batch.rows_B, t], logprobs_RT[batch.rows_B, t] = tokens_B, logprobs_B
-            stopped_R[batch.rows_B] |= tokens_B == self.eos_token_id
+            stopped_R[batch.rows_B] |= torch.isin(tokens_B, self._stop_ids)
             live_B = ~stopped_R[batch.rows_B]
             num_live = int(live_B.sum())
             if t + 1 == steps or num_live == 0 or cut_short():  # cut short: SIGTERM, the step is abandoned
@@ -168,11 +170,13 @@ class HFGenerateEngine:
 
     def _generations(self, tokens_RT: list[list[int]], logprobs_RT: list[list[float]], n: int
                      ) -> list[list[Generation]]:
-        """Rows cut after their first EOS (kept), grouped per prompt."""
+        """Rows cut after their first stop token (kept), grouped per prompt."""
         gens = []
+        stops = set(self.stop_token_ids)
         for ids, logprobs in zip(tokens_RT, logprobs_RT):
-            stop = ids.index(self.eos_token_id) + 1 if self.eos_token_id in ids else len(ids)
-            gens.append(Generation(ids[:stop], logprobs[:stop], "stop" if self.eos_token_id in ids else "length"))
+            first = next((i for i, token in enumerate(ids) if token in stops), None)
+            end = len(ids) if first is None else first + 1
+            gens.append(Generation(ids[:end], logprobs[:end], "length" if first is None else "stop"))
         return [gens[i:i + n] for i in range(0, len(gens), n)]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -194,6 +198,21 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     return 2 * text.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+
+
+def stop_token_ids(model_path: str, tokenizer) -> list[int]:
+    """The tokens that end a sample, as vLLM stops: the tokenizer's eos and every eos id of the model's
+    `generation_config.json` (Llama-3's <|eot_id|>, Gemma's <end_of_turn>, Phi-3's <|end|> end a chat turn but
+    are not the tokenizer's eos)."""
+    from transformers import GenerationConfig
+
+    try:
+        extra = GenerationConfig.from_pretrained(model_path, local_files_only=True).eos_token_id
+    except OSError:  # no generation_config.json
+        extra = None
+    extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
+    eos = tokenizer.eos_token_id
+    return sorted({*([] if eos is None else [eos]), *extra})
 
 
 def warn_ignored_generation_config(model, model_path: str) -> None:

@@ -30,6 +30,7 @@ import torch
 
 from rlhf.distributed.launch_env import close_before_groups
 from rlhf.engines.rollout import MAX_REQUEST_SEED, Generation, SamplingSpec
+from rlhf.engines.weight_sync import CheckpointLayout
 
 COPY_IN_PLACE = "copy_in_place"
 RELOAD_IN_PLACE = "reload_weights"
@@ -126,6 +127,34 @@ def _copy_weights_on_worker(worker, weights: Iterable[tuple[str, torch.Tensor]])
         raise RuntimeError(f"weight push left {len(missing)} engine parameters unloaded: {sorted(missing)[:5]}")
     runner.reset_encoder_cache()
     runner.reset_mm_cache()
+
+
+def _cpu_prepacked_experts(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
+    """(MoE layer, its experts kernel) for every layer whose experts prepack their weights on CPU at start-up."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # another vLLM release, or a CUDA build without the CPU experts
+        return []
+    found = []
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts) and not getattr(experts, "_use_zentorch", False):
+            found.append((module, experts))
+    return found
+
+
+def _repack_cpu_experts_on_worker(worker) -> int:
+    """(runs on each vLLM worker, after `reload_weights`) prepack the MoE experts' weights again. vLLM 0.32's
+    CPU experts prepack w13/w2 into their grouped-GEMM layout once, when the kernel is built; a weight update
+    copies checkpoint-layout weights into those parameters and does not prepack them (the kernel is not rebuilt:
+    `UnquantizedFusedMoEMethod._setup_kernel`), so every expert computes with scrambled weights (measured on the
+    zoo's Mixtral: log-probs off by 2.9 nats after pushing the engine's own weights back). The same class of bug
+    as vllm-project/vllm#42821 on the FlashInfer backends. Returns the number of layers repacked."""
+    layers = _cpu_prepacked_experts(worker.model_runner.get_model())
+    for layer, experts in layers:
+        experts.process_weights_after_loading(layer)
+    return len(layers)
 
 
 def weight_push_path(reload_parameters: list[str], copy_in_place: bool = False) -> str:
@@ -247,6 +276,7 @@ class VLLMEngine:
         gc.unfreeze()
         close_before_groups(_shutdown_at_exit(llm))
         self._attach(llm, sleep_enabled=on_cuda and enable_sleep)
+        self.checkpoint_layout = CheckpointLayout(model_path, trust_remote_code)
 
     @classmethod
     def from_llm(cls, llm, *, sleep_enabled: bool) -> VLLMEngine:
@@ -259,6 +289,7 @@ class VLLMEngine:
         """Choose the weight-push path from the worker's `reload_weights` signature, and with sleep on put
         the engine to sleep before anything else (DeepSpeed) allocates device memory."""
         self.llm = llm
+        self.checkpoint_layout = CheckpointLayout(None)
         self.sleep_enabled = sleep_enabled
         self.asleep: set[str] = set()  # sleep tags still released: "weights", "kv_cache"
         self.push_path = weight_push_path(llm.collective_rpc(_reload_weights_parameters)[0],
@@ -294,10 +325,13 @@ class VLLMEngine:
         tensors across calls silently corrupts it). From sleep: weights woken first, the KV cache after the
         push and after PyTorch's cached blocks (the actor's gathers) are returned to the device."""
         self._wake({"weights"})
+        named_tensors = self.checkpoint_layout(named_tensors)  # vLLM reads the checkpoint files' names
         if self.push_path == COPY_IN_PLACE:
             self.llm.collective_rpc(_copy_weights_on_worker, args=(iter(named_tensors),))
         elif self.push_path == RELOAD_IN_PLACE:
             self.llm.collective_rpc(RELOAD_IN_PLACE, kwargs={"weights_iterator": iter(named_tensors)})
+            if not torch.cuda.is_available():
+                self.llm.collective_rpc(_repack_cpu_experts_on_worker)
         else:
             self.llm.collective_rpc(_load_weights_on_worker, args=(iter(named_tensors),))
         self.llm.reset_prefix_cache()

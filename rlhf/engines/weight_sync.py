@@ -91,3 +91,38 @@ def broadcast_parameters(local: Iterable[tuple[str, torch.Tensor]] | None, specs
             n = torch.Size(spec.shape).numel()
             yield spec.name, flat[offset:offset + n].view(spec.shape)
             offset += n
+
+
+class CheckpointLayout:
+    """The trainer model's tensors renamed (and split) into the layout of its checkpoint files, which is what
+    vLLM's `load_weights` reads. transformers 5 fuses some families' weights in memory and writes the original
+    layout on save (its conversion mapping): Mixtral's `mlp.experts.gate_up_proj` [E, 2I, H] is
+    `block_sparse_moe.experts.{e}.w1/w3.weight` on disk, Qwen3-MoE's is `mlp.experts.{e}.gate_proj/up_proj.weight`.
+    Each tensor is converted on its own, with transformers' own reverse conversion (`revert_weight_conversion`,
+    what `save_pretrained` runs), so the stream stays lazy. A family without a conversion passes through as is."""
+
+    def __init__(self, model_path: str | None, trust_remote_code: bool = False):
+        self.meta = None
+        if model_path is None:
+            return
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange
+
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code, local_files_only=True)
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        conversions = [c for c in get_model_conversion_mapping(meta, add_legacy=False) if not isinstance(c, PrefixChange)]
+        if conversions:
+            meta._weight_conversions = conversions
+            self.meta = meta
+
+    def __call__(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.meta is None:
+            yield from named_tensors
+            return
+        from transformers.core_model_loading import revert_weight_conversion
+
+        for name, tensor in named_tensors:
+            for converted_name, converted in revert_weight_conversion(self.meta, {name: tensor}).items():
+                yield converted_name, converted.contiguous()

@@ -61,9 +61,9 @@ def build_rollout_engine(cfg: TrainPPOConfig, device: torch.device, tokenizer, n
                       "extra for vLLM", stacklevel=2)
     if r.vllm_tensor_parallel_size > 1:
         raise ValueError("--vllm_tensor_parallel_size > 1 needs vLLM; the HF fallback engine runs one rank each")
-    from rlhf.engines.hf_engine import HFGenerateEngine
+    from rlhf.engines.hf_engine import HFGenerateEngine, stop_token_ids
 
-    return HFGenerateEngine(m.pretrain, dtype=dtype, device=device, eos_token_id=tokenizer.eos_token_id,
+    return HFGenerateEngine(m.pretrain, dtype=dtype, device=device, eos_token_id=stop_token_ids(m.pretrain, tokenizer),
                             pad_token_id=tokenizer.pad_token_id, attn_implementation=m.attn,
                             trust_remote_code=m.trust_remote_code)
 

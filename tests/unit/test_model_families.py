@@ -1,0 +1,184 @@
+"""Every family of the tiny zoo (`rlhf.models.zoo`) on the single-process paths: the tokenizer's special-token
+behaviour, packed == padded (log-probs, entropy, every gradient; reward-model scores), multi-turn chat SFT with loss
+on assistant tokens only, the stop tokens of a rollout, the HF export reloaded by transformers, and the weight
+stream in the checkpoint layout vLLM reads. Each test's results per family feed the README's compatibility table
+(`tests/family_table.py`).
+
+Reproduced failures of the code before this file: Mistral and Gemma-2 packed forwards raised "rlhf_varlen attention
+does not implement sliding-window attention"; Gemma-2's padded forward on SDPA dropped the soft-cap (log-probs off
+by 0.33); Mixtral's pushed weights carried names vLLM does not know (`mlp.experts.gate_up_proj`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf.models.zoo import FAMILIES, family
+
+NAMES = list(FAMILIES)
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    """Every family built once into a temporary directory: name -> path."""
+    from rlhf.models.zoo import build_family
+
+    root = tmp_path_factory.mktemp("zoo")
+    return {name: build_family(name, str(root / name)) for name in NAMES}
+
+
+def _batch(vocab: int):
+    """Three right-padded rows of 5, 19 and 13 tokens (longer than the zoo's 8-token sliding window)."""
+    g = torch.Generator().manual_seed(0)
+    lengths, T = torch.tensor([5, 19, 13]), 19
+    mask = (torch.arange(T)[None] < lengths[:, None]).long()
+    return torch.randint(3, vocab, (3, T), generator=g) * mask, mask
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tokenizer_special_tokens_follow_the_family(zoo, name):
+    from rlhf.engines.hf_engine import stop_token_ids
+    from rlhf.models.loading import load_tokenizer
+
+    fam, tok = family(name), load_tokenizer(zoo[name])
+    ids = tok("copy 5")["input_ids"]
+    assert (fam.bos is not None and ids[0] == tok.convert_tokens_to_ids(fam.bos)) == fam.add_bos
+    assert tok.eos_token == fam.eos and tok.pad_token == (fam.pad or fam.eos)  # no pad: EOS pads (as OpenRLHF)
+    expected_stops = {tok.convert_tokens_to_ids(t) for t in (fam.eos, *fam.generation_eos)}
+    assert set(stop_token_ids(zoo[name], tok)) == expected_stops
+    assert tok.convert_tokens_to_ids(fam.turn_end) in expected_stops
+    chat = tok.apply_chat_template([{"role": "user", "content": "copy 5"}], tokenize=False, add_generation_prompt=True)
+    chat_ids = tok(chat, add_special_tokens=False)["input_ids"]
+    if fam.bos and fam.add_bos:  # the template writes BOS; encoding it again with special tokens doubles it
+        bos = tok.convert_tokens_to_ids(fam.bos)
+        assert chat_ids.count(bos) == 1 and tok(chat)["input_ids"][:2] == [bos, bos]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_packed_equals_padded_logprobs_entropy_and_gradients(zoo, name):
+    from rlhf.models.layout import PADDED, SequenceLayout
+    from rlhf.models.lm_logprobs import policy_forward
+    from rlhf.models.loading import load_causal_lm
+
+    results = []
+    for layout in (PADDED, SequenceLayout(packing=True)):
+        model = load_causal_lm(zoo[name], torch.float32, layout.attn_implementation("sdpa"))
+        ids, mask = _batch(model.config.vocab_size)
+        out = policy_forward(model, ids, mask, temperature=0.9, with_entropy=True, layout=layout)
+        ((out.logprobs_BT1 + 0.3 * out.entropy_BT1) * mask[:, 1:]).sum().backward()
+        results.append((out.logprobs_BT1.detach() * mask[:, 1:], out.entropy_BT1.detach() * mask[:, 1:],
+                        {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (lp, ent, grads), (lp_packed, ent_packed, grads_packed) = results
+    torch.testing.assert_close(lp_packed, lp, atol=2e-5, rtol=0)
+    torch.testing.assert_close(ent_packed, ent, atol=2e-5, rtol=0)
+    assert grads.keys() == grads_packed.keys() and len(grads) > 10
+    for key, grad in grads.items():
+        torch.testing.assert_close(grads_packed[key], grad, atol=2e-5, rtol=1e-4, msg=key)
+
+
+def test_gemma2_padded_forward_keeps_the_softcap(zoo):
+    """transformers' SDPA attention drops Gemma-2's soft-cap: the loader runs eager attention instead, which
+    equals the packed kernel (above); the raw SDPA forward is measurably different."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.models.loading import exact_attention, load_causal_lm
+
+    assert exact_attention(zoo["gemma2"], "sdpa") == "eager" and exact_attention(zoo["mistral"], "sdpa") == "sdpa"
+    ours = load_causal_lm(zoo["gemma2"], torch.float32, "sdpa")
+    raw = AutoModelForCausalLM.from_pretrained(zoo["gemma2"], dtype=torch.float32, attn_implementation="sdpa")
+    ids, mask = _batch(ours.config.vocab_size)
+    with torch.no_grad():
+        gap = (ours(ids, attention_mask=mask).logits - raw(ids, attention_mask=mask).logits).abs().max()
+    assert float(gap) > 0.05
+
+
+@pytest.mark.parametrize("name", ["llama3", "gemma2", "mixtral"])
+def test_packed_reward_scores_equal_padded(zoo, name):
+    from rlhf.models.layout import PADDED, SequenceLayout
+    from rlhf.models.value import last_token_values, load_scalar_head_model, token_values
+
+    scores = []
+    for layout in (PADDED, SequenceLayout(packing=True)):
+        model = load_scalar_head_model(zoo[name], "score", torch.float32, layout.attn_implementation("sdpa"),
+                                       fresh_head=True)
+        ids, mask = _batch(model.config.vocab_size)
+        with torch.no_grad():
+            scores.append(last_token_values(token_values(model, ids, mask, layout), mask))
+    torch.testing.assert_close(scores[1], scores[0], atol=1e-5, rtol=0)
+    assert float(scores[0].std()) > 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_multiturn_chat_sft_targets_only_assistant_tokens(zoo, name):
+    """Two user/assistant exchanges with --apply_chat_template --multiturn: the loss covers exactly each answer and
+    the template's turn end after it (plus the EOS the sample ends with), never a user turn; BOS appears once."""
+    from rlhf.data.sources import Row
+    from rlhf.data.supervised_samples import load_sft_samples
+    from rlhf.models.loading import load_tokenizer
+
+    fam, tok = family(name), load_tokenizer(zoo[name])
+    messages = [{"role": "user", "content": "copy 3"}, {"role": "assistant", "content": "3 3 3"},
+                {"role": "user", "content": "copy 7"}, {"role": "assistant", "content": "7 7"}]
+    samples, _ = load_sft_samples([Row("chat.jsonl", 1, {"messages": messages})], tok, input_key="messages",
+                                  output_key=None, input_template=None, apply_chat_template=True, multiturn=True,
+                                  pretrain_mode=False, max_len=256)
+    ids, mask = samples[0].input_ids.tolist(), samples[0].loss_mask.tolist()
+    targets = [ids[t + 1] for t, on in enumerate(mask) if on]
+    target_text = tok.decode(targets)
+    assert "3 3 3" in target_text and "7 7" in target_text and "copy" not in target_text, target_text
+    assert tok.decode(ids[1:]).count("copy") == 2  # the user turns are in the input, not in the targets
+    if fam.bos:
+        assert ids.count(tok.convert_tokens_to_ids(fam.bos)) == (1 if "bos_token" in fam.chat_template else 0)
+    turn_end = tok.convert_tokens_to_ids(fam.turn_end)
+    assert targets.count(turn_end) >= 2 and targets[-1] == tok.eos_token_id
+
+
+def test_hf_engine_stops_on_the_chat_turn_end(zoo):
+    """Gemma-2's chat turn ends with <end_of_turn>, not its tokenizer's <eos>: the HF rollout engine stops on
+    both (as vLLM, which reads generation_config.json), so no sample runs past a turn end."""
+    from rlhf.engines.hf_engine import HFGenerateEngine, stop_token_ids
+    from rlhf.engines.rollout import SamplingSpec
+    from rlhf.models.loading import load_tokenizer
+
+    tok = load_tokenizer(zoo["gemma2"])
+    stops = stop_token_ids(zoo["gemma2"], tok)
+    engine = HFGenerateEngine(zoo["gemma2"], dtype=torch.float32, device=torch.device("cpu"), eos_token_id=stops,
+                              pad_token_id=tok.pad_token_id)
+    prompt = tok(tok.apply_chat_template([{"role": "user", "content": "copy 3"}], tokenize=False,
+                                         add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    gens = engine.generate([prompt] * 4, SamplingSpec(n=8, temperature=1.0, top_p=1.0, max_tokens=40),
+                           [1, 2, 3, 4])
+    flat = [g for per_prompt in gens for g in per_prompt]
+    turn_end = tok.convert_tokens_to_ids("<end_of_turn>")
+    assert sum(g.finish_reason == "stop" and g.token_ids[-1] == turn_end for g in flat) >= 1
+    assert all(t not in stops for g in flat for t in g.token_ids[:-1])
+    assert all((g.finish_reason == "stop") == (g.token_ids[-1] in stops) for g in flat)
+
+
+@pytest.mark.parametrize("name", ["phi3", "qwen3-moe", "mixtral"])
+def test_hf_export_reloads_and_the_weight_stream_has_checkpoint_names(zoo, name, tmp_path):
+    """A moved model saved as the actor's HF export is (`save_pretrained_on_this_rank`) reloads with the same
+    logits, and `CheckpointLayout` turns the in-memory tensors (transformers 5 fuses MoE experts) into exactly the
+    tensors of that checkpoint file, which is what vLLM's loader reads."""
+    from safetensors.torch import load_file
+
+    from rlhf.engines.deepspeed_engine import save_pretrained_on_this_rank
+    from rlhf.engines.weight_sync import CheckpointLayout
+    from rlhf.models.loading import load_causal_lm
+
+    model = load_causal_lm(zoo[name], torch.float32, "sdpa")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    save_pretrained_on_this_rank(model, str(tmp_path), {k: v.detach() for k, v in model.state_dict().items()})
+    again = load_causal_lm(str(tmp_path), torch.float32, "sdpa")
+    ids, mask = _batch(model.config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits)
+    on_disk = load_file(str(tmp_path / "model.safetensors"))
+    streamed = dict(CheckpointLayout(zoo[name])((n, p.detach()) for n, p in model.named_parameters()))
+    assert streamed.keys() == on_disk.keys()
+    for key, tensor in on_disk.items():
+        torch.testing.assert_close(streamed[key], tensor, atol=0, rtol=0, msg=key)
+    fused = [n for n, _ in model.named_parameters() if n.endswith("experts.gate_up_proj")]
+    assert bool(fused) == family(name).moe and not any("gate_up_proj" in k and "experts" in k for k in streamed)
