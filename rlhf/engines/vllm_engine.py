@@ -151,7 +151,9 @@ def _repack_cpu_experts_on_worker(worker) -> int:
     `UnquantizedFusedMoEMethod._setup_kernel`), so every expert computes with scrambled weights (measured on the
     zoo's Mixtral: log-probs off by 2.9 nats after pushing the engine's own weights back). The same class of bug
     as vllm-project/vllm#42821 on the FlashInfer backends. Returns the number of layers repacked."""
-    layers = _cpu_prepacked_experts(worker.model_runner.get_model())
+    runner = worker.model_runner
+    model = runner.get_model() if hasattr(runner, "get_model") else None  # a stand-in runner has none
+    layers = _cpu_prepacked_experts(model) if isinstance(model, torch.nn.Module) else []
     for layer, experts in layers:
         experts.process_weights_after_loading(layer)
     return len(layers)

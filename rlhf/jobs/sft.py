@@ -5,7 +5,7 @@ from __future__ import annotations
 from rlhf.config.supervised_config import TrainSFTConfig
 from rlhf.data.supervised_samples import load_sft_samples
 from rlhf.jobs.supervised_run import Built, SupervisedJob, run_supervised, save_trained_model
-from rlhf.models.loading import load_causal_lm
+from rlhf.models.loading import load_causal_lm, with_router_aux_loss
 from rlhf.trainers.sft_trainer import SFTTrainer
 
 
@@ -24,8 +24,9 @@ def _trainer(cfg: TrainSFTConfig, b: Built) -> SFTTrainer:
 
 SFT_JOB = SupervisedJob(
     name="sft", samples=_samples,
-    load_model=lambda cfg, attn: load_causal_lm(cfg.model.pretrain, cfg.model.dtype, attn,
-                                                cfg.model.trust_remote_code, cfg.model.lora.load_in_4bit),
+    load_model=lambda cfg, attn: with_router_aux_loss(
+        load_causal_lm(cfg.model.pretrain, cfg.model.dtype, attn, cfg.model.trust_remote_code,
+                       cfg.model.lora.load_in_4bit), cfg.aux_loss_coef),
     make_trainer=_trainer, save=save_trained_model, bar={"loss": "gpt_loss"},
     demo_line="no --pretrain given: fine-tuning the embedded tiny demo model on its demonstrations")
 

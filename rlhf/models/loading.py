@@ -147,6 +147,22 @@ def exact_attention(path: str, attn_implementation: str, trust_remote_code: bool
     return "eager"
 
 
+def with_router_aux_loss(model: torch.nn.Module, aux_loss_coef: float, flag: str = "--aux_loss_coef"):
+    """`model`, returning its router's load-balancing loss as `aux_loss` when `aux_loss_coef` > 0: transformers'
+    mixture-of-experts models compute it only with `config.output_router_logits` (False in Qwen3-MoE's and
+    Mixtral's configs), which OpenRLHF sets on every MoE model it trains. A model without a router gets a warning
+    (the coefficient then has nothing to scale)."""
+    if not aux_loss_coef:
+        return model
+    config = getattr(model, "config", None)
+    if hasattr(config, "output_router_logits"):
+        config.output_router_logits = True
+    else:
+        warnings.warn(f"{flag} {aux_loss_coef} has no effect: {getattr(config, 'model_type', 'this model')} is not a "
+                      "mixture-of-experts model (it has no router loss)", stacklevel=2)
+    return model
+
+
 def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str, trust_remote_code: bool = False,
                    load_in_4bit: bool = False):
     """An `AutoModelForCausalLM` in `dtype`, with the KV cache disabled (training-time forwards).

@@ -24,7 +24,7 @@ from rlhf.engines.weight_sync import meta_param_specs
 from rlhf.kernels.ring_attention import block_kernel_for
 from rlhf.kernels.varlen_attention import varlen_backend_for
 from rlhf.models.layout import SequenceLayout
-from rlhf.models.loading import load_causal_lm
+from rlhf.models.loading import load_causal_lm, with_router_aux_loss
 from rlhf.models.micro_batches import MicroBatcher
 from rlhf.models.value import load_scalar_head_model, stored_reward_norm
 from rlhf.rewards.base import RewardSource
@@ -186,7 +186,8 @@ def build_policy(cfg: TrainPPOConfig, topology: Topology, role: Role, device: to
     infer, train = batchers_for(cfg, topology, role)
 
     def load(attn: str) -> torch.nn.Module:  # a trained model's base loads in 4 bits with QLoRA
-        return load_causal_lm(m.pretrain, m.dtype, attn, m.trust_remote_code, m.lora.load_in_4bit)
+        return with_router_aux_loss(load_causal_lm(m.pretrain, m.dtype, attn, m.trust_remote_code,
+                                                   m.lora.load_in_4bit), cfg.algo.aux_loss_coef)
 
     model = _engine(_with_steps(cfg, total_steps), topology, role, _model_builder(cfg, train.layout, load), device,
                     trainable=True, learning_rate=learning_rate, updates_per_batch=updates_per_batch,

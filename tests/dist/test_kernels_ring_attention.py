@@ -75,16 +75,24 @@ def _llama_inputs(ring_size):
     return packed, targets_1N, weights_1N
 
 
-def _ring_llama_worker(head_stride):
+def _model(attn_implementation: str, model_path: str | None):
+    """The random tiny Llama, or a model of the zoo (`model_path`), with the given attention."""
+    from rlhf.models.loading import load_causal_lm
+    from tests.tiny_actor import tiny_llama
+
+    return tiny_llama(attn_implementation) if model_path is None else load_causal_lm(model_path, torch.float32,
+                                                                                     attn_implementation)
+
+
+def _ring_llama_worker(head_stride, model_path):
     """Each rank: its shard's log-probs and the all-reduced parameter gradients of sum(w * logprobs)."""
     import torch.distributed as dist
 
     from rlhf.models.attention import register_ring_attention, ring_forward_kwargs
-    from tests.tiny_actor import tiny_llama
 
     group, ring_size, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     packed, targets_1N, weights_1N = _llama_inputs(ring_size)
-    model = tiny_llama(register_ring_attention())
+    model = _model(register_ring_attention(), model_path)
     logits_1NV = model(**ring_forward_kwargs(packed, group, head_stride=head_stride)).logits
     shard = [zigzag_shard(t, packed.cu_seqlens, rank, ring_size, dim=1) for t in (targets_1N, weights_1N)]
     logprobs_1N = token_logprobs(logits_1NV, shard[0])
@@ -96,14 +104,17 @@ def _ring_llama_worker(head_stride):
     return logprobs_1N.detach(), grads
 
 
-@pytest.mark.parametrize("ring_size,head_stride", [(2, 1)])  # 4 ranks would import transformers 4 times: slow
-def test_ring_llama_equals_unsharded_varlen_llama(ring_size, head_stride):
+# 4 ranks would import transformers 4 times: slow. Gemma-2 of the zoo: an 8-token sliding window on alternate layers
+# (the 11- and 16-token sequences reach past it) and attention soft-capping, on the einsum blocks.
+@pytest.mark.parametrize("ring_size,head_stride,family", [(2, 1, None), (2, 1, "gemma2")])
+def test_ring_llama_equals_unsharded_varlen_llama(ring_size, head_stride, family, tmp_path):
     from rlhf.models.attention import register_varlen_attention
-    from tests.tiny_actor import tiny_llama
+    from rlhf.models.zoo import build_family
 
-    results = run_on_ranks(ring_size, _ring_llama_worker, head_stride)
+    model_path = build_family(family, str(tmp_path / family)) if family else None
+    results = run_on_ranks(ring_size, _ring_llama_worker, head_stride, model_path)
     packed, targets_1N, weights_1N = _llama_inputs(ring_size)
-    model = tiny_llama(register_varlen_attention())
+    model = _model(register_varlen_attention(), model_path)
     logprobs_1N = token_logprobs(model(**packed.forward_kwargs()).logits, targets_1N)
     (logprobs_1N * weights_1N).sum().backward()
     got_1N = zigzag_unshard([lp for lp, _ in results], packed.cu_seqlens, dim=1)

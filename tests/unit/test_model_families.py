@@ -182,3 +182,29 @@ def test_hf_export_reloads_and_the_weight_stream_has_checkpoint_names(zoo, name,
         torch.testing.assert_close(streamed[key], tensor, atol=0, rtol=0, msg=key)
     fused = [n for n, _ in model.named_parameters() if n.endswith("experts.gate_up_proj")]
     assert bool(fused) == family(name).moe and not any("gate_up_proj" in k and "experts" in k for k in streamed)
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
+def test_router_aux_loss_is_returned_and_packed_equals_padded(zoo, name):
+    """--aux_loss_coef > 0 turns on the MoE router's load-balancing loss (off in the families' configs): the forward
+    returns it, packed == padded (padding is masked out of it), and it reaches the router weights; on a dense model
+    the flag is warned about, never silently dropped."""
+    from rlhf.models.layout import PADDED, SequenceLayout
+    from rlhf.models.lm_logprobs import policy_forward
+    from rlhf.models.loading import load_causal_lm, with_router_aux_loss
+
+    losses = []
+    for layout in (PADDED, SequenceLayout(packing=True)):
+        model = load_causal_lm(zoo[name], torch.float32, layout.attn_implementation("sdpa"))
+        assert policy_forward(model, *_batch(model.config.vocab_size), layout=layout).aux_loss is None
+        with_router_aux_loss(model, 0.01)
+        out = policy_forward(model, *_batch(model.config.vocab_size), layout=layout)
+        out.aux_loss.backward()
+        router = [p.grad for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+        assert router and all(float(g.abs().sum()) > 0 for g in router)
+        losses.append(out.aux_loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-6, rtol=1e-6)
+    assert float(losses[0]) > 0
+    dense = load_causal_lm(zoo["llama3"], torch.float32, "sdpa")
+    with pytest.warns(UserWarning, match="--aux_loss_coef 0.01 has no effect: llama is not a mixture-of-experts"):
+        with_router_aux_loss(dense, 0.01)
