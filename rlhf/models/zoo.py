@@ -180,7 +180,7 @@ def model_config(fam: Family, tok):
            "pad_token_id": tok.convert_tokens_to_ids(fam.pad) if fam.pad else None}
     shape = {"vocab_size": len(tok), "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,
              "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-             "head_dim": HEAD_DIM, "max_position_embeddings": 512, "initializer_range": INIT_STD,
+             "head_dim": HEAD_DIM, "max_position_embeddings": 4096, "initializer_range": INIT_STD,
              "attention_dropout": 0.0, "tie_word_embeddings": False}
     config_class = getattr(transformers, fam.config_class)
     return config_class(**{**shape, **ids, **fam.config, "dtype": "float32"})

@@ -15,6 +15,8 @@ import json
 
 import pytest
 
+from rlhf.assets import EMBEDDED_PROMPTS as TINY_PROMPTS
+from rlhf.assets import EMBEDDED_REWARD as TINY_REWARD
 from tests.distributed import run_torchrun
 
 pytest.importorskip("vllm")
@@ -36,3 +38,25 @@ def test_engine_logprobs_match_actor_after_push_per_family(tmp_path):
         assert r["padded_max_abs_diff"] <= 1e-4 and r["packed_max_abs_diff"] <= 1e-4, (name, r)
         assert r["stopped"] >= 1 and r["stopped_on_stop_token"] == r["stopped"] and r["stop_token_inside"] == 0, r
         assert r["stopped_on_turn_end"] >= 1, (name, r)
+
+
+def test_grpo_on_mixtral_zero3_packed_keeps_engine_and_actor_in_step(tmp_path):
+    """The issue's failing run: GRPO on 2 ranks with the vLLM engine on Mixtral (ZeRO-3 gathers the fused experts,
+    the push converts them), packed samples, chat prompts and the router loss on. After every push the engine's
+    log-probs of its own samples equal the actor's (`rollout/logprob_abs_diff`), and with GRPO's zero advantages
+    at a zero reward the router loss alone moves the weights (grad_norm > 0)."""
+    from rlhf.models.zoo import build_family
+    from tests.tiny_runs import SMALL, read_metrics
+
+    model = build_family("mixtral", str(tmp_path / "mixtral"))
+    out = tmp_path / "run"
+    proc = run_torchrun(2, "-m rlhf.cli.train_ppo", "--pretrain", model, "--prompt_data", TINY_PROMPTS,
+                        "--input_key", "input", "--remote_rm_url", TINY_REWARD, "--apply_chat_template",
+                        "--packing_samples", "--zero_stage", "3", "--aux_loss_coef", "0.01",
+                        *SMALL, "--prompt_max_len", "32",
+                        "--save_path", str(out))
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    rows = read_metrics(out)
+    assert len(rows) == 3
+    assert all(r["rollout/logprob_abs_diff"] < 1e-4 for r in rows), [r["rollout/logprob_abs_diff"] for r in rows]
+    assert all(r["grad_norm"] > 0 for r in rows)
