@@ -132,16 +132,39 @@ def _dense(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach()
 
 
+def _adapter_deltas(layer) -> dict[str, list[torch.Tensor]]:
+    """Parameter name of the innermost base layer -> the deltas (fp32) of the LoRA wrappers around it. A linear
+    layer's adapter targets its `weight`; peft's `ParamWrapper`s target a named parameter, and wrap one another
+    when several parameters of one module are adapted (transformers 5's fused MoE experts: `gate_up_proj` and
+    `down_proj` of one experts module, the router's `weight`)."""
+    from peft.tuners.lora import LoraLayer
+
+    deltas: dict[str, list[torch.Tensor]] = {}
+    wrapper = layer
+    while isinstance(wrapper, LoraLayer):
+        if ADAPTER in wrapper.lora_A:
+            target = getattr(wrapper, "parameter_name", None) or "weight"
+            deltas.setdefault(target, []).append(wrapper.get_delta_weight(ADAPTER).float())
+        wrapper = wrapper.base_layer
+    return deltas
+
+
 def _lora_merged(layer, prefix: str) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) of a LoRA layer's base parameters with the adapter's delta added to the weight (summed in
-    fp32, cast back to the weight's dtype; a 4-bit weight is dequantised to its compute dtype first)."""
+    """(name, tensor) of a LoRA layer's base parameters with the adapters' deltas added to the parameters they
+    target (summed in fp32, cast back to the parameter's dtype; a 4-bit weight is dequantised to its compute dtype
+    first)."""
+    deltas = _adapter_deltas(layer)
     out = []
     for name, p in layer.get_base_layer().named_parameters(recurse=False):
         dense = _dense(p)
-        if name == "weight" and ADAPTER in layer.lora_A:
-            delta = layer.get_delta_weight(ADAPTER).float()
-            dense = (dense.float() + delta.reshape(dense.shape)).to(dense.dtype)
+        if name in deltas:
+            merged = dense.float()
+            for delta in deltas.pop(name):
+                merged = merged + delta.reshape(dense.shape)
+            dense = merged.to(dense.dtype)
         out.append((f"{prefix}{name}", dense.clone()))
+    if deltas:
+        raise RuntimeError(f"{prefix}: LoRA adapters on {sorted(deltas)}, which the base layer does not hold")
     return out
 
 

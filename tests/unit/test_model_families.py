@@ -208,3 +208,35 @@ def test_router_aux_loss_is_returned_and_packed_equals_padded(zoo, name):
     dense = load_causal_lm(zoo["llama3"], torch.float32, "sdpa")
     with pytest.warns(UserWarning, match="--aux_loss_coef 0.01 has no effect: llama is not a mixture-of-experts"):
         with_router_aux_loss(dense, 0.01)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_lora_train_step_and_merge_equal_the_adapted_model(zoo, name):
+    """LoRA (OpenRLHF's all-linear targets) on every family: a step moves only the adapters; the merged weights,
+    under the base model's own names (what the vLLM push and the HF export carry), give the adapted model's
+    logits. MoE experts are fused 3-D parameters in transformers 5, not linear layers: peft adapts them (and the
+    router) as parameters (`ParamWrapper`, nested when one module holds two), and every delta is merged."""
+    from contextlib import nullcontext
+
+    from rlhf.config.shared_config import LoRAConfig
+    from rlhf.models.lora import apply_lora, merged_parameters
+    from rlhf.models.loading import load_causal_lm
+
+    base = load_causal_lm(zoo[name], torch.float32, "sdpa")
+    names = [n for n, _ in base.named_parameters()]
+    adapted = apply_lora(load_causal_lm(zoo[name], torch.float32, "sdpa"), LoRAConfig(lora_rank=4))
+    ids, mask = _batch(base.config.vocab_size)
+    trainable = [p for p in adapted.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    adapted(ids, attention_mask=mask).logits.logsumexp(-1).mean().backward()
+    optimizer.step()
+    assert trainable and all(float(p.grad.abs().sum()) > 0 for p in trainable if ".lora_A." in str(p))
+    merged = dict(merged_parameters(adapted, lambda params: nullcontext()))
+    assert list(merged) == names  # tied output weights come once, as the unadapted model names them
+    missing, unexpected = base.load_state_dict(merged, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    with torch.no_grad():
+        want, got = adapted(ids, attention_mask=mask).logits, base(ids, attention_mask=mask).logits
+        moved = (got - load_causal_lm(zoo[name], torch.float32, "sdpa")(ids, attention_mask=mask).logits).abs().max()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert float(moved) > 1e-3  # the adapters changed the model
