@@ -315,8 +315,8 @@ class TrainKDConfig(JobConfig):
         check_grad_accum(self.model, self.engine)
         require(self.aux_loss_coef >= 0, "--aux_loss_coef must be >= 0")
         if self.aux_loss_coef:
-            warnings.warn(f"--aux_loss_coef {self.aux_loss_coef} has no effect in train_kd: its loss is the NLL and the "
-                          "distillation term only (as in OpenRLHF)", stacklevel=2)
+            warnings.warn(f"--aux_loss_coef {self.aux_loss_coef} has no effect in train_kd: its loss is the NLL and "
+                          "the distillation term only (as in OpenRLHF)", stacklevel=2)
         if self.teacher.num_ranks:
             require(self.engine.ring_attn_size == 1, "a teacher on its own ranks serves whole sequences: drop "
                     "--ring_attn_size or colocate the teacher (--teacher_num_gpus_per_node 0)")

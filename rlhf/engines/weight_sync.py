@@ -112,7 +112,8 @@ class CheckpointLayout:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code, local_files_only=True)
         with torch.device("meta"):
             meta = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-        conversions = [c for c in get_model_conversion_mapping(meta, add_legacy=False) if not isinstance(c, PrefixChange)]
+        conversions = [c for c in get_model_conversion_mapping(meta, add_legacy=False)
+                       if not isinstance(c, PrefixChange)]
         if conversions:
             meta._weight_conversions = conversions
             self.meta = meta

@@ -127,7 +127,8 @@ def build_engine(cfg: BatchInferenceConfig, tp_size: int, device: torch.device, 
                           sequences_per_call=sequences_per_call)
     from rlhf.engines.hf_engine import HFGenerateEngine, stop_token_ids
 
-    return HFGenerateEngine(m.pretrain, dtype=m.dtype, device=device, eos_token_id=stop_token_ids(m.pretrain, tokenizer),
+    return HFGenerateEngine(m.pretrain, dtype=m.dtype, device=device,
+                            eos_token_id=stop_token_ids(m.pretrain, tokenizer),
                             pad_token_id=tokenizer.pad_token_id, attn_implementation=m.attn,
                             trust_remote_code=m.trust_remote_code)
 

@@ -27,7 +27,8 @@ RING_ATTENTION = "rlhf_ring"
 UNSUPPORTED_VARIANTS = {"s_aux": "attention sinks", "sinks": "attention sinks"}
 
 
-def _check_packed_call(module: torch.nn.Module, name: str, query_BHND: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
+def _check_packed_call(module: torch.nn.Module, name: str, query_BHND: torch.Tensor,
+                       attention_mask: torch.Tensor | None, dropout: float,
                        kwargs: dict) -> torch.Tensor:
     """Validate what both packed attention functions need; returns cu_seq_lens_q."""
     cu_seqlens = kwargs.get("cu_seq_lens_q")

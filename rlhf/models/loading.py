@@ -126,6 +126,28 @@ def quantization_config(load_in_4bit: bool):
 _SOFTCAP_NOTED: set[str] = set()
 
 
+SINK_FAMILIES = ("deepseek_v4", "gpt_oss", "granite_swa", "granitemoe_swa", "hy_v4", "mimo_v2_flash",
+                 "openai_privacy_filter")
+"""transformers 5.19's model types whose attention adds learned sinks (`s_aux` / `sinks`), which the packed and ring
+kernels do not implement."""
+
+
+def check_packed_attention(path: str, attn_implementation: str, trust_remote_code: bool = False,
+                           flag: str = "--pretrain") -> None:
+    """A UsageError, before any weight loads, when the packed or ring kernels cannot run the model at `path`
+    (its family's attention has sinks): naming the family and the flags to drop."""
+    if attn_implementation not in ("rlhf_varlen", "rlhf_ring"):
+        return
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+    model_type = getattr(getattr(config, "text_config", None) or config, "model_type", config.model_type)
+    if model_type in SINK_FAMILIES:
+        raise UsageError(f"{flag} {path}: {model_type} attention has learned sinks, which the packed and ring "
+                         "attention kernels do not implement: drop --packing_samples and --ring_attn_size for this "
+                         "model")
+
+
 def exact_attention(path: str, attn_implementation: str, trust_remote_code: bool = False) -> str:
     """`attn_implementation`, except that "sdpa" for a model that soft-caps attention logits (Gemma-2's
     `attn_logit_softcapping`) becomes "eager": transformers' SDPA attention drops the soft-cap without a word
@@ -170,6 +192,7 @@ def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str, trus
     from transformers import AutoModelForCausalLM
 
     check_local_model(path)
+    check_packed_attention(path, attn_implementation, trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation=exact_attention(path, attn_implementation, trust_remote_code),
         trust_remote_code=trust_remote_code,

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rlhf.models.layout import PADDED, SequenceLayout, position_ids_for
-from rlhf.models.loading import check_local_model, exact_attention, quantization_config
+from rlhf.models.loading import check_local_model, check_packed_attention, exact_attention, quantization_config
 
 
 class ScalarHeadModel(torch.nn.Module):
@@ -131,6 +131,7 @@ def load_scalar_head_model(path: str, head_prefix: str, dtype: torch.dtype, attn
     from transformers import AutoModel
 
     check_local_model(path, flag)
+    check_packed_attention(path, attn_implementation, trust_remote_code, flag)
     if not fresh_head:
         check_scalar_head(path, head_prefix, flag)
     with _quiet_transformers():  # its load report lists a causal LM's lm_head as "unexpected": expected here

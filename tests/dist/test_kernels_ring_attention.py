@@ -4,7 +4,6 @@ model's log-probs and gradients.
 
 Shape legend: G global packed tokens, N local tokens, H/K query/kv heads, D head dim."""
 
-import pytest
 import torch
 from rlhf.kernels import (
     next_token_targets,
@@ -15,6 +14,7 @@ from rlhf.kernels import (
     zigzag_unshard,
 )
 
+from rlhf.models.zoo import FAMILIES
 from tests.distributed import run_on_ranks
 from tests.ring_cases import CASES, case_inputs, check_against_reference
 
@@ -84,42 +84,65 @@ def _model(attn_implementation: str, model_path: str | None):
                                                                                      attn_implementation)
 
 
-def _ring_llama_worker(head_stride, model_path):
-    """Each rank: its shard's log-probs and the all-reduced parameter gradients of sum(w * logprobs)."""
+def _ring_model_pass(model, head_stride, group):
+    """This rank's shard log-probs and the all-reduced parameter gradients of sum(w * logprobs)."""
     import torch.distributed as dist
 
-    from rlhf.models.attention import register_ring_attention, ring_forward_kwargs
+    from rlhf.models.attention import ring_forward_kwargs
 
-    group, ring_size, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    ring_size, rank = dist.get_world_size(group), dist.get_rank(group)
     packed, targets_1N, weights_1N = _llama_inputs(ring_size)
-    model = _model(register_ring_attention(), model_path)
     logits_1NV = model(**ring_forward_kwargs(packed, group, head_stride=head_stride)).logits
     shard = [zigzag_shard(t, packed.cu_seqlens, rank, ring_size, dim=1) for t in (targets_1N, weights_1N)]
     logprobs_1N = token_logprobs(logits_1NV, shard[0])
     (logprobs_1N * shard[1]).sum().backward()
     grads = {}
     for name, p in model.named_parameters():
-        dist.all_reduce(p.grad, group=group)  # tokens of one sequence live on every rank: sum their grads
-        grads[name] = p.grad
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)  # tokens of one sequence live on every rank: sum their grads
+            grads[name] = p.grad
     return logprobs_1N.detach(), grads
 
 
-# 4 ranks would import transformers 4 times: slow. Gemma-2 of the zoo: an 8-token sliding window on alternate layers
-# (the 11- and 16-token sequences reach past it) and attention soft-capping, on the einsum blocks.
-@pytest.mark.parametrize("ring_size,head_stride,family", [(2, 1, None), (2, 1, "gemma2")])
-def test_ring_llama_equals_unsharded_varlen_llama(ring_size, head_stride, family, tmp_path):
+def _ring_llama_worker(head_stride, model_paths):
+    """Each rank, for each model (None: the random tiny Llama; else a zoo directory): its ring pass."""
+    import torch.distributed as dist
+
+    from rlhf.models.attention import register_ring_attention
+
+    return [_ring_model_pass(_model(register_ring_attention(), path), head_stride, dist.group.WORLD)
+            for path in model_paths]
+
+
+# One launch for every model (4 ranks would import transformers 4 times: slow). The zoo's families bring sliding
+# windows of 8 tokens (Mistral, Gemma-2/3: the 11- and 16-token sequences reach past them), attention soft-capping
+# (Gemma-2, on the einsum blocks), q/k norms, biases, fused projections and experts.
+RING_FAMILIES = [None, *FAMILIES]  # None: the random tiny Llama
+
+
+def test_ring_llama_equals_unsharded_varlen_llama(tmp_path):
     from rlhf.models.attention import register_varlen_attention
     from rlhf.models.zoo import build_family
 
-    model_path = build_family(family, str(tmp_path / family)) if family else None
-    results = run_on_ranks(ring_size, _ring_llama_worker, head_stride, model_path)
+    ring_size, head_stride = 2, 1
+    paths = [build_family(f, str(tmp_path / f)) if f else None for f in RING_FAMILIES]
+    per_rank = run_on_ranks(ring_size, _ring_llama_worker, head_stride, paths)
     packed, targets_1N, weights_1N = _llama_inputs(ring_size)
-    model = _model(register_varlen_attention(), model_path)
-    logprobs_1N = token_logprobs(model(**packed.forward_kwargs()).logits, targets_1N)
-    (logprobs_1N * weights_1N).sum().backward()
-    got_1N = zigzag_unshard([lp for lp, _ in results], packed.cu_seqlens, dim=1)
     real_1N = weights_1N != 0
-    torch.testing.assert_close(got_1N[real_1N], logprobs_1N.detach()[real_1N], atol=1e-5, rtol=1e-5)
-    for name, p in model.named_parameters():
-        for _, grads in results:
-            torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    for i, (family_name, path) in enumerate(zip(RING_FAMILIES, paths)):
+        model = _model(register_varlen_attention(), path)
+        logprobs_1N = token_logprobs(model(**packed.forward_kwargs()).logits, targets_1N)
+        (logprobs_1N * weights_1N).sum().backward()
+        results = [rank_results[i] for rank_results in per_rank]
+        got_1N = zigzag_unshard([lp for lp, _ in results], packed.cu_seqlens, dim=1)
+        torch.testing.assert_close(got_1N[real_1N], logprobs_1N.detach()[real_1N], atol=1e-5, rtol=1e-5,
+                                   msg=lambda m, f=family_name: f"{f or 'tiny llama'}: {m}")
+        grads_checked = 0
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                continue
+            grads_checked += 1
+            for _, grads in results:
+                torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4,
+                                           msg=lambda m, n=name, f=family_name: f"{f or 'tiny llama'} {n}: {m}")
+        assert grads_checked > 10, family_name

@@ -16,6 +16,8 @@ import torch
 from rlhf.models.zoo import FAMILIES, family
 
 NAMES = list(FAMILIES)
+RM_FAMILIES = EXPORT_FAMILIES = NAMES
+MOE_FAMILIES = [n for n in NAMES if family(n).moe]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +94,7 @@ def test_gemma2_padded_forward_keeps_the_softcap(zoo):
     assert float(gap) > 0.05
 
 
-@pytest.mark.parametrize("name", ["llama3", "gemma2", "mixtral"])
+@pytest.mark.parametrize("name", RM_FAMILIES)
 def test_packed_reward_scores_equal_padded(zoo, name):
     from rlhf.models.layout import PADDED, SequenceLayout
     from rlhf.models.value import last_token_values, load_scalar_head_model, token_values
@@ -155,7 +157,7 @@ def test_hf_engine_stops_on_the_chat_turn_end(zoo):
     assert all((g.finish_reason == "stop") == (g.token_ids[-1] in stops) for g in flat)
 
 
-@pytest.mark.parametrize("name", ["phi3", "qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("name", EXPORT_FAMILIES)
 def test_hf_export_reloads_and_the_weight_stream_has_checkpoint_names(zoo, name, tmp_path):
     """A moved model saved as the actor's HF export is (`save_pretrained_on_this_rank`) reloads with the same
     logits, and `CheckpointLayout` turns the in-memory tensors (transformers 5 fuses MoE experts) into exactly the
@@ -184,7 +186,7 @@ def test_hf_export_reloads_and_the_weight_stream_has_checkpoint_names(zoo, name,
     assert bool(fused) == family(name).moe and not any("gate_up_proj" in k and "experts" in k for k in streamed)
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("name", MOE_FAMILIES)
 def test_router_aux_loss_is_returned_and_packed_equals_padded(zoo, name):
     """--aux_loss_coef > 0 turns on the MoE router's load-balancing loss (off in the families' configs): the forward
     returns it, packed == padded (padding is masked out of it), and it reaches the router weights; on a dense model
@@ -219,8 +221,8 @@ def test_lora_train_step_and_merge_equal_the_adapted_model(zoo, name):
     from contextlib import nullcontext
 
     from rlhf.config.shared_config import LoRAConfig
-    from rlhf.models.lora import apply_lora, merged_parameters
     from rlhf.models.loading import load_causal_lm
+    from rlhf.models.lora import apply_lora, merged_parameters
 
     base = load_causal_lm(zoo[name], torch.float32, "sdpa")
     names = [n for n, _ in base.named_parameters()]
@@ -240,3 +242,40 @@ def test_lora_train_step_and_merge_equal_the_adapted_model(zoo, name):
         moved = (got - load_causal_lm(zoo[name], torch.float32, "sdpa")(ids, attention_mask=mask).logits).abs().max()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert float(moved) > 1e-3  # the adapters changed the model
+
+
+def test_readme_family_table_is_the_one_these_tests_prove():
+    """README's compatibility table equals the one `tests/family_matrix.py` derives from the tests' own family
+    lists, and every test it names exists."""
+    import importlib
+    import os
+
+    from tests.distributed import ROOT
+    from tests.family_matrix import BEGIN, END, rows, table
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert BEGIN in readme and END in readme
+    assert readme.split(BEGIN)[1].split(END)[0].strip() == table(), "run PYTHONPATH=. python tests/family_matrix.py"
+    for row in rows():
+        path, function = row.test.split("::")
+        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        assert callable(getattr(module, function, None)), row.test
+        assert set(row.families) <= set(FAMILIES), row
+
+
+def test_attention_sinks_are_refused_before_weights_load(tmp_path):
+    """gpt-oss adds learned sinks to attention, which the packed kernels do not implement: one UsageError naming the
+    family and the flags to drop, from the config alone (the directory holds no weights at all)."""
+    from transformers import GptOssConfig
+
+    from rlhf.config.errors import UsageError
+    from rlhf.models.attention import VARLEN_ATTENTION
+    from rlhf.models.loading import check_packed_attention
+
+    GptOssConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=32).save_pretrained(tmp_path)
+    with pytest.raises(UsageError, match="gpt_oss attention has learned sinks.*drop --packing_samples and "
+                                         "--ring_attn_size"):
+        check_packed_attention(str(tmp_path), VARLEN_ATTENTION)
+    check_packed_attention(str(tmp_path), "sdpa")  # padded forwards: transformers' own attention runs the sinks
