@@ -171,28 +171,30 @@ def build_tokenizer(fam: Family, out_dir: str | None = None):
     return tok
 
 
-def model_config(fam: Family, tok):
-    """The family's transformers config at the zoo's shape, its special-token ids set from `tok`."""
+def model_config(fam: Family, tok, shape: dict | None = None):
+    """The family's transformers config at the zoo's shape (`shape` overrides it: a realistic one for a GPU check),
+    its special-token ids set from `tok`."""
     import transformers
 
     ids = {"eos_token_id": tok.convert_tokens_to_ids(fam.eos),
            "bos_token_id": tok.convert_tokens_to_ids(fam.bos) if fam.bos else None,
            "pad_token_id": tok.convert_tokens_to_ids(fam.pad) if fam.pad else None}
-    shape = {"vocab_size": len(tok), "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,
+    tiny = {"vocab_size": len(tok), "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,
              "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
              "head_dim": HEAD_DIM, "max_position_embeddings": 4096, "initializer_range": INIT_STD,
              "attention_dropout": 0.0, "tie_word_embeddings": False}
     config_class = getattr(transformers, fam.config_class)
-    return config_class(**{**shape, **ids, **fam.config, "dtype": "float32"})
+    return config_class(**{**tiny, **ids, **fam.config, **(shape or {}), "dtype": "float32"})
 
 
-def build_model(fam: Family, out_dir: str, seed: int = 0, tok=None):
-    """Random weights of the family at the zoo's shape, saved with its tokenizer and generation eos ids."""
+def build_model(fam: Family, out_dir: str, seed: int = 0, tok=None, shape: dict | None = None):
+    """Random weights of the family at the zoo's shape (or `shape`'s overrides), saved with its tokenizer and
+    generation eos ids."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     os.makedirs(out_dir, exist_ok=True)
     tok = tok or build_tokenizer(fam, out_dir)
-    config = model_config(fam, tok)
+    config = model_config(fam, tok, shape)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     generation_eos = [tok.convert_tokens_to_ids(t) for t in fam.generation_eos]
@@ -205,9 +207,10 @@ def build_model(fam: Family, out_dir: str, seed: int = 0, tok=None):
     return model, tok
 
 
-def build_family(name: str, out_dir: str, seed: int = 0) -> str:
-    """Build family `name` into `out_dir` (model, tokenizer, chat template, generation config); returns out_dir."""
+def build_family(name: str, out_dir: str, seed: int = 0, shape: dict | None = None) -> str:
+    """Build family `name` into `out_dir` (model, tokenizer, chat template, generation config); returns out_dir.
+    `shape`: config overrides (hidden size, layers, heads, window...) for a larger model of the family."""
     fam = family(name)
     tok = build_tokenizer(fam, out_dir)
-    build_model(fam, out_dir, seed, tok)
+    build_model(fam, out_dir, seed, tok, shape)
     return out_dir
