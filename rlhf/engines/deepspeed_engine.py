@@ -124,6 +124,19 @@ def first_nonfinite(terms: dict[str, torch.Tensor | None]) -> str | None:
     return None
 
 
+def mark_moe_leaf_modules(model: torch.nn.Module) -> list[str]:
+    """ZeRO-3: gather each sparse MoE block's parameters whole at the block's entry (DeepSpeed's z3 leaf modules,
+    microsoft/DeepSpeed#4966), as OpenRLHF does for every `*SparseMoeBlock`: a rank whose tokens reach other experts
+    than its peers' then still fetches the same parameters in the same order. Returns the classes marked."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    classes = sorted({type(m) for m in model.modules() if type(m).__name__.endswith("SparseMoeBlock")},
+                     key=lambda c: c.__name__)
+    if classes:
+        set_z3_leaf_modules(model, classes)
+    return [c.__name__ for c in classes]
+
+
 def _discard_gradients(engine, zero_stage: int) -> None:
     """Drop the accumulated gradients of the current optimizer step without applying them, the way
     DeepSpeed's own overflow path does (ZeRO-1/2 `step`, ZeRO-3 `_overflow_clean_up`), and count the step
@@ -223,6 +236,8 @@ class DeepSpeedModel:
         if adapt is not None:
             model = adapt(model)
         self.adapted = lora.is_adapted(model)
+        if self.zero_stage == 3:
+            mark_moe_leaf_modules(model)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpoint_reentrant})
         self.scheduler = None

@@ -279,3 +279,19 @@ def test_attention_sinks_are_refused_before_weights_load(tmp_path):
                                          "--ring_attn_size"):
         check_packed_attention(str(tmp_path), VARLEN_ATTENTION)
     check_packed_attention(str(tmp_path), "sdpa")  # padded forwards: transformers' own attention runs the sinks
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "llama3"])
+def test_zero3_marks_sparse_moe_blocks_as_leaf_modules(zoo, name):
+    """As OpenRLHF: ZeRO-3 gathers a sparse MoE block whole at its entry (DeepSpeed's z3 leaf modules); dense
+    models have none."""
+    from deepspeed.utils import z3_leaf_module
+
+    from rlhf.engines.deepspeed_engine import mark_moe_leaf_modules
+    from rlhf.models.loading import load_causal_lm
+
+    model = load_causal_lm(zoo[name], torch.float32, "sdpa")
+    marked = mark_moe_leaf_modules(model)
+    leaves = [n for n, m in model.named_modules() if z3_leaf_module(m)]
+    assert bool(marked) == family(name).moe
+    assert leaves == ([f"model.layers.{i}.mlp" for i in range(2)] if family(name).moe else [])
