@@ -23,6 +23,7 @@ class Row:
 
 def rows() -> list[Row]:
     from tests.dist import test_kernels_ring_attention as ring
+    from tests.dist import test_zero3_families as zero3
     from tests.e2e import test_model_families_vllm as engines
     from tests.unit import test_model_families as unit
 
@@ -45,6 +46,8 @@ def rows() -> list[Row]:
             "equals_padded", tuple(unit.MOE_FAMILIES), only="moe"),
         Row("ring attention (2 ranks) == unsharded", "tests/dist/test_kernels_ring_attention.py::test_ring_llama_"
             "equals_unsharded_varlen_llama", tuple(f for f in ring.RING_FAMILIES if f)),
+        Row("ZeRO-3 (2 ranks, MoE blocks as leaf modules) step == plain step", "tests/dist/test_zero3_families.py::"
+            "test_zero3_step_equals_the_plain_step_on_every_family", tuple(zero3.ZERO3_FAMILIES)),
         Row("vLLM log-probs == actor after a push; stops on the chat eos", "tests/e2e/test_model_families_vllm.py::"
             "test_engine_logprobs_match_actor_after_push_per_family", tuple(engines.FAMILIES)),
         Row("GRPO, 2 ranks, ZeRO-3, packed, vLLM", "tests/e2e/test_model_families_vllm.py::test_grpo_on_mixtral_"
