@@ -1,7 +1,9 @@
 """Loading HF tokenizers and causal LMs from local directories. Nothing here downloads.
 
-Knows nothing about DeepSpeed beyond accepting an optional ZeRO-3 config object that must stay
-alive while the model is constructed (so transformers partitions and initialises it correctly).
+Besides the loaders: the checks that refuse a model before its weights load (a damaged or remote path, a tokenizer
+without vocabulary, attention the packed kernels cannot run) and what a model family needs at load time (eager
+attention where SDPA would drop a soft-cap, the MoE router loss). Knows nothing about DeepSpeed: ZeRO-3 partitions
+what these loaders build inside `rlhf.engines.deepspeed_engine.DeepSpeedModel`.
 """
 
 from __future__ import annotations

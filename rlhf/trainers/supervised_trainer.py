@@ -1,8 +1,8 @@
 """What the supervised steps (SFT, reward model, process reward model, distillation) share: this rank's
-micro-batches of the sampler's next global batch, its share of the held-out samples, sums over the world
-for evaluation, the declared metric reduction and the checkpointed state (model, sampler, HF export).
-the held-out evaluation loop. A subclass supplies the batch record, the metric table, `step`, and for the
-evaluation how one micro-batch is scored (`eval_scores`) and what the world's sums mean (`eval_metrics`).
+micro-batches of the sampler's next global batch, its share of the held-out samples, the held-out evaluation
+loop with its sums over the world, the declared metric reduction and the checkpointed state (model, sampler, HF
+export). A subclass supplies the batch record, the metric table, `step`, and for the evaluation how one
+micro-batch is scored (`eval_scores`) and what the world's sums mean (`eval_metrics`).
 """
 
 from __future__ import annotations
