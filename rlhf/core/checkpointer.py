@@ -33,8 +33,11 @@ class Checkpointer:
     that is empty is an error when resuming; the default one may be)."""
 
     def __init__(self, cfg: CheckpointConfig, *, default_ckpt_path: str, rank: int, world_size: int,
-                 logger: MetricsLogger) -> None:
+                 logger: MetricsLogger, identity: dict | None = None) -> None:
+        """`identity`: what the run is (job, --pretrain and its weights' fingerprint), recorded in every checkpoint
+        and checked before a resume (`rlhf.utils.checkpoint_files.identity_mismatch`)."""
         self.cfg, self.rank, self.world_size, self.logger = cfg, rank, world_size, logger
+        self.identity = identity
         self.explicit_path = cfg.ckpt_path != default_ckpt_path
 
     def save(self, state: CheckpointedState, done_steps: int) -> str:
@@ -50,7 +53,8 @@ class Checkpointer:
             with writer.writing("the model in HF format"):
                 state.hf_export(os.path.join(tmp, "hf"))
         writer.save_rank_state(self.rank)
-        trainer_state = {"step": done_steps, "world_size": self.world_size, "has_engine_states": not c.disable_ds_ckpt}
+        trainer_state = {"step": done_steps, "world_size": self.world_size, "has_engine_states": not c.disable_ds_ckpt,
+                         "identity": self.identity}
         for name, component in state.components.items():
             trainer_state[name] = component.state_dict() if component is not None else None
         writer.save_trainer_state(trainer_state)

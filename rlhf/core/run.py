@@ -85,8 +85,23 @@ def for_this_machine(cfg: C) -> C:
     return replace_quietly(cfg, model=replace_quietly(m, attn_implementation=attn, flash_attn=False))
 
 
+def run_identity(cfg: Any) -> dict:
+    """What a training run is, recorded in its checkpoints: the job (`python -m rlhf.cli.<job>`, from the config
+    root) and --pretrain with its weights' fingerprint (`rlhf.models.lora.weights_fingerprint`: a few rows a
+    tensor, so a model of the same shapes with other weights differs). A reward model, reference or data may
+    change between a run and its resume."""
+    from rlhf.config.flags import JOB_CONFIGS
+    from rlhf.models.lora import weights_fingerprint
+
+    roots = {root: job for job, (_, root) in JOB_CONFIGS.items()}
+    job = roots.get(type(cfg).__name__, type(cfg).__name__)
+    pretrain = cfg.model.pretrain
+    return {"job": job, "pretrain": pretrain,
+            "pretrain_fingerprint": weights_fingerprint(pretrain) if pretrain and os.path.isdir(pretrain) else None}
+
+
 def check_outputs(logging: LoggingConfig, checkpoint: CheckpointConfig, default_ckpt_path: str,
-                  world_size: int) -> None:
+                  world_size: int, identity: dict | None = None) -> None:
     """--save_path (and --ckpt_path when checkpoints are written) are writable; --load_checkpoint finds its
     directory and an intact checkpoint that `world_size` ranks can resume (if any exist); a fresh run refuses a
     --save_path holding an earlier run's metrics; --use_wandb finds its package. Every rank calls it."""
@@ -100,7 +115,8 @@ def check_outputs(logging: LoggingConfig, checkpoint: CheckpointConfig, default_
     elif not restarted:
         check_no_earlier_run(logging.save_path)
     if checkpoint.load_checkpoint or restarted:  # what the resume will find, before any engine starts
-        check_resumable(checkpoint.ckpt_path, world_size, why="torchrun restart" if restarted else "--load_checkpoint")
+        check_resumable(checkpoint.ckpt_path, world_size, why="torchrun restart" if restarted else "--load_checkpoint",
+                        identity=identity)
     if checkpoint.save_steps != -1:
         check_writable("--ckpt_path", checkpoint.ckpt_path)
 
@@ -148,6 +164,7 @@ class Started:
     device: torch.device
     demo: bool
     started_at: float = field(default_factory=time.time)
+    identity: dict | None = None  # a training run's job and --pretrain (`run_identity`), recorded in checkpoints
 
     @property
     def is_writer(self) -> bool:
@@ -212,8 +229,9 @@ def start(parts: RunParts, cfg: Any, parse_warnings: Sequence[warnings.WarningMe
     demo = cfg.model.pretrain is None
     cfg = cfg.with_demo_defaults()
     # first: an unwritable output or a missing resume path is the first line a user reads (a dry run writes none)
+    identity = run_identity(cfg) if trains else None
     if trains and not cfg.dry_run:
-        check_outputs(cfg.logging, cfg.checkpoint, default_ckpt_path(cfg), launch.world_size)
+        check_outputs(cfg.logging, cfg.checkpoint, default_ckpt_path(cfg), launch.world_size, identity)
     show_parse_warnings(parse_warnings, launch.rank)
     cfg = for_this_machine(cfg)
     plan = parts.prepare(cfg, launch)
@@ -222,7 +240,7 @@ def start(parts: RunParts, cfg: Any, parse_warnings: Sequence[warnings.WarningMe
         sys.exit(0)
     device = init_distributed(launch, cfg.dist_timeout)
     Watchdog(launch.rank, cfg.watchdog_interval).start()  # prints where this rank is stuck, if it is
-    return Started(cfg, launch, preemption, parts.topology(cfg, plan), device, demo, started_at)
+    return Started(cfg, launch, preemption, parts.topology(cfg, plan), device, demo, started_at, identity)
 
 
 def process_start_time() -> float:
@@ -286,7 +304,7 @@ def run_job(parts: JobParts, cfg: Any, parse_warnings: Sequence[warnings.Warning
               f"({source})" if peak else f"no perf/mfu ({source})"), flush=True)
     logger = metrics_logger(cfg, job.steps, run.is_writer, f"{parts.name} steps", {**parts.bar, "tok/s": TOKENS_PER_S})
     checkpointer = Checkpointer(cfg.checkpoint, default_ckpt_path=default_ckpt_path(cfg),
-                                rank=launch.rank, world_size=launch.world_size, logger=logger)
+                                rank=launch.rank, world_size=launch.world_size, logger=logger, identity=run.identity)
     throughput = Throughput(peak, memory)
     loop = Loop(job.steps, cfg.logging.logging_steps, job.save_steps, job.eval_every, logger, checkpointer,
                 launch.rank, throughput)

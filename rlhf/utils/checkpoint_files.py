@@ -180,11 +180,29 @@ def check_resume_path(ckpt_path: str, *, explicit_path: bool, restarted: bool) -
                          "run to continue, or drop --load_checkpoint to start a new run")
 
 
-def check_resumable(ckpt_path: str, world_size: int, *, why: str) -> None:
+def identity_mismatch(path: str, saved: dict | None, identity: dict | None, why: str) -> str | None:
+    """What makes the checkpoint at `path` (whose trainer state recorded `saved`) another run's than the one
+    described by `identity` ({"job", "pretrain", "pretrain_fingerprint"}), as one line with the fix; None when it
+    is this run's (or either side recorded nothing: a checkpoint of an older version)."""
+    if not saved or not identity:
+        return None
+    if saved.get("job") != identity.get("job"):
+        return (f"{why}: checkpoint {path} was written by the {saved.get('job')!r} job and this is the "
+                f"{identity.get('job')!r} job: resume it with the job that wrote it, or start a new --ckpt_path")
+    want, got = saved.get("pretrain_fingerprint"), identity.get("pretrain_fingerprint")
+    if want is not None and got is not None and want != got:
+        return (f"{why}: checkpoint {path} continues a run of --pretrain {saved.get('pretrain')} and this run's "
+                f"--pretrain {identity.get('pretrain')} holds other weights (fingerprint {got[:12]}, the run's "
+                f"{want[:12]}): pass the run's --pretrain, or start a new --ckpt_path")
+    return None
+
+
+def check_resumable(ckpt_path: str, world_size: int, *, why: str, identity: dict | None = None) -> None:
     """Before any engine starts: the newest intact checkpoint under `ckpt_path` (if any exist) can be resumed
     by `world_size` ranks, the checks `pick_checkpoint` and the resume make later, read only (nothing is
     removed). `UsageError` when checkpoints exist but none is intact, or the one to resume was written by
-    another number of ranks or without engine states. `why`: what asks for the resume. Any rank."""
+    another job, from another --pretrain (`identity`, see `identity_mismatch`), by another number of ranks or
+    without engine states. `why`: what asks for the resume. Any rank."""
     problems = []
     for _, path in reversed(complete_checkpoints(ckpt_path)):
         problem = verify_checkpoint(path)
@@ -192,6 +210,9 @@ def check_resumable(ckpt_path: str, world_size: int, *, why: str) -> None:
             problems.append((path, problem))
             continue
         saved = load_trainer_state(path)
+        mismatch = identity_mismatch(path, saved.get("identity"), identity, why)
+        if mismatch:
+            raise UsageError(mismatch)
         if saved["world_size"] != world_size:
             raise UsageError(f"{why}: checkpoint {path} was written by {saved['world_size']} ranks and this run has "
                              f"{world_size}: resume with {saved['world_size']} ranks (its exact optimizer and RNG "

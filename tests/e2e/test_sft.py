@@ -53,3 +53,19 @@ def test_sft_resume_equals_straight_run(runs):
             {k: v for k, v in b.items() if not k.startswith(("time/", "perf/"))}
     for name, w in straight[1].items():
         assert torch.equal(resumed[1][name], w), name
+
+
+def test_another_jobs_checkpoint_is_refused_before_the_engines(runs, tmp_path):
+    """train_ppo --load_checkpoint on train_sft's --ckpt_path: one line naming both jobs and the fix, within
+    seconds (it used to fail 74 s in with DeepSpeed's bare AssertionError)."""
+    from tests.distributed import run_torchrun
+    from tests.tiny_runs import CPU
+
+    proc = run_torchrun(1, "-m rlhf.cli.train_ppo", *CPU, "--load_checkpoint", "--ckpt_path", str(runs["ckpt"]),
+                        "--save_path", str(tmp_path / "ppo"))
+    assert proc.returncode != 0
+    want = (f"error: --load_checkpoint: checkpoint {runs['ckpt']}/global_step2 was written by the 'train_sft' job "
+            "and this is the 'train_ppo' job: resume it with the job that wrote it, or start a new --ckpt_path")
+    assert want in proc.stderr
+    assert "Traceback" not in proc.stderr.split("error: --load_checkpoint")[0]
+    assert "rl steps" not in proc.stdout  # refused before any engine or step

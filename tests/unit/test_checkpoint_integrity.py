@@ -29,12 +29,13 @@ from rlhf.utils.checkpoint_files import (
 from rlhf.utils.logging import MetricsLogger
 
 
-def fake_checkpoint(root, step, world_size=2, manifest=True):
+def fake_checkpoint(root, step, world_size=2, manifest=True, identity=None):
     """A checkpoint as CheckpointWriter lays it out: trainer state, RNG files, a DeepSpeed-like shard."""
     d = root / f"global_step{step}"
     (d / "rng").mkdir(parents=True)
     (d / "actor" / "state").mkdir(parents=True)
-    (d / "trainer_state.json").write_text(json.dumps({"step": step, "world_size": world_size}))
+    state = {"step": step, "world_size": world_size, **({"identity": identity} if identity else {})}
+    (d / "trainer_state.json").write_text(json.dumps(state))
     for r in range(world_size):
         torch.save(rng_state(), d / "rng" / f"rank{r}.pt")
     (d / "actor" / "state" / "optim_states.pt").write_bytes(os.urandom(4096))
@@ -229,3 +230,32 @@ def test_a_checkpoint_that_cannot_be_resumed_is_refused_before_any_engine(tmp_pa
                                          rf"{tmp_path}/global_step2: .*rank0.pt has 0 bytes"):
         check_resumable(str(tmp_path), 2, why="torchrun restart")
     assert (tmp_path / "global_step2").is_dir()  # read only: nothing removed
+
+
+def test_a_resume_of_another_job_or_model_is_refused_before_any_engine(tmp_path):
+    """The checkpoint records its job and --pretrain's weights fingerprint (`rlhf.core.run.run_identity`): a resume
+    by another job, or from a model of the same shapes with other weights, is one line naming both and the fix
+    (they used to train on silently, or fail 74 s in with DeepSpeed's AssertionError)."""
+    from types import SimpleNamespace
+
+    from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_REWARD_MODEL_DIR
+    from rlhf.core.run import run_identity
+    from rlhf.utils.checkpoint_files import check_resumable
+
+    def ppo_config(pretrain):  # what run_identity reads of a train_ppo config root
+        return type("TrainPPOConfig", (), {"model": SimpleNamespace(pretrain=pretrain)})()
+
+    ppo = run_identity(ppo_config(EMBEDDED_MODEL_DIR))
+    assert ppo["job"] == "train_ppo" and len(ppo["pretrain_fingerprint"]) == 64
+    fake_checkpoint(tmp_path, 4, world_size=1, identity=ppo)
+    check_resumable(str(tmp_path), 1, why="--load_checkpoint", identity=ppo)  # the same run: resumes
+    check_resumable(str(tmp_path), 1, why="--load_checkpoint", identity=None)  # a caller that records nothing
+    with pytest.raises(UsageError, match=r"^--load_checkpoint: checkpoint .*global_step4 was written by the "
+                                         r"'train_ppo' job and this is the 'train_sft' job: resume it with the job "
+                                         r"that wrote it"):
+        check_resumable(str(tmp_path), 1, why="--load_checkpoint", identity={**ppo, "job": "train_sft"})
+    other = run_identity(ppo_config(EMBEDDED_REWARD_MODEL_DIR))  # same architecture, other weights
+    with pytest.raises(UsageError, match=rf"continues a run of --pretrain {EMBEDDED_MODEL_DIR} and this run's "
+                                         rf"--pretrain {EMBEDDED_REWARD_MODEL_DIR} holds other weights .*pass the "
+                                         "run's --pretrain, or start a new --ckpt_path"):
+        check_resumable(str(tmp_path), 1, why="--load_checkpoint", identity=other)
