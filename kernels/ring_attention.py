@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from . import flash_ops
 from .packing import position_ids_from_cu, segment_ids_from_cu, seqlens_from_cu
+from .varlen_attention import check_attention_variants
 
 # ---- zigzag layout -------------------------------------------------------------------------------
 
@@ -441,10 +442,7 @@ def ring_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor
     "flash" or "einsum" (`block_kernel_for`). window / softcap: sliding-window attention and logit
     soft-capping (module docstring; einsum blocks). Differentiable in q, k, v.
     """
-    if window is not None and (window <= 0 or not causal):
-        raise ValueError(f"sliding window {window}: needs a positive window and causal attention")
-    if softcap is not None and softcap <= 0:
-        raise ValueError(f"soft-cap {softcap}: must be positive (None: no soft-capping)")
+    check_attention_variants(window, softcap, causal)
     if group is None and dist.is_initialized():
         group = dist.group.WORLD  # get_global_rank(None, r) raises: name the default group explicitly
     ring_size = dist.get_world_size(group) if dist.is_initialized() else 1

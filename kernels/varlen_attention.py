@@ -41,7 +41,8 @@ def _check_inputs(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor,
         raise ValueError(f"cu_seqlens must run from 0 to the {q_NHD.shape[0]} packed tokens, got {cu_seqlens.tolist()}")
 
 
-def _check_variants(window: int | None, softcap: float | None, causal: bool) -> None:
+def check_attention_variants(window: int | None, softcap: float | None, causal: bool) -> None:
+    """Refuses a sliding window that is not positive or not causal, and a soft-cap that is not positive."""
     if window is not None and (window <= 0 or not causal):
         raise ValueError(f"sliding window {window}: needs a positive window and causal attention")
     if softcap is not None and softcap <= 0:
@@ -60,7 +61,7 @@ def varlen_attention(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tens
     window / softcap: sliding-window attention and logit soft-capping (module docstring); None = off.
     """
     _check_inputs(q_NHD, k_NKD, v_NKD, cu_seqlens)
-    _check_variants(window, softcap, causal)
+    check_attention_variants(window, softcap, causal)
     chosen = varlen_backend_for(q_NHD, backend, variants=window is not None or softcap is not None)
     cu = cu_seqlens.to(device=q_NHD.device, dtype=torch.int32)
     if chosen == "flash":
@@ -120,7 +121,7 @@ def varlen_attention_sdpa(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch
     """Exact on any device: one `scaled_dot_product_attention` call per segment (a Python loop over S); with a
     window, each segment's call takes its window mask; with a soft-cap, the segment's scores are explicit."""
     _check_inputs(q_NHD, k_NKD, v_NKD, cu_seqlens)
-    _check_variants(window, softcap, causal)
+    check_attention_variants(window, softcap, causal)
     enable_gqa = q_NHD.shape[1] != k_NKD.shape[1]
     scale_value = 1.0 / math.sqrt(q_NHD.shape[-1]) if scale is None else scale
     bounds = cu_seqlens.tolist()
@@ -144,7 +145,7 @@ def varlen_attention_reference(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: 
                                softcap: float | None = None) -> torch.Tensor:
     """Naive float32 softmax over the whole packed row with a block-diagonal (and causal, windowed) mask."""
     _check_inputs(q_NHD, k_NKD, v_NKD, cu_seqlens)
-    _check_variants(window, softcap, causal)
+    check_attention_variants(window, softcap, causal)
     N, H, D = q_NHD.shape
     rep = H // k_NKD.shape[1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale

@@ -178,18 +178,23 @@ def build_reward(cfg: EvaluateGCGConfig, tokenizer, device: torch.device, attn: 
         return None
     from rlhf.inference.score import head_prefix
     from rlhf.models.micro_batches import MicroBatcher
-    from rlhf.models.value import check_scalar_head, load_scalar_head_model
+    from rlhf.models.value import check_scalar_head, load_scalar_head_model, stored_reward_norm
     from rlhf.rewards.models import RewardModelEnsemble
 
-    models = []
+    models, norms = [], []
     for path in r.reward_model_paths:
         check_local_model(path, "--reward_pretrain")
         head = head_prefix(path, r.value_head_prefix)
         check_scalar_head(path, head, "--reward_pretrain")
         check_same_vocabulary(path, tokenizer, cfg.model.trust_remote_code)
+        norms.append(stored_reward_norm(path))
+        if r.reward_normalize and norms[-1] is None:
+            raise UsageError(f"--reward_normalize: --reward_pretrain {path} stores no reward mean/std in its config "
+                             "(train_rm writes them when it evaluates): drop --reward_normalize to use raw rewards")
         models.append(load_scalar_head_model(path, head, cfg.model.dtype, attn, cfg.model.trust_remote_code,
                                              "--reward_pretrain").to(device).eval())
-    return RewardModelEnsemble(models, device, MicroBatcher(cfg.success.micro_batch_size))
+    return RewardModelEnsemble(models, device, MicroBatcher(cfg.success.micro_batch_size),
+                               norms if r.reward_normalize else None)
 
 
 def check_same_vocabulary(path: str, tokenizer, trust_remote_code: bool) -> None:

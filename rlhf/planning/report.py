@@ -1,6 +1,7 @@
 """The `--dry_run` report: the rank plan, each rank's estimated peak memory per stage broken into its parts,
 whether the job fits one device, and when it does not, the fewest flag changes that make it fit (each candidate
-re-estimated, one change at a time, then pairs, and so on up to four). Reads the config only to name flags.
+re-estimated, one change at a time, then pairs, and so on up to four); for the RL jobs, OpenRLHF's placement of
+the same flags beside it. Reads the config only to name flags.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from rlhf.distributed.topology import Role
+from rlhf.planning.openrlhf_placement import comparison_lines
 from rlhf.planning.peak_memory import COMPONENTS, GiB, JobMemory, estimate, total, with_training
 
 SHORT = {"weights": "weights", "gradients": "grads", "optimizer": "optim", "activations": "activ",
@@ -121,7 +123,16 @@ def fitting_changes(cfg: Any, job: JobMemory, world: int, budget: int, most: int
 
 
 def report(cfg: Any, job: JobMemory, plan: dict[Role, tuple[int, ...]], world: int) -> str:
-    """The whole `--dry_run` printout."""
+    """The whole `--dry_run` printout: the memory plan, and for the RL jobs (which OpenRLHF places with Ray)
+    OpenRLHF's placement of the same flags and what differs (`rlhf.planning.openrlhf_placement`)."""
+    text = memory_report(cfg, job, plan, world)
+    if hasattr(cfg, "rollout") and hasattr(cfg, "placement"):
+        text += "\n" + "\n".join(comparison_lines(cfg, plan, world))
+    return text
+
+
+def memory_report(cfg: Any, job: JobMemory, plan: dict[Role, tuple[int, ...]], world: int) -> str:
+    """The rank plan, the memory estimate per rank and stage, and whether (or with what changes) it fits."""
     lines = rank_plan_lines(plan, job.training.ring_size, job.rollout.tp if job.rollout else None)
     per_rank = estimate(job, world)
     groups: dict[str, list[int]] = {}

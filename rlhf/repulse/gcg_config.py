@@ -26,8 +26,6 @@ FORK_SAMPLES_PER_GOAL = 1000
 SCENARIOS = ("behaviors", "behaviours", "strings")
 SUCCESS_CRITERIA = ("reward", "target")
 
-GCG_PENDING_FLAGS = tuple("actor_modulates_base additional_sd_divider init_head_from_base reward_normalize".split())
-"""Flags of the fork's evaluate_gcg whose features are not built here: refused, never silently ignored."""
 
 DEMO_SETTINGS = {"gcg_steps": 10, "gcg_search_width": 64, "gcg_topk": 16, "samples_per_goal": 8,
                  "reward_threshold": 0.25}
@@ -91,10 +89,16 @@ class GCGRewardConfig(RewardConfig):
                                     "reward_func(queries, prompts, labels) (labels are None here)")
     value_head_prefix: str = opt("score", "attribute name of the reward models' scalar head (the name stored in a "
                                  "model's config wins)")
+    reward_normalize: bool = opt(False, "score with (reward - mean) / std, the statistics each reward model's "
+                                 "training stored in its config (the fork's flag; every --reward_pretrain model must "
+                                 "carry them)")
 
     def __post_init__(self) -> None:
         require(not (self.reward_pretrain and self.remote_rm_url), "give one reward source: --reward_pretrain "
                 f"{self.reward_pretrain} and --remote_rm_url {self.remote_rm_url} are both set")
+        require(not (self.reward_normalize and self.remote_rm_url), f"--reward_normalize normalises reward models' "
+                f"scores with their stored statistics; --remote_rm_url {self.remote_rm_url} has none: drop "
+                "--reward_normalize (the source's rewards are used as they come)")
         super().__post_init__()
 
     @property
@@ -224,6 +228,12 @@ class ForkEngineFlags:
     parameterization: str = opt("policy", "accepted for the fork's scripts; the policy is evaluated as the HF model "
                                 "loaded")
     local_rank: int = opt(-1, "accepted for deepspeed launchers; no effect (one process)")
+    actor_modulates_base: bool = opt(False, "accepted for the fork's scripts; no effect (the fork's evaluate_gcg "
+                                     "parses it and uses it nowhere)")
+    additional_sd_divider: float = opt(1.0, "accepted for the fork's scripts; no effect (the fork passes it to the "
+                                       "head of a non-policy --parameterization; the policy is evaluated as the HF "
+                                       "model loaded)")
+    init_head_from_base: bool = opt(False, "accepted for the fork's scripts; no effect (as --additional_sd_divider)")
 
     def __post_init__(self) -> None:
         given = [flag for flag, on in (("--zero_stage", self.zero_stage is not None),
@@ -233,6 +243,15 @@ class ForkEngineFlags:
         if given:
             warnings.warn(f"{', '.join(given)}: no effect: evaluate_gcg runs one process without DeepSpeed",
                           stacklevel=3)
+        if self.actor_modulates_base:
+            warnings.warn("--actor_modulates_base: no effect (the fork's evaluate_gcg does not use it either)",
+                          stacklevel=3)
+        heads = [flag for flag, on in (("--additional_sd_divider", self.additional_sd_divider != 1.0),
+                                       ("--init_head_from_base", self.init_head_from_base)) if on]
+        if heads:
+            warnings.warn(f"{', '.join(heads)}: no effect: the fork applies {'it' if len(heads) == 1 else 'them'} to "
+                          "the head of a non-policy --parameterization, and the policy is evaluated here as the HF "
+                          "model loaded from --pretrain / --ckpt_path", stacklevel=3)
         if self.parameterization != "policy":
             warnings.warn(f"--parameterization {self.parameterization}: no effect: the policy is evaluated as the HF "
                           "model loaded from --pretrain / --ckpt_path", stacklevel=3)
@@ -242,7 +261,7 @@ class ForkEngineFlags:
 class EvaluateGCGConfig:
     """Everything `evaluate_gcg` needs."""
 
-    PENDING_FLAGS: ClassVar[tuple[str, ...]] = GCG_PENDING_FLAGS
+    PENDING_FLAGS: ClassVar[tuple[str, ...]] = ()
     IGNORED_FLAGS: ClassVar[dict[str, str]] = FORK_IGNORED_FLAGS
     IGNORED_SWITCHES: ClassVar[frozenset[str]] = FORK_IGNORED_SWITCHES
     seed: int = opt(42, "random seed: goal i searches and samples from streams seeded with seed + i")

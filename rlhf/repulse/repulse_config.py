@@ -261,10 +261,13 @@ class TrainRepulseConfig(TrainPPOConfig):
         k = self.samples_per_prompt
         require(k > 1, "--do_harmlessness_training compares the samples of a prompt: --duplicate_rollout_batch_by "
                        "(times --n_samples_per_prompt) must be > 1")
-        for flag, size in (("--train_batch_size", b.train_batch_size),
-                           ("--micro_train_batch_size", b.micro_train_batch_size)):
-            require(size % k == 0, f"{flag} {size} must be a multiple of the {k} samples of a prompt (a prompt's "
-                                   "group is never split across micro-batches)")
+        # A prompt's group may span micro-batches and ranks (advantages and weights are computed on whole groups
+        # first); only CTL's per-position weights need the group's samples under the parameters of one step.
+        require(not (rp.uses_proposal and rp.actor_loss_type == "ctl") or b.train_batch_size % k == 0,
+                f"--train_batch_size {b.train_batch_size} must be a multiple of the {k} samples of a prompt with "
+                "--actor_loss_type ctl: CTL weighs each position of a sample against the same position of the "
+                "prompt's other samples under the proposal of the same optimizer step, so a group must not span "
+                "two steps")
         require(self.placement.num_ranks("critic") == 0 and not self.model.critic_pretrain,
                 "--do_harmlessness_training trains no critic: drop the critic flags")
         require(rp.uses_proposal or self.placement.num_ranks("proposal") == 0,

@@ -32,42 +32,67 @@ def snis_weights_PK(logp_seq_PK: torch.Tensor, beta_r_PK: torch.Tensor, logq_old
     return torch.softmax((logp_seq_PK + beta_r_PK - logq_old_seq_PK).detach().float(), dim=-1)
 
 
+def log_psi_BT1(logq_BT1: torch.Tensor, logp_BT1: torch.Tensor, mask_BT1: torch.Tensor) -> torch.Tensor:
+    """log psi_t = log q(s_t|s_<t) - sg[log p(s_t|s_<t)] on response positions, 0 elsewhere (any leading shape)."""
+    return torch.where(mask_BT1.bool(), logq_BT1.float() - logp_BT1.detach().float(), 0.0)
+
+
+def ctl_pi_weights_PKT1(logq_PKT1: torch.Tensor, logp_PKT1: torch.Tensor, logq_old_PKT1: torch.Tensor,
+                        mask_PKT1: torch.Tensor) -> torch.Tensor:
+    """CTL's per-position weights of a prompt's K samples under the current q (detached):
+    w_pi_t = softmax over K of [sum_{tau<=t} (log p - log q_old) + log psi_t]. They need the whole group at once,
+    so a step whose groups are split over micro-batches or ranks computes them before its forwards."""
+    logp, logq_old = logp_PKT1.detach().float(), logq_old_PKT1.detach().float()
+    prefix = torch.where(mask_PKT1.bool(), logp - logq_old, 0.0).cumsum(-1)
+    return torch.softmax(prefix + log_psi_BT1(logq_PKT1.detach(), logp, mask_PKT1), dim=1)
+
+
+def ctl_terms(logq_BT1: torch.Tensor, logp_BT1: torch.Tensor, mask_BT1: torch.Tensor, w_sigma_B: torch.Tensor,
+              w_pi_BT1: torch.Tensor) -> torch.Tensor:
+    """Per-sample CTL terms masked_mean_t[(w_sigma - w_pi_t) · log psi_t] [B] (the loss is minus their mean);
+    both weights are given (detached), so a sample needs no other sample of its group."""
+    weights = w_sigma_B.detach().float()[..., None] - w_pi_BT1.detach().float()
+    return masked_mean_PK(weights * log_psi_BT1(logq_BT1, logp_BT1, mask_BT1), mask_BT1)
+
+
+def dpg_terms(logq_BT1: torch.Tensor, logp_BT1: torch.Tensor, mask_BT1: torch.Tensor, w_sigma_B: torch.Tensor,
+              w_pi_BT1: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-sample DPG terms masked_mean_t[w_sigma · log psi_t] [B] (the loss is minus their mean; `w_pi_BT1`
+    unused: DPG has no per-position weights)."""
+    return masked_mean_PK(w_sigma_B.detach().float()[..., None] * log_psi_BT1(logq_BT1, logp_BT1, mask_BT1),
+                          mask_BT1)
+
+
 def ctl_loss(logq_PKT1: torch.Tensor, logp_PKT1: torch.Tensor, logq_old_PKT1: torch.Tensor, mask_PKT1: torch.Tensor,
              beta_r_PK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Contrastive twist learning of q (`--actor_loss_type ctl --parameterization policy_psi_q_p_s_t`).
-
-    log psi_t = log q(s_t|s_<t) - sg[log p(s_t|s_<t)];
-    w_sigma (per sequence) = `snis_weights_PK`;
-    w_pi_t = softmax over K of [sum_{tau<=t} (log p - log q_old) + sg(log psi_t)];
-    loss = -mean over P·K of masked_mean_t[(w_sigma - w_pi_t) · log psi_t].
-    Only `logq_PKT1` carries gradients. Returns (loss, w_sigma [P, K], w_pi [P, K, T1])."""
+    """Contrastive twist learning of q (`--actor_loss_type ctl --parameterization policy_psi_q_p_s_t`) on whole
+    groups: loss = -mean over P·K of `ctl_terms`, with w_sigma = `snis_weights_PK` (per sequence) and w_pi =
+    `ctl_pi_weights_PKT1`. Only `logq_PKT1` carries gradients. Returns (loss, w_sigma [P, K], w_pi [P, K, T1])."""
     mask = mask_PKT1.float()
-    logp, logq_old = logp_PKT1.detach().float(), logq_old_PKT1.detach().float()
-    log_psi = torch.where(mask.bool(), logq_PKT1.float() - logp, 0.0)
-    w_sigma = snis_weights_PK(masked_sum_PK(logp, mask), beta_r_PK, masked_sum_PK(logq_old, mask))
-    prefix = torch.where(mask.bool(), logp - logq_old, 0.0).cumsum(-1)
-    w_pi = torch.softmax(prefix + log_psi.detach(), dim=1)  # over the K samples, per position
-    per_sample = masked_mean_PK((w_sigma[..., None] - w_pi) * log_psi, mask)
-    return -per_sample.mean(), w_sigma, w_pi
+    w_sigma = snis_weights_PK(masked_sum_PK(logp_PKT1.detach(), mask), beta_r_PK,
+                              masked_sum_PK(logq_old_PKT1.detach(), mask))
+    w_pi = ctl_pi_weights_PKT1(logq_PKT1, logp_PKT1, logq_old_PKT1, mask)
+    return -ctl_terms(logq_PKT1, logp_PKT1, mask, w_sigma, w_pi).mean(), w_sigma, w_pi
 
 
 def dpg_loss(logq_PKT1: torch.Tensor, logp_PKT1: torch.Tensor, logq_old_PKT1: torch.Tensor, mask_PKT1: torch.Tensor,
              beta_r_PK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distributional policy gradient for q (`--actor_loss_type dpg`): -mean over P·K of
-    masked_mean_t[w_sigma · log psi_t]. The fork also subtracts sum_v sg(q_v)·log psi_v at every position,
-    whose gradient sum_v q_v·∇log q_v = ∇ sum_v q_v is 0 under policy_psi_q_p_s_t (log p detached): it is left
-    out, so the gradient is the fork's and the logged value differs from its by the per-token KL(q || p).
+    """Distributional policy gradient for q (`--actor_loss_type dpg`) on whole groups: -mean over P·K of
+    `dpg_terms`. The fork also subtracts sum_v sg(q_v)·log psi_v at every position, whose gradient
+    sum_v q_v·∇log q_v = ∇ sum_v q_v is 0 under policy_psi_q_p_s_t (log p detached): it is left out, so the
+    gradient is the fork's and the logged value differs from its by the per-token KL(q || p).
     Returns (loss, w_sigma [P, K])."""
     mask = mask_PKT1.float()
-    logp = logp_PKT1.detach().float()
-    log_psi = torch.where(mask.bool(), logq_PKT1.float() - logp, 0.0)
-    w_sigma = snis_weights_PK(masked_sum_PK(logp, mask), beta_r_PK,
-                              masked_sum_PK(logq_old_PKT1.detach().float(), mask))
-    return -masked_mean_PK(w_sigma[..., None] * log_psi, mask).mean(), w_sigma
+    w_sigma = snis_weights_PK(masked_sum_PK(logp_PKT1.detach(), mask), beta_r_PK,
+                              masked_sum_PK(logq_old_PKT1.detach(), mask))
+    return -dpg_terms(logq_PKT1, logp_PKT1, mask, w_sigma).mean(), w_sigma
 
 
 PROPOSAL_LOSSES: dict[str, Callable[..., tuple]] = {"ctl": ctl_loss, "dpg": dpg_loss}
-"""--actor_loss_type -> the proposal's loss; each returns (loss, ...) from the same arguments."""
+"""--actor_loss_type -> the proposal's loss on whole groups; each returns (loss, ...) from the same arguments."""
+
+PROPOSAL_TERMS: dict[str, Callable[..., torch.Tensor]] = {"ctl": ctl_terms, "dpg": dpg_terms}
+"""--actor_loss_type -> the proposal's per-sample terms (the loss is minus their mean), given the weights."""
 
 
 def rloo_baseline_PK(returns_PK: torch.Tensor) -> torch.Tensor:

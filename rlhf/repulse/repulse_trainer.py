@@ -7,12 +7,13 @@ p's are pushed back after the update (one engine, weights swapped: see README "R
 actor's ranks, or on ranks of its own (--proposal_num_gpus_per_node), where its update runs beside p's.
 The baselines are switches of the same step: `--harmlessness_training_loss_type reinforce` (no q),
 `--use_base_as_proposal` (p's own samples are the negatives), `--reward_transform`.
-Per-role math lives in `rlhf.repulse.repulse_losses`; this module only orders the stages and shards groups.
+Per-role math lives in `rlhf.repulse.repulse_losses`; this module only orders the stages and splits the
+samples into optimizer steps and micro-batches.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,7 +21,7 @@ from rlhf.core.accumulate import MicroLoss, optimizer_step, step_metrics
 from rlhf.core.metrics import Reduce, add_update, per_update_means, reduce_metrics
 from rlhf.core.state import CheckpointedState
 from rlhf.data.records import Rollout, TokenBatch
-from rlhf.distributed.collectives import all_gather_rollout, shard
+from rlhf.distributed.collectives import all_gather_rollout, assemble, shard
 from rlhf.distributed.topology import Role
 from rlhf.models.lm_logprobs import policy_forward
 from rlhf.repulse import repulse_losses
@@ -41,7 +42,8 @@ class GroupSamples(TokenBatch):
 
     weights_B: float32 [B] the per-sample coefficient of the policy's loss (p-samples: the advantage R - b;
     negatives: the SNIS weight w). logq_old_BT1 / logp_BT1: float32 [B, T-1] q at sampling time and p, on q's
-    samples (zeros where unused). beta_r_B: float32 [B] beta x reward.
+    samples (zeros where unused). beta_r_B: float32 [B] beta x reward. ctl_pi_BT1: float32 [B, T-1] CTL's
+    per-position weights, set only for a step whose groups are split (`RepulseTrainer._with_ctl_pi`).
     """
 
     sequences_BT: torch.Tensor
@@ -51,6 +53,7 @@ class GroupSamples(TokenBatch):
     logq_old_BT1: torch.Tensor
     logp_BT1: torch.Tensor
     beta_r_B: torch.Tensor
+    ctl_pi_BT1: torch.Tensor | None = None
 
 
 PROPOSAL = Role.define("proposal")
@@ -172,15 +175,48 @@ class RepulseTrainer(PPOTrainer):
 
     # ---- updates --------------------------------------------------------------------------------------
 
-    def _group_steps(self, samples: GroupSamples, role: Role) -> list[list[GroupSamples]]:
-        """This replica's (of `role`) share of whole prompt groups, cut into optimizer steps of --train_batch_size
-        samples (global) and micro-batches of --micro_train_batch_size (each a whole number of groups)."""
+    def _step_rows(self, total: int, role: Role) -> list[list[slice]]:
+        """The global rows of this replica's (of `role`) micro-batches, per optimizer step: step j takes rows
+        [j·S, (j+1)·S) of the global batch (S = --train_batch_size), split evenly over the role's replicas, each
+        share cut into micro-batches of --micro_train_batch_size. A prompt's group may span micro-batches and
+        replicas: its advantages and weights were computed on the whole group before the split."""
         b = self.cfg.batch
         dp, rank = self.topology.dp_size(role), self.topology.dp_rank(role)
-        mine = samples.select(shard(samples.num_samples, dp, rank))
-        per_step, per_micro = b.train_batch_size // dp, b.micro_train_batch_size
-        return [[mine.select(slice(m, m + per_micro)).trimmed() for m in range(s, s + per_step, per_micro)]
-                for s in range(0, mine.num_samples, per_step)]
+        steps = []
+        for start in range(0, total, b.train_batch_size):
+            share = shard(min(b.train_batch_size, total - start), dp, rank)
+            lo, hi = start + share.start, start + share.stop
+            steps.append([slice(m, min(m + b.micro_train_batch_size, hi))
+                          for m in range(lo, hi, b.micro_train_batch_size)])
+        return steps
+
+    def _group_steps(self, samples: GroupSamples, role: Role) -> list[list[GroupSamples]]:
+        """This replica's micro-batches of `samples`, per optimizer step (`_step_rows`)."""
+        return [[samples.select(rows).trimmed() for rows in micros]
+                for micros in self._step_rows(samples.num_samples, role)]
+
+    def _whole_groups(self, micros: list[slice]) -> bool:
+        return all(rows.start % self.k == 0 and rows.stop % self.k == 0 for rows in micros)
+
+    def _with_ctl_pi(self, samples: GroupSamples, micros: list[slice]) -> list[GroupSamples]:
+        """This replica's micro-batches of a CTL step whose groups are split over micro-batches or replicas,
+        each with its rows of w_pi: the step's samples are scored by the current q (no gradient, each replica
+        its own share, gathered over q's ranks), so every group is whole when its weights are computed. The
+        step holds whole groups (--train_batch_size is a multiple of K: checked with the flags)."""
+        b = self.cfg.batch
+        start = micros[0].start // b.train_batch_size * b.train_batch_size
+        size = min(b.train_batch_size, samples.num_samples - start)
+        step = samples.select(slice(start, start + size))
+        mine = slice(micros[0].start - start, micros[-1].stop - start)
+        with torch.no_grad():
+            part = self.proposal.logprobs(step.sequences_BT[mine], step.attention_mask_BT[mine])
+        logq = assemble(part, mine, tuple(step.logp_BT1.shape), self.topology.group(PROPOSAL))
+        shape = (size // self.k, self.k, -1)
+        pi = repulse_losses.ctl_pi_weights_PKT1(logq.reshape(shape), step.logp_BT1.reshape(shape),
+                                                step.logq_old_BT1.reshape(shape),
+                                                step.action_mask_BT1.reshape(shape)).reshape(size, -1)
+        step = replace(step, ctl_pi_BT1=pi)
+        return [step.select(slice(rows.start - start, rows.stop - start)).trimmed() for rows in micros]
 
     def _mean_logprobs(self, model: Actor, micro: GroupSamples) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-token log-probs [B, T-1] with gradients, the response mask) of a micro-batch under `model`."""
@@ -190,23 +226,33 @@ class RepulseTrainer(PPOTrainer):
         return out.logprobs_BT1, micro.action_mask_BT1.to(dev)
 
     def _train_proposal(self, samples: GroupSamples, step: int) -> dict[str, float]:
-        """CTL (or DPG): one optimizer step per --train_batch_size q samples; the loss of a micro-batch is its share
-        (samples / step samples) of the mean over the step's P·K samples."""
+        """CTL (or DPG): one optimizer step per --train_batch_size q samples; the loss of a micro-batch is its
+        share of minus the mean over the step's samples of the per-sample terms. CTL's per-position weights come
+        from the micro-batch's own forward when it holds whole groups, else from `_with_ctl_pi`."""
         total = float(self.cfg.batch.train_batch_size)
-        q, dev = self.proposal, self.device
+        q, dev, kind = self.proposal, self.device, self.rp.actor_loss_type
+        terms = repulse_losses.PROPOSAL_TERMS[kind]
 
         def micro_loss(micro: GroupSamples) -> MicroLoss:
             logq, mask = self._mean_logprobs(q, micro)
-            P = micro.num_samples // self.k
-            shape = (P, self.k, -1)
-            loss = repulse_losses.PROPOSAL_LOSSES[self.rp.actor_loss_type](
-                logq.reshape(shape), micro.logp_BT1.to(dev).reshape(shape), micro.logq_old_BT1.to(dev).reshape(shape),
-                mask.reshape(shape), micro.beta_r_B.to(dev).reshape(P, self.k))[0]
-            share = loss * (micro.num_samples / total)
-            return MicroLoss(share, {f"{self.rp.actor_loss_type}_loss": share})
+            logp, w_pi = micro.logp_BT1.to(dev), None
+            if kind == "ctl":
+                if micro.ctl_pi_BT1 is not None:
+                    w_pi = micro.ctl_pi_BT1.to(dev)
+                else:
+                    shape = (micro.num_samples // self.k, self.k, -1)
+                    w_pi = repulse_losses.ctl_pi_weights_PKT1(
+                        logq.reshape(shape), logp.reshape(shape), micro.logq_old_BT1.to(dev).reshape(shape),
+                        mask.reshape(shape)).reshape(micro.num_samples, -1)
+            share = -terms(logq, logp, mask, micro.weights_B.to(dev), w_pi).sum() / total
+            return MicroLoss(share, {f"{kind}_loss": share})
 
         stats: dict[str, float] = {}
-        for micros in self._group_steps(samples, PROPOSAL):
+        for rows in self._step_rows(samples.num_samples, PROPOSAL):
+            if kind == "ctl" and not self._whole_groups(rows):
+                micros = self._with_ctl_pi(samples, rows)
+            else:
+                micros = [samples.select(r).trimmed() for r in rows]
             add_update(stats, step_metrics(q.model, optimizer_step(q.model, micros, micro_loss), prefix="q_"))
         out = per_update_means(stats)
         if "lr" in out:

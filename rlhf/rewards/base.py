@@ -25,11 +25,13 @@ class RewardInputs:
 @dataclass
 class RewardResult:
     """rewards_B: float32 [B] training rewards; scores_B: float32 [B] scores used for filtering
-    (equal to the rewards unless the source says otherwise); extra_logs: name -> [B] values to log."""
+    (equal to the rewards unless the source says otherwise); extra_logs: name -> [B] values to log; per_call:
+    the extra logs the source gave as one value for the whole call (each query holds that value)."""
 
     rewards_B: torch.Tensor
     scores_B: torch.Tensor
     extra_logs: dict[str, torch.Tensor] = field(default_factory=dict)
+    per_call: frozenset[str] = frozenset()
 
 
 class RewardSource(Protocol):
@@ -49,16 +51,22 @@ def result_from_output(out, n: int, where: str) -> RewardResult:
             raise ValueError(f"{where} returned a dict without 'rewards' (keys: {sorted(out)})")
         rewards = as_vector(out["rewards"], "rewards", where, n)
         scores = as_vector(out["scores"], "scores", where, n) if "scores" in out else rewards.clone()
-        extra = {k: _extra_log(v, k, where, n) for k, v in (out.get("extra_logs") or {}).items()}
-        return RewardResult(rewards, scores, extra)
+        given = out.get("extra_logs") or {}
+        extra = {k: _extra_log(v, k, where, n) for k, v in given.items()}
+        return RewardResult(rewards, scores, extra, frozenset(k for k, v in given.items() if _one_value(v, n)))
     rewards = as_vector(out, "rewards", where, n)
     return RewardResult(rewards, rewards.clone())
+
+
+def _one_value(value, n: int) -> bool:
+    """Whether an extra log is one value for the whole call rather than one per query."""
+    return isinstance(value, (int, float)) or (torch.is_tensor(value) and value.numel() == 1 and n != 1)
 
 
 def _extra_log(value, key: str, where: str, n: int) -> torch.Tensor:
     """One value per query, or one value for the whole call (OpenRLHF's reward functions often return
     e.g. `reward.mean().item()`): that batch value then stands for each of the call's queries."""
-    if isinstance(value, (int, float)) or (torch.is_tensor(value) and value.numel() == 1 and n != 1):
+    if _one_value(value, n):
         return as_vector([float(value)] * n, f"extra_logs[{key!r}]", where, n)
     return as_vector(value, f"extra_logs[{key!r}]", where, n)
 

@@ -479,4 +479,5 @@ def _concat(parts: list[RewardResult]) -> RewardResult:
     if not parts:
         return RewardResult(torch.zeros(0), torch.zeros(0))
     return RewardResult(torch.cat([p.rewards_B for p in parts]), torch.cat([p.scores_B for p in parts]),
-                        {k: torch.cat([p.extra_logs[k] for p in parts]) for k in parts[0].extra_logs})
+                        {k: torch.cat([p.extra_logs[k] for p in parts]) for k in parts[0].extra_logs},
+                        frozenset().union(*(p.per_call for p in parts)))

@@ -54,19 +54,23 @@ def actor_forward_skippable(cfg: TrainPPOConfig) -> bool:
 @dataclass
 class Scored:
     """What the reward sources answered for a global batch, each [B]: the raw rewards, the scores dynamic
-    filtering judges groups by (a reward_func's `scores`, else the rewards) and the extra logs."""
+    filtering judges groups by (a reward_func's `scores`, else the rewards) and the extra logs (`per_call`: those
+    a source gave as one value per call, held by each of the call's samples)."""
 
     rewards_B: torch.Tensor
     scores_B: torch.Tensor
     extra: dict[str, torch.Tensor]
+    per_call: frozenset[str] = frozenset()
 
     def select(self, indices: list[int]) -> Scored:
-        return Scored(self.rewards_B[indices], self.scores_B[indices], {k: v[indices] for k, v in self.extra.items()})
+        return Scored(self.rewards_B[indices], self.scores_B[indices], {k: v[indices] for k, v in self.extra.items()},
+                      self.per_call)
 
     @staticmethod
     def concat(parts: list[Scored]) -> Scored:
         return Scored(torch.cat([p.rewards_B for p in parts]), torch.cat([p.scores_B for p in parts]),
-                      {k: torch.cat([p.extra[k] for p in parts]) for k in parts[0].extra})
+                      {k: torch.cat([p.extra[k] for p in parts]) for k in parts[0].extra},
+                      frozenset().union(*(p.per_call for p in parts)))
 
 
 class ExperienceMaker:
@@ -109,15 +113,16 @@ class ExperienceMaker:
         def score(where: slice) -> torch.Tensor:
             out = self.reward.score(RewardInputs(queries[where], batch.prompts[where], batch.labels[where],
                                                  batch.sequences_BT[where], batch.attention_mask_BT[where]))
-            results["extra"] = out.extra_logs
+            results["extra"], results["per_call"] = out.extra_logs, out.per_call
             return torch.stack([out.rewards_B, out.scores_B], dim=1)
 
         collective = getattr(self.reward, "collective", False)
         both = self._by_role(Role.REWARD, score, (B, 2), collective)
-        keys = broadcast_keys(sorted(results.get("extra", {})), src=self.topology.ranks(Role.REWARD)[0],
-                              group=self.topology.trainer_group)
+        src, group = self.topology.ranks(Role.REWARD)[0], self.topology.trainer_group
+        keys = broadcast_keys(sorted(results.get("extra", {})), src=src, group=group)
+        per_call = broadcast_keys(sorted(results.get("per_call", ())), src=src, group=group) if keys else []
         extra = {k: self._by_role(Role.REWARD, lambda w, k=k: results["extra"][k], (B,), collective) for k in keys}
-        return Scored(both[:, 0], both[:, 1], extra)
+        return Scored(both[:, 0], both[:, 1], extra, frozenset(per_call))
 
     def _shape_rewards(self, rewards_B: torch.Tensor, batch: Rollout) -> torch.Tensor:
         algo = self.cfg.algo

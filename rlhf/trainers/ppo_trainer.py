@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import copy
 import random
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -94,6 +95,7 @@ class PPOTrainer:
         self.cfg, self.topology, self.roles, self.engine = cfg, topology, roles, engine
         self.sampler, self.tokenizer, self.device = sampler, tokenizer, device
         self.timer = StageTimer()
+        self._per_call_noted = False  # the note on per-call extra logs under --dynamic_filtering, said once
         self.evaluators = list(evaluators)
         self.records = records or RunRecords(topology.rank == 0)
         self.rm_max_len = rm_max_len
@@ -215,6 +217,7 @@ class PPOTrainer:
         rejected: list[tuple[Rollout, Scored]] = []
         batch, drawn, rounds = first, 0, 0
         offload = self.cfg.engine.ref_reward_offload
+        per_call: dict[str, list[torch.Tensor]] = {}  # extra logs given once per reward call, every round's
         while True:
             rounds += 1
             groups = batch.num_samples // n
@@ -222,6 +225,8 @@ class PPOTrainer:
             self._move(self.roles.frozen, to_host=False, enabled=offload)
             scored = self.roles.experience.scored(batch, self.rm_max_len)
             self._move(self.roles.frozen, to_host=True, enabled=offload)
+            for key in scored.per_call:
+                per_call.setdefault(key, []).append(scored.extra[key])
             keep = group_filter(scored.scores_B.reshape(groups, n), *a.dynamic_filtering_reward_range)
             for g in range(groups):
                 members = list(range(g * n, (g + 1) * n))
@@ -233,6 +238,15 @@ class PPOTrainer:
             batch = all_gather_rollout(self.generate(step, stream=REFILL_STREAM + rounds, batch=prompts), pad)
         metrics = {"dynamic_filtering_pass_rate": 100.0 * len(kept) / drawn, "dynamic_filtering_rounds": rounds,
                    "dynamic_filtering_prompts": float(drawn)}
+        if per_call and not self._per_call_noted:
+            self._per_call_noted = True
+            names = ", ".join(f"extra_logs[{k!r}]" for k in sorted(per_call))
+            warnings.warn(f"the reward source gives {names} as one value per call, which describes every sample of "
+                          "the call, filtered groups' too: with --dynamic_filtering reward_extra/ logs the mean of "
+                          "those values over all the samples a step scored (every round); return one value per query "
+                          "to log the mean over the kept samples", stacklevel=2)
+        # a per-call value describes all of its call's samples: averaged over all of them, not the kept ones
+        metrics.update({f"reward_extra/{k}": float(torch.cat(v).mean()) for k, v in per_call.items()})
         chosen = (kept + rejected)[:want]
         return (concat_rollouts([r for r, _ in chosen], pad), Scored.concat([s for _, s in chosen]), metrics,
                 drawn * n)

@@ -1,7 +1,8 @@
 """The RePULSe research fork's README commands (tests/repulse_fork_commands.txt) under torchrun: a realistic one stops
-at the model load with one error line; two toy ones (the PPO method without KL, RePULSe with KL 10), launched as
-`-m rlhf.cli.train_ppo` (the fork's module name with the launcher replaced), train on the embedded toy with the
-analytic evaluation after every fit step."""
+at the model load with one error line; a toy one of each method (PPO without KL; REINFORCE, REINFORCE with the reward
+transform and RePULSe with KL 10; the base model as proposal without KL), launched as `-m rlhf.cli.train_ppo` (the
+fork's module name with the launcher replaced) on 2 ranks, train on the embedded toy with the analytic evaluation
+after every fit step. The step's one prompt's 8 samples are split over both ranks and micro-batches of 2."""
 
 import json
 import math
@@ -26,10 +27,11 @@ def test_a_realistic_command_under_torchrun_prints_one_error_line(tmp_path):
     assert "Traceback" not in proc.stderr.split(errors[0])[0]
 
 
-SHRINK = {"--micro_train_batch_size": "8", "--train_batch_size": "8", "--duplicate_rollout_batch_by": "8",
+SHRINK = {"--micro_train_batch_size": "2", "--train_batch_size": "8", "--duplicate_rollout_batch_by": "8",
           "--fit_steps": "2", "--harmlessness_training_num_episodes": "2", "--prompt_max_len": "8"}
-"""The toy's sizes, shrunk: 8 samples per step instead of 500, 2 fit steps of 2 episodes instead of 50 of 5-10,
-prompts of at most 8 tokens (the tiny policy has 256 positions, distilgpt2 1024)."""
+"""The toy's sizes, shrunk: 8 samples per step instead of 500 (micro-batches of 2 per rank: a prompt's group spans
+both ranks and 2 micro-batches on each), 2 fit steps of 2 episodes instead of 50 of 5-10, prompts of at most 8
+tokens (the tiny policy has 256 positions, distilgpt2 1024)."""
 
 
 def toy_replay(argv: list[str], out: Path) -> list[str]:
@@ -69,17 +71,17 @@ def _toy_id(index: int, heading: str, argv: list[str]) -> str:
     return f"{index}-kl{flag_value(argv, '--init_kl_coef')}-{method.replace(' ', '_')}"
 
 
-# Two of the ten toy commands: the one-model PPO method (with a critic) without KL and RePULSe with KL. The
-# other methods run the same flags through launch/examples/repulse_toy_cpu.sh (tests/examples) and every command
-# parses into what it means (tests/unit/test_repulse_fork_commands.py).
-REPLAYED = [0, 8]
+# One of the ten toy commands per method: PPO (with a critic) and the base model as proposal without KL,
+# REINFORCE, REINFORCE with the reward transform and RePULSe with KL 10. Every command parses into what it means
+# (tests/unit/test_repulse_fork_commands.py).
+REPLAYED = [0, 5, 6, 3, 8]
 
 
 @pytest.mark.parametrize("heading,argv", [TOY[i] for i in REPLAYED],
                          ids=[_toy_id(i, *TOY[i]) for i in REPLAYED])
 def test_toy_command_trains_on_the_embedded_toy(heading, argv, tmp_path):
     # under the module name the rule "replace the launcher" gives for the fork's openrlhf.cli.train_ppo
-    proc = run_torchrun(1, "-m rlhf.cli.train_ppo", *toy_replay(argv, tmp_path), timeout=900)
+    proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *toy_replay(argv, tmp_path), timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert proc.stdout.count("running this command as python -m rlhf.cli.train_repulse") == 1
     out = tmp_path / "model_out"

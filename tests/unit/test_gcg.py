@@ -254,6 +254,44 @@ def test_pretrain_needs_goals_and_a_reward_and_fork_flags_are_noted():
         parse("--zero_stage", "2", "--adam_offload")
     with pytest.warns(UserWarning, match="--gcg_use_prefix_cache is not needed"):
         parse("--gcg_use_prefix_cache")
+    # the fork's evaluate_gcg uses these only for a non-policy parameterization's head, or not at all
+    with pytest.warns(UserWarning, match="--actor_modulates_base: no effect"):
+        parse("--actor_modulates_base")
+    with pytest.warns(UserWarning, match="--additional_sd_divider, --init_head_from_base: no effect: the fork "
+                                         "applies them to the head of a non-policy --parameterization"):
+        parse("--additional_sd_divider", "2", "--init_head_from_base")
+    with pytest.raises(UsageError, match="--reward_normalize normalises reward models' scores .* drop "
+                                         "--reward_normalize"):
+        parse("--remote_rm_url", "r.py", "--reward_normalize")
+
+
+def test_reward_normalize_uses_the_reward_models_stored_statistics(tmp_path):
+    """--reward_normalize scores with (reward - mean) / std from the reward model's config (the fork's
+    normalize_reward); a model without them is refused by name."""
+    import shutil
+
+    from rlhf.assets import EMBEDDED_REWARD_MODEL_DIR
+    from rlhf.cli.evaluate_gcg import build_reward
+    from rlhf.rewards.base import RewardInputs
+
+    rm = tmp_path / "rm"
+    shutil.copytree(EMBEDDED_REWARD_MODEL_DIR, rm)
+    tok = load_tokenizer(EMBEDDED_MODEL_DIR)
+    ids = torch.tensor([tok("q copy 5 : 5 5 5")["input_ids"], tok("q copy 5 : 7 1 2")["input_ids"]])
+    inputs = RewardInputs(["", ""], ["", ""], [None, None], ids, torch.ones_like(ids))
+    cpu = torch.device("cpu")
+
+    def rewards(*flags):
+        source = build_reward(parse("--reward_pretrain", str(rm), *flags).with_demo_defaults(), tok, cpu, "sdpa")
+        return source.score(inputs).rewards_B
+
+    raw = rewards()
+    with pytest.raises(UsageError, match=f"--reward_normalize: --reward_pretrain {rm} stores no reward mean/std"):
+        rewards("--reward_normalize")
+    config = json.loads((rm / "config.json").read_text())
+    (rm / "config.json").write_text(json.dumps({**config, "mean": 0.25, "std": 0.5}))
+    torch.testing.assert_close(rewards("--reward_normalize"), (raw - 0.25) / 0.5)
+    torch.testing.assert_close(rewards(), raw)
 
 
 def test_goal_files_and_checkpoint_paths_are_checked(tmp_path):

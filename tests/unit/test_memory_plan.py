@@ -179,6 +179,9 @@ def test_dry_run_of_the_seed_commands_prints_plans_without_loading_weights(tmp_p
     plans = proc.stdout.split("rank plan (2 ranks):")[1:]
     assert len(plans) == 3, proc.stdout
     assert all("fits: peak" in plan for plan in plans), proc.stdout
+    # OpenRLHF's Ray placement of the same flags beside ours (at tiny scale: 1 GPU per role)
+    assert "  1 GPU: actor + reference + critic + reward + 4 vLLM engine(s) of TP 1" in plans[0], plans[0]
+    assert all("what differs here (one program over the 2 launched ranks):" in plan for plan in plans)
     # --colocate_actor_ref on one rank, the critic on the other
     assert "  ref: ranks 0, 1 data-parallel replica(s)\n  critic: ranks 1, 1 data-parallel" in plans[1]
     assert not any((tmp_path / str(i) / "save" / "metrics.jsonl").exists() for i in range(3))

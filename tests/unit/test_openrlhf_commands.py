@@ -22,3 +22,38 @@ def test_openrlhf_example_commands_parse_to_what_they_mean(argv, world, tmp_path
     else:  # the scripts rely on the defaults for the estimator: PPO with a critic, KL in the reward
         assert cfg.algo.advantage_estimator == "gae" and cfg.uses_critic and not cfg.algo.use_kl_loss
         assert cfg.algo.init_kl_coef == 0.01 and cfg.algo.lambd == 1.0 and cfg.algo.value_clip == 0.5
+
+
+def test_dry_run_shows_openrlhfs_placement_of_the_example_commands_beside_ours():
+    """`--dry_run` prints what OpenRLHF's Ray placement of the same flags would be (the commands at full size) and
+    what differs in the single program's plan."""
+    import warnings
+
+    from rlhf.distributed.topology import Role
+    from rlhf.planning.openrlhf_placement import comparison_lines, openrlhf_groups
+
+    def parsed(argv):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return parse_config(TrainPPOConfig, argv)
+
+    hybrid = parsed(PPO_HYBRID_ENGINE)
+    assert openrlhf_groups(hybrid) == [("actor + reference + critic + reward + 4 vLLM engine(s) of TP 2", 8)]
+    split = [a for a in PPO_HYBRID_ENGINE if a != "--colocate_all_models"]  # every role and the engines apart
+    assert openrlhf_groups(parsed(split)) == [("actor", 8), ("reference", 8), ("critic", 8), ("reward", 8),
+                                              ("4 vLLM engine(s) of TP 2", 8)]
+    reward_fn = parsed(PPO_WITH_REWARD_FN)  # a reward function gets no GPUs; the engines get their own
+    assert openrlhf_groups(reward_fn) == [("actor + reference", 2), ("critic", 2), ("2 vLLM engine(s) of TP 2", 4)]
+    plan = {Role.ACTOR: tuple(range(32)), Role.REF: tuple(range(32)), Role.CRITIC: tuple(range(32)),
+            Role.REWARD: tuple(range(32)), Role.ROLLOUT: tuple(range(32))}
+    lines = comparison_lines(parsed(split), plan, 32)
+    assert lines[0] == "OpenRLHF's placement of these flags (train_ppo_ray, one GPU per Ray bundle): 40 GPUs"
+    assert "  rollout: 16 engine(s) of TP 2 inside the training ranks' own processes (asleep while the models " \
+           "train), instead of --vllm_num_engines 4 on GPUs of their own: the engine count is the world size / TP" \
+           in lines
+    assert "  GPU count: OpenRLHF would ask Ray for 40 GPUs; this run has the 32 ranks the launcher started" in lines
+    assert not any("no --*_num_gpus_per_node" in line for line in lines)  # every size was given
+    bare = parsed(["--pretrain", "m", "--reward_pretrain", "r", "--prompt_data", "p"])  # OpenRLHF's 8 per role
+    assert openrlhf_groups(bare) == [("actor", 8), ("reference", 8), ("critic", 8), ("reward", 8)]
+    assert "  actor, critic, reward, ref: no --*_num_gpus_per_node given, so every rank of the world (OpenRLHF: 8 " \
+           "GPUs each)" in comparison_lines(bare, plan, 32)

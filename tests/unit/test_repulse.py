@@ -60,6 +60,29 @@ def test_dpg_loss_and_gradient_by_hand():
     assert logq.grad[0].tolist() == [pytest.approx([-sigma[0] / 4, -sigma[0] / 4]), pytest.approx([-sigma[1] / 2, 0.0])]
 
 
+def test_ctl_and_dpg_terms_on_split_groups_give_the_whole_group_loss_and_gradient():
+    """A group cut in two (other micro-batches or ranks): each half's per-sample terms, with w_sigma and w_pi
+    computed on the whole group first, add up to the whole-group loss and gradient."""
+    g = torch.Generator().manual_seed(0)
+    logq = (-torch.rand(2, 4, 3, generator=g)).requires_grad_()  # [P=2, K=4, T1=3]
+    logp, logq_old = -torch.rand(2, 4, 3, generator=g), -torch.rand(2, 4, 3, generator=g)
+    mask = (torch.rand(2, 4, 3, generator=g) > 0.3).float()
+    beta_r = torch.randn(2, 4, generator=g)
+    for kind in ("ctl", "dpg"):
+        whole = repulse_losses.PROPOSAL_LOSSES[kind](logq, logp, logq_old, mask, beta_r)[0]
+        (want,) = torch.autograd.grad(whole, logq)
+        w_sigma = repulse_losses.snis_weights_PK(repulse_losses.masked_sum_PK(logp, mask), beta_r,
+                                                 repulse_losses.masked_sum_PK(logq_old, mask)).reshape(8)
+        w_pi = repulse_losses.ctl_pi_weights_PKT1(logq, logp, logq_old, mask).reshape(8, 3)
+        flat = [t.reshape(8, -1) for t in (logq, logp, mask)]
+        halves = [repulse_losses.PROPOSAL_TERMS[kind](*(t[rows] for t in flat), w_sigma[rows], w_pi[rows]).sum()
+                  for rows in (slice(0, 3), slice(3, 8))]  # the first group split 3 + 1
+        split = -sum(halves) / 8
+        (got,) = torch.autograd.grad(split, logq)
+        assert split.item() == pytest.approx(whole.item(), abs=1e-7), kind
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
+
+
 def test_ctl_loss_ignores_positions_after_the_response():
     logq = torch.tensor([[[-0.7, -1.2], [-2.0, -0.3]]])
     logp = torch.tensor([[[-0.9, -1.0], [-1.5, -0.6]]])

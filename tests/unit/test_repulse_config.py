@@ -23,8 +23,14 @@ def test_repulse_config_checks():
     with pytest.raises(UsageError, match="--duplicate_rollout_batch_by \\(times --n_samples_per_prompt\\) must be > 1"):
         TrainRepulseConfig(repulse=RepulseConfig(do_harmlessness_training=True, **repulse_flags),
                            batch=BatchConfig(rollout_batch_size=8, train_batch_size=8, micro_train_batch_size=4))
-    with pytest.raises(UsageError, match="--micro_train_batch_size 4 must be a multiple of the 8 samples"):
-        cfg(duplicate_rollout_batch_by=8)
+    # a group may span micro-batches and ranks; only CTL needs it inside one optimizer step
+    assert cfg(duplicate_rollout_batch_by=8).batch.micro_train_batch_size == 4
+    with pytest.raises(UsageError, match="--train_batch_size 8 must be a multiple of the 16 samples of a prompt "
+                                         "with --actor_loss_type ctl"):
+        cfg(duplicate_rollout_batch_by=16)
+    assert cfg(duplicate_rollout_batch_by=16, actor_loss_type="dpg").samples_per_prompt == 16
+    assert cfg(duplicate_rollout_batch_by=16, harmlessness_training_loss_type="reinforce",
+               alpha=0.0).samples_per_prompt == 16
     with pytest.raises(UsageError, match="the proposal trains with ctl or dpg"):
         RepulseConfig(do_harmlessness_training=True, **{**repulse_flags, "actor_loss_type": "sixo"})
     # the fork's defaults: nothing RePULSe-specific is assumed, each choice is asked for by name
