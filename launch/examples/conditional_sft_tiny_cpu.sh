@@ -54,11 +54,11 @@ stage() {
 
 torchrun_() { python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" "$@"; }
 
-generate() {  # OUTPUT_PATH POLICY [extra batch_inference flags]
+generate() {  # OUTPUT_PATH POLICY [extra batch_inference flags]; eager vLLM: one generate call per stage
   local output=$1 policy=$2
   shift 2
   torchrun_ -m rlhf.cli.batch_inference \
-    --eval_task generate_vllm "${cpu[@]}" --zero_stage 0 \
+    --eval_task generate_vllm "${cpu[@]}" --zero_stage 0 --enforce_eager \
     --pretrain "$policy" --dataset "$tiny/prompts.jsonl" --input_key input --input_template "{} " \
     --max_new_tokens 8 --prompt_max_len 16 --temperature 1.0 --best_of_n 4 \
     --tp_size 1 --seed "$seed" --output_path "$output" "$@"

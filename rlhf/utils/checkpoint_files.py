@@ -293,7 +293,8 @@ def describe_write_failure(directory: str, what: str, err: BaseException) -> str
     room = "unknown" if free is None else f"{free / (1 << 20):.0f} MiB"
     if full:
         return (f"no space left on {directory} ({room} free) while writing {what}; the checkpoint was not "
-                f"completed, earlier ones are intact; free space or pass another --ckpt_path ({err})")
+                f"completed (its partial files are removed), earlier ones are intact; free space or pass another "
+                f"--ckpt_path ({err})")
     return f"writing {what} into {directory} failed ({room} free): {err}"
 
 
@@ -320,14 +321,17 @@ class CheckpointWriter:
     @contextlib.contextmanager
     def writing(self, what: str) -> Iterator[None]:
         """Turn OSError/RuntimeError raised by the writes inside into a `CheckpointWriteError` naming
-        `what`, the directory and, for a full disk, 'no space left'."""
+        `what`, the directory and, for a full disk, 'no space left'; the unfinished checkpoint's directory is
+        removed."""
         try:
             yield
         except (OSError, RuntimeError) as err:
             if isinstance(err, CheckpointWriteError):
                 raise
             where = self.tmp if os.path.isdir(self.tmp) else os.path.dirname(self.tmp)
-            raise CheckpointWriteError(describe_write_failure(where, what, err)) from err
+            message = describe_write_failure(where, what, err)
+            shutil.rmtree(self.tmp, ignore_errors=True)  # a full disk gets its space back; nothing loads a .tmp-*
+            raise CheckpointWriteError(message) from err
 
     def save_rank_state(self, rank: int) -> None:
         with self.writing(f"rng/rank{rank}.pt"):

@@ -19,7 +19,7 @@ from tests.tiny_runs import CPU
 
 def test_a_realistic_command_under_torchrun_prints_one_error_line(tmp_path):
     _, argv = next((h, a) for h, a in REALISTIC if h.endswith("/ RePULSe"))
-    proc = run_torchrun(1, "-m rlhf.cli.train_repulse", *argv, timeout=300)
+    proc = run_torchrun(1, "-m rlhf.cli.train_ppo", *argv, timeout=300)
     assert proc.returncode != 0
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "--pretrain HuggingFaceTB/SmolLM-135M-Instruct: the model must be a local path" \

@@ -140,11 +140,13 @@ def test_full_disk_is_reported_as_no_space_left(tmp_path, monkeypatch):
         writer.save_rank_state(1)
     assert str(err.value).startswith(f"no space left on {tmp_path}/.tmp-global_step2 (0 MiB free) while writing "
                                      "rng/rank1.pt; the checkpoint was not completed")
-    assert "basic_ios::clear" in str(err.value)
-    assert complete_checkpoints(str(tmp_path)) == []
+    assert "basic_ios::clear" in str(err.value) and "its partial files are removed" in str(err.value)
+    assert complete_checkpoints(str(tmp_path)) == [] and os.listdir(tmp_path) == []  # the space is given back
+    (tmp_path / ".tmp-global_step2" / "rng").mkdir(parents=True)
     monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: SimpleNamespace(free=10 << 30))
     with pytest.raises(CheckpointWriteError, match=r"writing rng/rank1.pt into .* failed \(10240 MiB free\)"):
         writer.save_rank_state(1)
+    (tmp_path / ".tmp-global_step2" / "rng").mkdir(parents=True)
 
     def peer_gone(*args, **kwargs):  # another rank's view: the rank that met the full disk left the collective
         raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
