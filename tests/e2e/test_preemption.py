@@ -1,6 +1,8 @@
 """SIGUSR1/SIGTERM make the job checkpoint and exit 0 (workers signalled: tests/e2e/test_slurm.py); workers
 whose plain torchrun died of SIGUSR1 checkpoint and exit; a job restarted by torchrun (--max-restarts)
-after a worker died resumes from the newest complete checkpoint on its own."""
+after a worker died resumes from the newest complete checkpoint on its own. A checkpoint written on a signal
+is checked against its manifest (every file's size and CRC); resuming from one is proved once, by the run that
+SIGTERM interrupts mid-step, which must then equal the straight run."""
 
 import json
 import os
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from rlhf.assets import TINY_DIR
-from rlhf.utils.checkpoint_files import complete_checkpoints
+from rlhf.utils.checkpoint_files import complete_checkpoints, verify_checkpoint
 from tests.distributed import ROOT, assert_clean_output, free_port
 from tests.tiny_runs import CPU, EAGER
 
@@ -70,7 +72,7 @@ def logged_steps(out):
 
 def test_usr1_to_plain_torchrun_leaves_workers_that_checkpoint_and_exit(tmp_path):
     """Plain torchrun dies at once on SIGUSR1 (a signal it does not handle); its workers notice their launcher
-    is gone, checkpoint the step they are in and exit (nobody is left to stop them), and the run resumes."""
+    is gone, checkpoint the step they are in and exit (nobody is left to stop them): a complete, intact checkpoint."""
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     proc = launch(out, ckpt, "--max_steps", "200")
     wait_for(lambda: len(logged_steps(out)) >= 2, proc)
@@ -84,12 +86,7 @@ def test_usr1_to_plain_torchrun_leaves_workers_that_checkpoint_and_exit(tmp_path
     steps = logged_steps(out)
     assert [s for s, _ in complete_checkpoints(str(ckpt))] == [steps[-1]]
     assert steps[-1] < 200
-    resumed = launch(out, ckpt, "--max_steps", str(steps[-1] + 2), "--load_checkpoint")
-    stdout, err = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, err[-4000:]
-    assert_clean_output(stdout, err, out)
-    assert f"resumed from {ckpt}/global_step{steps[-1]}" in stdout
-    assert logged_steps(out)[-2:] == [steps[-1] + 1, steps[-1] + 2]
+    assert verify_checkpoint(str(ckpt / f"global_step{steps[-1]}")) is None
 
 
 def test_torchrun_restart_resumes_from_newest_checkpoint(tmp_path):
@@ -122,7 +119,7 @@ def reward_func(queries, prompts, labels):
 def test_signal_to_the_launcher_checkpoints_and_exits_0(tmp_path):
     """SIGTERM goes to the launcher (as from `kill`, `timeout` or a scheduler), not to the workers, and each
     step outlasts torchrun's shutdown timeout: the workers still finish the step, checkpoint, and the launcher
-    exits 0; the run resumes from that checkpoint. (SIGUSR1 takes the same relay: tests/e2e/test_hangs_launcher.py
+    exits 0; the checkpoint is complete and intact. (SIGUSR1 takes the same relay: tests/e2e/test_hangs_launcher.py
     relays both signals to stand-in workers.)"""
     sig = signal.SIGTERM
     out, ckpt, reward = tmp_path / "run", tmp_path / "ckpt", tmp_path / "slow_reward.py"
@@ -140,11 +137,7 @@ def test_signal_to_the_launcher_checkpoints_and_exits_0(tmp_path):
     assert seconds < 60, seconds
     steps = logged_steps(out)
     assert [s for s, _ in complete_checkpoints(str(ckpt))] == [steps[-1]]
-    resumed = launch(out, ckpt, "--max_steps", str(steps[-1] + 1), "--load_checkpoint")
-    stdout, err = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, err[-4000:]
-    assert f"resumed from {ckpt}/global_step{steps[-1]}" in stdout
-    assert logged_steps(out)[-1] == steps[-1] + 1
+    assert verify_checkpoint(str(ckpt / f"global_step{steps[-1]}")) is None
 
 
 SIGTERM_REWARD = """
