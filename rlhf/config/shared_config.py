@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from rlhf.config.errors import UsageError
 
@@ -148,6 +149,8 @@ class ModelConfig:
     @property
     def dtype(self) -> torch.dtype:
         """torch dtype of parameters (and of vLLM's weights)."""
+        import torch  # here, not at import: a refused command answers without loading torch
+
         return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.param_dtype]
 
 

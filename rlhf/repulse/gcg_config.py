@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_REWARD_MODEL_DIR, TINY_DIR
 from rlhf.config.ppo_config import RewardConfig
@@ -71,6 +72,8 @@ class GCGModelConfig:
 
     @property
     def dtype(self) -> torch.dtype:
+        import torch  # here, not at import: a refused command answers without loading torch
+
         return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.dtype_name]
 
     @property

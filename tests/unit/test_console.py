@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import rlhf
-import rlhf.cli.entry_point as entry_point
 import rlhf.cli.train_ppo as train_ppo
 import rlhf.trainers.ppo_run as ppo_run
 from rlhf.config import errors
@@ -110,7 +109,7 @@ def test_errors_after_start_keep_their_traceback_but_usage_errors_do_not(single_
         raise ValueError("reward_func returned 1 rewards for 3 queries")
 
     single_process.setattr(ppo_run, "run", run)
-    single_process.setattr(entry_point.dist, "is_initialized", lambda: True)
+    single_process.setattr(torch.distributed, "is_initialized", lambda: True)
     with pytest.raises(ValueError, match="returned 1 rewards"):
         train_ppo.main([])
 
@@ -281,3 +280,27 @@ def test_an_unwritable_save_path_is_the_first_line_shown(single_process, capsys,
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.splitlines()[0].startswith(f"error: --save_path {blocker}/out is not writable"), err
+
+
+def test_a_refused_command_never_imports_torch():
+    """Every job answers a mistyped flag before torch (let alone transformers, DeepSpeed, vLLM) is imported:
+    `benchmarks/refusal_latency.py` measures the time this saves."""
+    import subprocess
+
+    from tests.distributed import ROOT
+    from tests.unit.test_job_registry import JOBS
+
+    code = ("import sys\n"
+            f"for job in {list(JOBS)!r}:\n"
+            "    module = __import__(f'rlhf.cli.{job}', fromlist=['main'])\n"
+            "    try:\n"
+            "        module.main(['--no_such_flag'])\n"
+            "    except SystemExit as exit:\n"
+            "        assert exit.code == 2, (job, exit.code)\n"
+            "heavy = ('torch', 'transformers', 'deepspeed', 'vllm')\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]"
+    assert proc.stderr.count("error: unknown flag --no_such_flag") == len(JOBS)
