@@ -2,8 +2,10 @@
 at the model load with one error line; a toy one of each method (PPO without KL; REINFORCE, REINFORCE with the reward
 transform and RePULSe with KL 10; the base model as proposal without KL), launched as `-m rlhf.cli.train_ppo` (the
 fork's module name with the launcher replaced) on 2 ranks, train on the embedded toy with the analytic evaluation
-after every fit step. The step's one prompt's 8 samples are split over both ranks and micro-batches of 2."""
+after every fit step (the five in one launch). The step's one prompt's 8 samples are split over both ranks and
+micro-batches of 2."""
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -52,6 +54,7 @@ def toy_replay(argv: list[str], out: Path) -> list[str]:
     return [*argv, *CPU, "--rollout_engine", "hf"]
 
 
+@functools.cache
 def _exact_log_p_bad_of_the_tiny_policy() -> float:
     from rlhf.models.loading import load_causal_lm, load_tokenizer
     from rlhf.repulse.bad_outputs import log_p_bad, next_token_logprobs_V, second_token_logprobs_VV
@@ -77,14 +80,28 @@ def _toy_id(index: int, heading: str, argv: list[str]) -> str:
 REPLAYED = [0, 5, 6, 3, 8]
 
 
-@pytest.mark.parametrize("heading,argv", [TOY[i] for i in REPLAYED],
-                         ids=[_toy_id(i, *TOY[i]) for i in REPLAYED])
-def test_toy_command_trains_on_the_embedded_toy(heading, argv, tmp_path):
-    # under the module name the rule "replace the launcher" gives for the fork's openrlhf.cli.train_ppo
-    proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *toy_replay(argv, tmp_path), timeout=900)
+@pytest.fixture(scope="module")
+def replays(tmp_path_factory) -> dict[int, tuple[Path, str]]:
+    """The replayed toy commands, one after another in one 2-rank launch (tests/workers/job_variants.py), each
+    under `rlhf.cli.train_ppo`, the module name the rule "replace the launcher" gives for the fork's
+    openrlhf.cli.train_ppo: {index: (its output directory, its console output)}."""
+    tmp = tmp_path_factory.mktemp("fork_toy")
+    runs = {i: tmp / str(i) for i in REPLAYED}
+    spec = tmp / "variants.json"
+    spec.write_text(json.dumps([["train_ppo", toy_replay(TOY[i][1], out)] for i, out in runs.items()]))
+    proc = run_torchrun(2, "tests/workers/job_variants.py", str(spec), timeout=1500)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    assert proc.stdout.count("running this command as python -m rlhf.cli.train_repulse") == 1
-    out = tmp_path / "model_out"
+    outputs = proc.stdout.split("=== variant ")[1:]
+    assert len(outputs) == len(runs), proc.stdout[-3000:]
+    return {i: (out, text) for (i, out), text in zip(runs.items(), outputs)}
+
+
+@pytest.mark.parametrize("index", REPLAYED, ids=[_toy_id(i, *TOY[i]) for i in REPLAYED])
+def test_toy_command_trains_on_the_embedded_toy(index, replays):
+    heading = TOY[index][0]
+    run, stdout = replays[index]
+    assert stdout.count("running this command as python -m rlhf.cli.train_repulse") == 1
+    out = run / "model_out"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
     evals = [r for r in rows if "log_p_bad" in r]
     steps_per_fit = 2  # one prompt per step: 2 episodes of 1 step
@@ -92,14 +109,14 @@ def test_toy_command_trains_on_the_embedded_toy(heading, argv, tmp_path):
     # before any update every method evaluates the same tiny policy exactly
     assert evals[0]["log_p_bad"] == pytest.approx(_exact_log_p_bad_of_the_tiny_policy(), abs=1e-5)
     assert all(math.isfinite(r["log_p_bad"]) and -5 <= r["reward_mean"] <= 1 for r in evals)
-    info = [json.loads(line) for line in (tmp_path / "info" / "evaluations.jsonl").open()]
+    info = [json.loads(line) for line in (run / "info" / "evaluations.jsonl").open()]
     assert [r["log_p_bad"] for r in info] == [r["log_p_bad"] for r in evals]
     assert evals[-1]["samples_drawn"] == 8 * 2 * steps_per_fit * (2 if heading.endswith("/ RePULSe") else 1)
     assert evals[-1]["log_p_bad"] != evals[0]["log_p_bad"]  # the policy was trained
     assert (out / "model" / "config.json").exists()
     assert (out / "proposal").exists() == heading.endswith("/ RePULSe")
     assert "analytic evaluation after every fit step: exact log P(bad) of 2-token responses to 'copy :', " \
-           "bad words 'x y z'" in proc.stdout
+           "bad words 'x y z'" in stdout
 
 
 def test_gcg_goals_split_over_ranks_give_the_one_process_result(tmp_path):

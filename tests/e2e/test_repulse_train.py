@@ -24,12 +24,28 @@ TOY = [*CPU, "--pretrain", f"{TINY_DIR}/policy", "--remote_rm_url", TOY_REWARD, 
        "--actor_loss_type", "ctl", "--parameterization", "policy_psi_q_p_s_t"]
 
 
-def _train(out, nproc, *extra):
-    proc = run_torchrun(nproc, "-m rlhf.cli.train_repulse", *TOY, "--save_path", str(out), *extra)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+def _results(out):
     with open(out / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     return rows, load_file(out / "model" / "model.safetensors"), load_file(out / "proposal" / "model.safetensors")
+
+
+def _train(out, nproc, *extra):
+    proc = run_torchrun(nproc, "-m rlhf.cli.train_repulse", *TOY, "--save_path", str(out), *extra)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return _results(out)
+
+
+def _train_variants(nproc, runs, base=TOY):
+    """`_train` for each (out, extra flags) of `runs`, one after another in one launch (tests/workers/
+    job_variants.py); each result also carries its console output."""
+    spec = runs[0][0].parent / f"variants-{runs[0][0].name}.json"
+    spec.write_text(json.dumps([["train_repulse", [*base, "--save_path", str(out), *extra]] for out, extra in runs]))
+    proc = run_torchrun(nproc, "tests/workers/job_variants.py", str(spec), timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    outputs = proc.stdout.split("=== variant ")[1:]
+    assert len(outputs) == len(runs), proc.stdout[-3000:]
+    return [(*_results(out), text) for (out, _), text in zip(runs, outputs)]
 
 
 def test_repulse_resume_equals_uninterrupted(tmp_path):
@@ -38,10 +54,11 @@ def test_repulse_resume_equals_uninterrupted(tmp_path):
            "--alpha", "1", "--actor_learning_rate", "3e-3", "--base_actor_learning_rate", "3e-3", "--seed", "3",
            "--zero_stage", "2"]
     run += ["--save_negdata", "--save_negdata_threshold", "0"]  # the responses with a negative reward
-    straight = _train(tmp_path / "straight", 2, *run, "--save_info_path", str(tmp_path / "straight" / "info"))
     ckpt = tmp_path / "ckpt"
-    saving = _train(tmp_path / "saving", 2, *run, "--save_steps_harmless", "2", "--ckpt_path", str(ckpt),
-                    "--save_info_path", str(tmp_path / "saving" / "info"))
+    straight, saving = _train_variants(2, [
+        (tmp_path / "straight", [*run, "--save_info_path", str(tmp_path / "straight" / "info")]),
+        (tmp_path / "saving", [*run, "--save_steps_harmless", "2", "--ckpt_path", str(ckpt),
+                               "--save_info_path", str(tmp_path / "saving" / "info")])])
     assert [s for s, _ in complete_checkpoints(str(ckpt))] == [2, 4]
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
@@ -140,8 +157,8 @@ def test_packed_repulse_steps_equal_padded(tmp_path):
            "--micro_train_batch_size", "4", "--fit_steps", "1", "--harmlessness_training_num_episodes", "2",
            "--alpha", "1", "--actor_learning_rate", "1e-3", "--base_actor_learning_rate", "1e-3", "--seed", "1",
            "--zero_stage", "2"]
-    padded, _, _ = _train(tmp_path / "padded", 1, *run)
-    packed, _, _ = _train(tmp_path / "packed", 1, *run, "--packing_samples")
+    (padded, *_), (packed, *_) = _train_variants(1, [(tmp_path / "padded", run),
+                                                     (tmp_path / "packed", [*run, "--packing_samples"])])
     assert len(padded) == len(packed) == 3  # the evaluation before, then 2 steps (the last with its evaluation)
     for a, b in zip(padded, packed):
         for key in ("policy_loss", "neg_term", "ctl_loss", "grad_norm", "q_grad_norm", "reward_mean", "log_p_bad"):
@@ -186,16 +203,10 @@ def test_proposal_on_its_own_rank_equals_colocated(tmp_path):
            "--alpha", "1", "--actor_learning_rate", "3e-3", "--base_actor_learning_rate", "3e-3", "--seed", "5",
            "--zero_stage", "2", "--save_negdata", "--save_negdata_threshold", "0"]
 
-    def train(name, *placement):
-        out = tmp_path / name
-        proc = run_torchrun(2, "-m rlhf.cli.train_repulse", *base, *run, "--save_path", str(out), *placement)
-        assert proc.returncode == 0, proc.stderr[-6000:]
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
-        return (rows, load_file(out / "model" / "model.safetensors"),
-                load_file(out / "proposal" / "model.safetensors"), proc.stdout)
-
-    colocated = train("colocated")
-    disjoint = train("disjoint", "--actor_num_gpus_per_node", "1", "--proposal_num_gpus_per_node", "1")
+    colocated, disjoint = _train_variants(2, [
+        (tmp_path / "colocated", run),
+        (tmp_path / "disjoint", [*run, "--actor_num_gpus_per_node", "1", "--proposal_num_gpus_per_node", "1"])],
+        base=base)
     assert "data-parallel replicas: actor 1, reward 2, proposal 1" in disjoint[3]
     assert "data-parallel replicas: actor 2, reward 2, proposal 2" in colocated[3]
     assert len(colocated[0]) == len(disjoint[0]) == 3
