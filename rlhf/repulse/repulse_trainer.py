@@ -196,6 +196,9 @@ class RepulseTrainer(PPOTrainer):
                 for micros in self._step_rows(samples.num_samples, role)]
 
     def _whole_groups(self, micros: list[slice]) -> bool:
+        """Whether each micro-batch holds whole groups. The same answer on every replica (so all or none run
+        `_with_ctl_pi`'s collectives): the replicas' rows are rank 0's shifted by the share S/dp, and when S/dp
+        is not a multiple of K rank 0's last row and the others' first rows are off a group boundary."""
         return all(rows.start % self.k == 0 and rows.stop % self.k == 0 for rows in micros)
 
     def _with_ctl_pi(self, samples: GroupSamples, micros: list[slice]) -> list[GroupSamples]:
