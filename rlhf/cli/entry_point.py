@@ -4,11 +4,15 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 import importlib
+import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from rlhf.config.errors import usage_errors_exit
 from rlhf.config.flags import parse_config
@@ -17,12 +21,34 @@ from rlhf.config.flags import parse_config
 def main_for(config_cls: type, run: Callable[[Any, Sequence[warnings.WarningMessage]], None], prog: str,
              argv: list[str] | None = None) -> None:
     """Parse the flags of `config_cls` and run. Flag and input mistakes exit 2 with one `error:` line from
-    rank 0 (see `rlhf.config.errors`); failures after torch.distributed is initialised keep their traceback."""
+    rank 0 (see `rlhf.config.errors`); failures after torch.distributed is initialised keep their traceback.
+
+    argv None means this call is the program (the flags are `sys.argv`): after the run returns, the process
+    ends here (`end_program`). With an argv list it returns, for callers that run several jobs in one process."""
     with usage_errors_exit(started=distributed_started):
         with warnings.catch_warnings(record=True) as parse_warnings:
             warnings.simplefilter("default")
             cfg = parse_config(config_cls, argv, prog=prog)
         run(cfg, parse_warnings)
+    if argv is None:
+        end_program()
+
+
+def end_program() -> NoReturn:
+    """End a program whose job returned, with exit status 0, without the interpreter's finalization: on a
+    process that has loaded torch, transformers, DeepSpeed and vLLM it spends seconds freeing millions of
+    objects one by one (4-5 s per rank on a 2-core machine, more than a tiny job's training steps). What
+    finalization does that matters is done first and in its order: the threads are joined as at shutdown, the
+    atexit handlers run (the engines' shutdown and the process groups' teardown, logging's flush), the standard
+    streams are flushed. `gc.freeze()` first: the collections those handlers run (vLLM's shutdown calls
+    `gc.collect()`) then skip every object alive now instead of walking them all."""
+    gc.freeze()
+    threading._shutdown()  # what the interpreter calls first at exit: joins the non-daemon threads
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        if stream is not None:
+            stream.flush()
+    os._exit(0)
 
 
 def distributed_started() -> bool:

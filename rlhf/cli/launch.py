@@ -29,6 +29,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from rlhf.cli.entry_point import end_program
+
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"  # torchrun keeps these; ours are PREEMPT_SIGNALS
 DEFAULT_GRACE_S = 600.0
@@ -148,6 +150,7 @@ def _say(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """argv None: the program (the process ends here after torchrun returns, as `end_program` says)."""
     no_preload, args = split_flag(list(sys.argv[1:] if argv is None else argv), "--no_preload")
     try:
         grace, torchrun_args = split_grace_period(args)
@@ -169,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     summary = relay.summary()
     if summary:
         _say(summary)
+    if argv is None:
+        end_program()
 
 
 if __name__ == "__main__":

@@ -17,8 +17,7 @@ from rlhf.config.ppo_config import TrainPPOConfig
 def main(argv: list[str] | None = None) -> None:
     """A command with the RePULSe fork's flags is the fork's `train_ppo` (`openrlhf.cli.train_ppo` there): it runs
     as `rlhf.cli.train_repulse`, said in one line, so the fork's scripts switch by changing the launcher."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    fork = fork_flags_in(argv)
+    fork = fork_flags_in(sys.argv[1:] if argv is None else list(argv))
     if fork:
         from rlhf.cli import train_repulse
 

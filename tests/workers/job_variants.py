@@ -12,6 +12,8 @@ import json
 import os
 import sys
 
+from rlhf.cli.entry_point import end_program
+
 
 def main(spec_path: str) -> None:
     with open(spec_path) as f:
@@ -20,6 +22,7 @@ def main(spec_path: str) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(f"=== variant {i} ===", flush=True)
         importlib.import_module(f"rlhf.cli.{module}").main([*argv, "--watchdog_interval", "0"])
+    end_program()
 
 
 if __name__ == "__main__":
