@@ -304,3 +304,28 @@ def test_a_refused_command_never_imports_torch():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[]"
     assert proc.stderr.count("error: unknown flag --no_such_flag") == len(JOBS)
+
+
+def test_end_program_does_what_finalization_would_and_exits_0(tmp_path):
+    """`end_program` skips the interpreter's finalization but not what it does that matters: a non-daemon
+    thread finishes, atexit handlers run after it (newest first), unflushed output reaches the streams, and the
+    exit status is 0."""
+    import subprocess
+
+    from tests.distributed import ROOT
+
+    code = ("import atexit, sys, threading, time\n"
+            "from rlhf.cli.entry_point import end_program\n"
+            f"log = open({str(tmp_path / 'order.txt')!r}, 'w')\n"
+            "atexit.register(lambda: (log.write('older handler\\n'), log.close()))\n"
+            "atexit.register(lambda: log.write('newer handler\\n'))\n"
+            "threading.Thread(target=lambda: (time.sleep(0.3), log.write('thread\\n'))).start()\n"
+            "sys.stdout.write('unflushed stdout')\n"
+            "sys.stderr.write('unflushed stderr')\n"
+            "end_program()\n"
+            "print('never reached')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (proc.stdout, proc.stderr) == ("unflushed stdout", "unflushed stderr")
+    assert (tmp_path / "order.txt").read_text() == "thread\nnewer handler\nolder handler\n"
