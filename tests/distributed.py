@@ -112,6 +112,25 @@ def run_torchrun(nproc: int, target: str, *args: str, timeout: int = 600) -> sub
     raise AssertionError("unreachable")
 
 
+def run_job_variants(nproc: int, runs: list[tuple[str, list[str]]], spec_path, *save_paths,
+                     timeout: int = 1500) -> list[str]:
+    """Each (module, argv) of `runs` (module: `train_ppo`, `train_sft`, ...) one after another in one torchrun
+    launch of `nproc` ranks (tests/workers/job_variants.py: one interpreter start, one process group, the
+    libraries imported once); the spec is written to `spec_path`. Asserts the launch exited 0 and printed no
+    traceback (nor did the logs of `save_paths`); returns each run's console output (its stdout, then its
+    stderr), in order."""
+    import json
+
+    with open(spec_path, "w") as f:
+        json.dump([[module, list(argv)] for module, argv in runs], f)
+    proc = run_torchrun(nproc, "tests/workers/job_variants.py", str(spec_path), timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert_clean_exit(proc, *save_paths)
+    stdouts, stderrs = proc.stdout.split("=== variant ")[1:], proc.stderr.split("=== variant ")[1:]
+    assert len(stdouts) == len(stderrs) == len(runs), proc.stdout[-3000:]
+    return [out + err for out, err in zip(stdouts, stderrs)]
+
+
 CRASH_MARKS = ("Traceback (most recent call last)", "terminate called")
 """What a run that succeeded must never print: a Python traceback, or a C++ abort (`terminate called ...`)."""
 

@@ -5,20 +5,17 @@
 import pytest
 
 
-def _agent_ppo(out, *extra: str):
+def _agent_ppo(out, *extra: str) -> tuple[str, list[str]]:
     from rlhf.assets import TINY_DIR
-    from tests.distributed import run_torchrun
-    from tests.tiny_runs import CPU, EAGER, read_metrics
+    from tests.tiny_runs import CPU, EAGER
 
-    proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *CPU, *EAGER, "--agent_func_path", f"{TINY_DIR}/guess_agent.py",
-                        "--prompt_data", f"{TINY_DIR}/guess_prompts.jsonl", "--input_key", "input",
-                        "--label_key", "label", "--agent_max_turns", "2", "--agent_turn_max_tokens", "4",
-                        "--generate_max_len", "8", "--prompt_max_len", "8", "--rollout_batch_size", "4",
-                        "--n_samples_per_prompt", "4", "--train_batch_size", "16", "--micro_train_batch_size", "2",
-                        "--micro_rollout_batch_size", "4", "--advantage_estimator", "gae", "--init_kl_coef", "0.05",
-                        "--actor_learning_rate", "1e-3", "--max_steps", "2", "--save_path", str(out), *extra)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return read_metrics(out)
+    return "train_ppo", [*CPU, *EAGER, "--agent_func_path", f"{TINY_DIR}/guess_agent.py",
+                         "--prompt_data", f"{TINY_DIR}/guess_prompts.jsonl", "--input_key", "input",
+                         "--label_key", "label", "--agent_max_turns", "2", "--agent_turn_max_tokens", "4",
+                         "--generate_max_len", "8", "--prompt_max_len", "8", "--rollout_batch_size", "4",
+                         "--n_samples_per_prompt", "4", "--train_batch_size", "16", "--micro_train_batch_size", "2",
+                         "--micro_rollout_batch_size", "4", "--advantage_estimator", "gae", "--init_kl_coef", "0.05",
+                         "--actor_learning_rate", "1e-3", "--max_steps", "2", "--save_path", str(out), *extra]
 
 
 @pytest.mark.vllm
@@ -26,10 +23,16 @@ def test_agent_ppo_packed_dynamic_ring_matches_padded(tmp_path):
     """PPO (critic, reference, KL in the reward) on agent episodes: the first step with packed samples,
     dynamic micro-batches and ring attention over 2 ranks equals the padded one, and the trainer's
     log-probs of the model's tokens equal the engine's."""
+    from tests.distributed import run_job_variants
+    from tests.tiny_runs import read_metrics
+
     pytest.importorskip("vllm")
-    padded = _agent_ppo(tmp_path / "padded")
-    ring = _agent_ppo(tmp_path / "ring", "--packing_samples", "--use_dynamic_batch", "--ring_attn_size", "2",
-                      "--train_max_tokens_per_gpu", "16", "--rollout_max_tokens_per_gpu", "24")
+    run_job_variants(2, [
+        _agent_ppo(tmp_path / "padded"),
+        _agent_ppo(tmp_path / "ring", "--packing_samples", "--use_dynamic_batch", "--ring_attn_size", "2",
+                   "--train_max_tokens_per_gpu", "16", "--rollout_max_tokens_per_gpu", "24"),
+    ], tmp_path / "variants.json", tmp_path / "padded", tmp_path / "ring")
+    padded, ring = read_metrics(tmp_path / "padded"), read_metrics(tmp_path / "ring")
     first, expected = ring[0], padded[0]
     assert expected["reward_extra/agent_turns"] > 1.5  # most episodes took both turns: several action spans
     assert expected["rollout/logprob_abs_diff"] < 1e-5 and expected["value_loss"] > 0

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from rlhf.assets import TINY_DIR
 from rlhf.utils.checkpoint_files import complete_checkpoints, pick_checkpoint
-from tests.distributed import ROOT, run_torchrun
+from tests.distributed import ROOT, run_job_variants, run_torchrun
 from tests.tiny_runs import CPU, EAGER
 
 PPO = [*CPU, *EAGER, "--pretrain", f"{TINY_DIR}/policy", "--reward_pretrain", f"{TINY_DIR}/reward_model",
@@ -33,21 +33,30 @@ COMPARED = ("reward_mean", "reward_shaped_mean", "kl", "kl_coef", "policy_loss",
             "ptx_loss")
 
 
+def results(out):
+    with open(out / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f], load_file(out / "model" / "model.safetensors")
+
+
 def train(out, *extra, stdout=None):
     proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *PPO, "--save_path", str(out), *extra)
     assert proc.returncode == 0, proc.stderr[-6000:]
     if stdout is not None:
         stdout.append(proc.stdout)
-    with open(out / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f], load_file(out / "model" / "model.safetensors")
+    return results(out)
 
 
 @pytest.mark.vllm
 def test_resume_equals_uninterrupted(tmp_path):
+    """The straight and the saving run share one launch (tests/workers/job_variants.py); the resume is a
+    launch of its own, as after a real stop."""
     pytest.importorskip("vllm")
-    straight_metrics, straight = train(tmp_path / "straight")
     ckpt = tmp_path / "ckpt"
-    saved_metrics, saved = train(tmp_path / "saving", "--save_steps", "2", "--ckpt_path", str(ckpt), *SLEEP)
+    run_job_variants(2, [("train_ppo", [*PPO, "--save_path", str(tmp_path / "straight")]),
+                         ("train_ppo", [*PPO, "--save_path", str(tmp_path / "saving"), "--save_steps", "2",
+                                        "--ckpt_path", str(ckpt), *SLEEP])],
+                     tmp_path / "variants.json", tmp_path / "straight", tmp_path / "saving")
+    (straight_metrics, straight), (saved_metrics, saved) = results(tmp_path / "straight"), results(tmp_path / "saving")
     assert [s for s, _ in complete_checkpoints(str(ckpt))] == [2, 4]
     # as if the job died while writing step 6's checkpoint, and step 4's lost rank 1's RNG state: resume
     # falls back to step 2, removes the leftover, and metrics.jsonl (the saving run's) keeps steps 1, 2

@@ -6,17 +6,13 @@ import pytest
 import torch
 
 from rlhf.assets import EMBEDDED_PROMPTS
-from tests.distributed import run_torchrun
+from tests.distributed import run_job_variants
 from tests.tiny_runs import SMALL, read_metrics
 
 
-def _run(tmp_path, name, *extra):
-    out = tmp_path / name
-    proc = run_torchrun(1, "-m rlhf.cli.train_ppo", *SMALL, "--rollout_engine", "hf", "--zero_stage", "0",
-                        "--prompt_data", EMBEDDED_PROMPTS, "--dynamic_filtering", "--seed", "2",
-                        "--save_path", str(out), *extra)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return read_metrics(out), proc.stdout + proc.stderr
+def _run(out, *extra) -> tuple[str, list[str]]:
+    return "train_ppo", [*SMALL, "--rollout_engine", "hf", "--zero_stage", "0", "--prompt_data", EMBEDDED_PROMPTS,
+                         "--dynamic_filtering", "--seed", "2", "--save_path", str(out), *extra]
 
 
 RANDOM_COUNTING_REWARD = """
@@ -36,7 +32,10 @@ the file. Extra logs: the call's mean reward (one value per call) and each sampl
 def test_every_step_trains_on_a_full_batch_of_informative_groups(tmp_path):
     reward = tmp_path / "random_reward.py"
     reward.write_text(RANDOM_COUNTING_REWARD)
-    rows, out = _run(tmp_path, "refill", "--dynamic_filtering_max_rounds", "50", "--remote_rm_url", str(reward))
+    out, _ = run_job_variants(1, [
+        _run(tmp_path / "refill", "--dynamic_filtering_max_rounds", "50", "--remote_rm_url", str(reward)),
+        _run(tmp_path / "one_round", "--dynamic_filtering_max_rounds", "1")], tmp_path / "variants.json")
+    rows, capped = read_metrics(tmp_path / "refill"), read_metrics(tmp_path / "one_round")
     calls = [tuple(map(float, line.split())) for line in (tmp_path / "calls.txt").read_text().splitlines()]
     assert sum(n for n, _ in calls) == sum(r["dynamic_filtering_prompts"] for r in rows) * 4  # each scored once
     for r in rows:
@@ -54,7 +53,6 @@ def test_every_step_trains_on_a_full_batch_of_informative_groups(tmp_path):
     assert out.count("extra_logs['call_mean'] as one value per call") == 1
     assert any(r["dynamic_filtering_rounds"] > 1 for r in rows)  # the demo's uniform groups needed refills
 
-    capped, _ = _run(tmp_path, "one_round", "--dynamic_filtering_max_rounds", "1")
     for r in capped:  # one round: the old behaviour, rejected groups masked
         assert r["dynamic_filtering_rounds"] == 1 and r["dynamic_filtering_prompts"] == 4
         assert r["dynamic_filtering_pass_rate"] == pytest.approx(100 * r["kept_ratio"])

@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from rlhf.assets import TINY_DIR
-from tests.distributed import run_torchrun
+from tests.distributed import run_job_variants
 from tests.tiny_runs import CPU, EAGER, assert_adam_weights_close
 
 pytest.importorskip("vllm")
@@ -33,10 +33,7 @@ SPLIT = ["--actor_num_gpus_per_node", "2", "--ref_num_gpus_per_node", "2", "--cr
          "--reward_num_gpus_per_node", "2", "--colocate_actor_ref", "--colocate_critic_reward"]
 
 
-def run(out, zero_stage, placement):
-    proc = run_torchrun(4, "-m rlhf.cli.train_ppo", *COMMON, *placement, "--zero_stage", str(zero_stage),
-                        "--save_path", str(out))
-    assert proc.returncode == 0, proc.stderr[-6000:]
+def results(out):
     with open(os.path.join(out, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
     return metrics, load_file(os.path.join(out, "model", "model.safetensors")), \
@@ -44,9 +41,14 @@ def run(out, zero_stage, placement):
 
 
 def test_split_placement_equals_colocated(tmp_path):
+    """Both placements in one 4-rank launch (tests/workers/job_variants.py), colocated first."""
     zero_stage = 3  # the stage whose collectives DeepSpeed had to be taught to scope to a role's group
-    colo_metrics, colo_actor, colo_critic = run(tmp_path / "colocated", zero_stage, ["--colocate_all_models"])
-    split_metrics, split_actor, split_critic = run(tmp_path / "split", zero_stage, SPLIT)
+    runs = {"colocated": ["--colocate_all_models"], "split": SPLIT}
+    run_job_variants(4, [("train_ppo", [*COMMON, *placement, "--zero_stage", str(zero_stage),
+                                        "--save_path", str(tmp_path / name)]) for name, placement in runs.items()],
+                     tmp_path / "variants.json", *(tmp_path / name for name in runs))
+    colo_metrics, colo_actor, colo_critic = results(tmp_path / "colocated")
+    split_metrics, split_actor, split_critic = results(tmp_path / "split")
     assert len(colo_metrics) == len(split_metrics) == 2
     for a, b in zip(colo_metrics, split_metrics):
         for key in ("reward_mean", "response_length", "kl", "policy_loss", "value_loss", "grad_norm"):

@@ -4,31 +4,31 @@ fixed-micro-batch run (same rollouts, so the same rewards, KL, losses and gradie
 
 import pytest
 
-from tests.distributed import run_torchrun
+from tests.distributed import run_job_variants
 from tests.tiny_runs import SMALL, read_metrics
 
 STEP_KEYS = ("reward_mean", "kl", "return_mean", "advantage_mean", "policy_loss", "value_loss", "clip_frac",
              "grad_norm", "critic_grad_norm", "response_length")
 
 
-def _ppo(out, *extra: str):
+def _ppo(out, *extra: str) -> tuple[str, list[str]]:
     from rlhf.assets import TINY_DIR
 
     # one optimizer step per RL step: its loss does not depend on how the 16 samples are sharded
-    proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *SMALL, "--max_steps", "2", "--train_batch_size", "16",
-                        "--advantage_estimator", "gae",
-                        "--reward_pretrain", f"{TINY_DIR}/reward_model", "--init_kl_coef", "0.05",
-                        "--save_path", str(out), *extra)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return read_metrics(out), proc.stdout
+    return "train_ppo", [*SMALL, "--max_steps", "2", "--train_batch_size", "16", "--advantage_estimator", "gae",
+                         "--reward_pretrain", f"{TINY_DIR}/reward_model", "--init_kl_coef", "0.05",
+                         "--save_path", str(out), *extra]
 
 
 @pytest.mark.vllm
 def test_packed_dynamic_ring_ppo_matches_padded(tmp_path):
     pytest.importorskip("vllm")
-    padded, _ = _ppo(tmp_path / "padded")
-    ring, stdout = _ppo(tmp_path / "ring", "--packing_samples", "--use_dynamic_batch", "--ring_attn_size", "2",
-                "--train_max_tokens_per_gpu", "16", "--rollout_max_tokens_per_gpu", "24")
+    _, stdout = run_job_variants(2, [
+        _ppo(tmp_path / "padded"),
+        _ppo(tmp_path / "ring", "--packing_samples", "--use_dynamic_batch", "--ring_attn_size", "2",
+             "--train_max_tokens_per_gpu", "16", "--rollout_max_tokens_per_gpu", "24"),
+    ], tmp_path / "variants.json", tmp_path / "padded", tmp_path / "ring")
+    padded, ring = read_metrics(tmp_path / "padded"), read_metrics(tmp_path / "ring")
     assert ("layout: packed samples (varlen attention: sdpa); ring attention over 2 ranks (head stride 1; fp32 "
             "einsum blocks); dynamic "
             "micro-batches of <= 16 tokens per rank in training, <= 24 in experience forwards; data-parallel "

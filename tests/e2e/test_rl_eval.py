@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf.assets import EMBEDDED_PROMPTS
-from tests.distributed import run_torchrun
+from tests.distributed import run_job_variants
 from tests.tiny_runs import SMALL, read_metrics
 
 
@@ -18,15 +18,13 @@ def test_eval_on_trains_the_same_weights_as_eval_off(tmp_path):
                                  for i, row in enumerate(rows)))
     run = [*SMALL, "--rollout_engine", "hf", "--zero_stage", "2", "--max_steps", "4", "--seed", "7"]
 
-    def train(name, *extra):
-        out = tmp_path / name
-        proc = run_torchrun(1, "-m rlhf.cli.train_ppo", *run, "--save_path", str(out), *extra)
-        assert proc.returncode == 0, proc.stderr[-6000:]
-        return read_metrics(out), load_file(out / "model" / "model.safetensors")
-
-    off_rows, off = train("off")
-    on_rows, on = train("on", "--eval_dataset", str(eval_file), "--eval_steps", "3",
-                        "--eval_n_samples_per_prompt", "2", "--eval_temperature", "0.7")
+    evaluation = ["--eval_dataset", str(eval_file), "--eval_steps", "3", "--eval_n_samples_per_prompt", "2",
+                  "--eval_temperature", "0.7"]
+    run_job_variants(1, [("train_ppo", [*run, "--save_path", str(tmp_path / "off")]),
+                         ("train_ppo", [*run, "--save_path", str(tmp_path / "on"), *evaluation])],
+                     tmp_path / "variants.json", tmp_path / "off", tmp_path / "on")
+    off_rows, off = read_metrics(tmp_path / "off"), load_file(tmp_path / "off" / "model" / "model.safetensors")
+    on_rows, on = read_metrics(tmp_path / "on"), load_file(tmp_path / "on" / "model" / "model.safetensors")
     for name, weight in off.items():
         torch.testing.assert_close(on[name], weight, rtol=0, atol=0, msg=name)
     evals = [r for r in on_rows if "eval/even_pass1" in r]

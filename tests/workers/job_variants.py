@@ -5,7 +5,7 @@ process group, the libraries imported once), so that the variants of one equival
 
 SPEC is a list of [module, argv] (module: `train_sft`, `train_rm`, ...). Every run gets `--watchdog_interval 0`
 (the watchdog of an earlier run would otherwise time the later ones). Before each run rank 0 prints
-`=== variant I ===` so the caller can split the output per run."""
+`=== variant I ===` on stdout and on stderr so the caller can split the output per run."""
 
 import importlib
 import json
@@ -21,6 +21,7 @@ def main(spec_path: str) -> None:
     for i, (module, argv) in enumerate(spec):
         if os.environ.get("RANK", "0") == "0":
             print(f"=== variant {i} ===", flush=True)
+            print(f"=== variant {i} ===", file=sys.stderr, flush=True)
         importlib.import_module(f"rlhf.cli.{module}").main([*argv, "--watchdog_interval", "0"])
     end_program()
 
