@@ -4,6 +4,7 @@ first chunk and rerun, reward-model scores == scoring the rows by hand (with the
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_PROMPTS, EMBEDDED_REWARD_MO
 from rlhf.inference.generate import generated_text
 from rlhf.inference.output import progress_path
 from rlhf.inference.post_process import rejection_sampling
-from tests.distributed import ROOT, assert_clean_output, free_port, run_torchrun
+from tests.distributed import ROOT, assert_clean_output, free_port, run_job_variants
 from tests.tiny_runs import EAGER
 
 CPU = ["--param_dtype", "fp32", "--attn_implementation", "sdpa"]
@@ -31,14 +32,55 @@ def _rows(path) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+SAMPLED_VLLM = ["--eval_task", "generate_vllm", *GEN, *EAGER, "--tp_size", "1"]
+
+
+def _scoring_model(tmp) -> str:
+    """The embedded reward model with the normalisation train_rm stores in its config."""
+    rm = tmp / "rm"
+    shutil.copytree(EMBEDDED_REWARD_MODEL_DIR, rm)
+    config = json.loads((rm / "config.json").read_text())
+    (rm / "config.json").write_text(json.dumps({**config, "mean": 0.25, "std": 0.5}))
+    return str(rm)
+
+
 @pytest.fixture(scope="module")
-def hf_generated(tmp_path_factory):
+def runs(tmp_path_factory):
+    """This file's launched runs, in two launches (tests/workers/job_variants.py): on 2 ranks, the demo's first
+    24 prompts x 2 samples with HF generate, their rejection sampling by the reward model, 12 greedy rows from
+    vLLM and the 24 x 2 sampled by vLLM; on 1 rank, the same greedy rows from HF generate.
+    Returns (the directory, each run's console output by name)."""
+    tmp = tmp_path_factory.mktemp("batch")
+    two = {
+        "hf_generated": ["--eval_task", "generate", *GEN, "--output_path", str(tmp / "gen.jsonl")],
+        # the head is named in the model's config ("score"): it wins over --value_head_prefix's default
+        "rs": ["--eval_task", "rm", *CPU, "--pretrain", _scoring_model(tmp), "--dataset", str(tmp / "gen.jsonl"),
+               "--max_len", "64", "--micro_batch_size", "5", "--chunk_size", "16", "--post_processor", "rs",
+               "--output_path", str(tmp / "rs.jsonl")],
+    }
+    one = {}
+    if importlib.util.find_spec("vllm") is not None:
+        two["vllm_greedy"] = ["--eval_task", "generate_vllm", *CPU, *EAGER, "--tp_size", "1", "--max_samples", "12",
+                              "--chunk_size", "5", "--greedy_sampling", "--output_path", str(tmp / "greedy.jsonl"),
+                              "--max_num_seqs", "4"]
+        two["vllm_sampled"] = [*SAMPLED_VLLM, "--output_path", str(tmp / "two.jsonl")]
+        one["hf_greedy"] = ["--eval_task", "generate", *CPU, "--max_samples", "12", "--greedy_sampling",
+                            "--output_path", str(tmp / "hf_greedy.jsonl")]
+    outputs = {}
+    for nproc, named in ((2, two), (1, one)):
+        if named:
+            texts = run_job_variants(nproc, [("batch_inference", argv) for argv in named.values()],
+                                     tmp / f"variants{nproc}.json")
+            outputs.update(zip(named, texts))
+    return tmp, outputs
+
+
+@pytest.fixture(scope="module")
+def hf_generated(runs):
     """The demo's first 24 prompts x 2 samples, HF generate on 2 ranks (uninterrupted)."""
-    out = tmp_path_factory.mktemp("hf") / "gen.jsonl"
-    proc = run_torchrun(2, "-m rlhf.cli.batch_inference", "--eval_task", "generate", *GEN, "--output_path", str(out))
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    assert "24 prompts x 2 samples on 2 HF generate engine(s) of 1 rank(s)" in proc.stdout
-    return out
+    tmp, outputs = runs
+    assert "24 prompts x 2 samples on 2 HF generate engine(s) of 1 rank(s)" in outputs["hf_generated"]
+    return tmp / "gen.jsonl"
 
 
 def _single_rank(*args: str) -> subprocess.Popen:
@@ -87,20 +129,12 @@ def test_generate_rows_and_a_stopped_single_rank_run_resumed_equal_two_ranks(hf_
     assert out.read_bytes() == hf_generated.read_bytes()
 
 
-def test_rm_scores_equal_direct_scoring_then_rejection_sampling(hf_generated, tmp_path):
+def test_rm_scores_equal_direct_scoring_then_rejection_sampling(runs, hf_generated):
     from rlhf.models.loading import load_tokenizer
     from rlhf.models.value import load_scalar_head_model
 
-    rm = tmp_path / "rm"
-    shutil.copytree(EMBEDDED_REWARD_MODEL_DIR, rm)
-    config = json.loads((rm / "config.json").read_text())
-    (rm / "config.json").write_text(json.dumps({**config, "mean": 0.25, "std": 0.5}))  # as train_rm stores them
-    out = tmp_path / "rs.jsonl"
-    # the head is named in the model's config ("score"): it wins over --value_head_prefix's default "value_head"
-    proc = run_torchrun(2, "-m rlhf.cli.batch_inference", "--eval_task", "rm", *CPU, "--pretrain", str(rm),
-                        "--dataset", str(hf_generated), "--max_len", "64", "--micro_batch_size", "5",
-                        "--chunk_size", "16", "--post_processor", "rs", "--output_path", str(out))
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    tmp, _ = runs
+    rm, out = tmp / "rm", tmp / "rs.jsonl"
     generated = [r for r in _rows(hf_generated) if r["output"]]  # OpenRLHF's SFTDataset drops empty responses
     scored = _rows(str(out) + ".scored.jsonl")
     assert [(r["input"], r["output"]) for r in scored] == [(r["input"], r["output"]) for r in generated]
@@ -116,22 +150,15 @@ def test_rm_scores_equal_direct_scoring_then_rejection_sampling(hf_generated, tm
 
 
 @pytest.mark.vllm
-def test_vllm_greedy_rows_equal_hf_greedy_decoding(tmp_path):
+def test_vllm_greedy_rows_equal_hf_greedy_decoding(runs):
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM
 
     from rlhf.models.loading import load_tokenizer
 
-    out = tmp_path / "greedy.jsonl"
-    proc = run_torchrun(2, "-m rlhf.cli.batch_inference", "--eval_task", "generate_vllm", *CPU, *EAGER,
-                        "--tp_size", "1", "--max_samples", "12", "--chunk_size", "5", "--greedy_sampling",
-                        "--output_path", str(out), "--max_num_seqs", "4")
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    hf_out = tmp_path / "hf_greedy.jsonl"
-    hf = run_torchrun(1, "-m rlhf.cli.batch_inference", "--eval_task", "generate", *CPU, "--max_samples", "12",
-                      "--greedy_sampling", "--output_path", str(hf_out))
-    assert hf.returncode == 0, hf.stderr[-6000:]
-    assert "12 prompts x 1 sample on 2 vLLM engine(s) of 1 rank(s)" in proc.stdout
+    tmp, outputs = runs
+    out, hf_out = tmp / "greedy.jsonl", tmp / "hf_greedy.jsonl"
+    assert "12 prompts x 1 sample on 2 vLLM engine(s) of 1 rank(s)" in outputs["vllm_greedy"]
     rows = _rows(out)
     tok = load_tokenizer(EMBEDDED_MODEL_DIR)
     model = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL_DIR, dtype=torch.float32).eval()
@@ -150,13 +177,12 @@ def test_vllm_greedy_rows_equal_hf_greedy_decoding(tmp_path):
 
 
 @pytest.mark.vllm
-def test_vllm_sampled_rows_do_not_depend_on_the_rank_count(tmp_path):
+def test_vllm_sampled_rows_do_not_depend_on_the_rank_count(runs, tmp_path):
+    """2 ranks under torchrun (in `runs`) and 1 rank without a launcher write the same bytes."""
     pytest.importorskip("vllm")
-    args = ["--eval_task", "generate_vllm", *GEN, *EAGER, "--tp_size", "1"]
-    two = run_torchrun(2, "-m rlhf.cli.batch_inference", *args, "--output_path", str(tmp_path / "two.jsonl"))
-    assert two.returncode == 0, two.stderr[-6000:]
-    one = _single_rank(*args, "--output_path", str(tmp_path / "one.jsonl"))
+    two = runs[0] / "two.jsonl"
+    one = _single_rank(*SAMPLED_VLLM, "--output_path", str(tmp_path / "one.jsonl"))
     stdout, stderr = one.communicate(timeout=600)
     assert one.returncode == 0, stderr[-6000:]
     assert_clean_output(stdout, stderr)
-    assert (tmp_path / "one.jsonl").read_bytes() == (tmp_path / "two.jsonl").read_bytes()
+    assert (tmp_path / "one.jsonl").read_bytes() == two.read_bytes()

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from tests.distributed import run_torchrun
+from tests.distributed import run_job_variants, run_torchrun
 from tests.tiny_runs import SMALL, read_metrics
 
 REQUIRED_KEYS = {"step", "reward_mean", "time/generation", "time/weight_sync", "time/experience", "time/train",
@@ -34,18 +34,48 @@ def check_outputs(out_dir, steps):
     return rows
 
 
-@pytest.mark.vllm
-def test_two_rank_vllm_zero3_reinforce_baseline(tmp_path):
+def _two_rank_vllm_runs(tmp) -> dict[str, tuple[str, list[str]]]:
+    """The 2-rank vLLM runs of this file: name -> (module, argv)."""
+    from rlhf.assets import TINY_DIR
+
+    return {
+        "stabilisers": ("train_ppo", [
+            *SMALL, "--train_batch_size", "16", "--advantage_estimator", "rloo", "--use_kl_loss", "--kl_estimator",
+            "k3", "--init_kl_coef", "0.01", "--policy_loss_type", "gspo", "--entropy_loss_coef", "0.01",
+            "--ptx_coef", "0.1", "--pretrain_data", f"{TINY_DIR}/prompts.jsonl", "--enable_vllm_is_correction",
+            "--use_icepop", "--dynamic_filtering", "--dynamic_filtering_reward_range", "-0.01", "0.99",
+            "--overlong_buffer_len", "2", "--stop_properly_penalty_coef", "0.5", "--normalize_reward",
+            "--reward_clip_range", "-2", "2", "--save_path", str(tmp / "stabilisers")]),
+        "critic_warmup": ("train_ppo", [
+            *SMALL, "--advantage_estimator", "gae", "--n_samples_per_prompt", "1", "--rollout_batch_size", "8",
+            "--reward_pretrain", f"{TINY_DIR}/reward_model", "--freezing_actor_steps", "2", "--value_clip", "0.2",
+            "--dual_clip", "3", "--init_kl_coef", "0.05", "--kl_target", "0.001", "--kl_horizon", "100",
+            "--save_path", str(tmp / "critic_warmup")]),
+        "zero3": ("train_ppo", [  # last: ZeRO-3's hooks stay installed in the process (tests.tiny_runs.run_jobs)
+            *SMALL, "--zero_stage", "3", "--advantage_estimator", "reinforce_baseline",
+            "--save_path", str(tmp / "zero3"), "--use_tensorboard", str(tmp / "tb")]),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """The output directories of `_two_rank_vllm_runs`, in two 2-rank launches (tests/workers/job_variants.py):
+    a third vLLM engine built in one process hung in its gloo group's rendezvous, so at most two per launch."""
     pytest.importorskip("vllm")
-    out = tmp_path / "run"
-    proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *SMALL, "--zero_stage", "3",
-                        "--advantage_estimator", "reinforce_baseline", "--save_path", str(out),
-                        "--use_tensorboard", str(tmp_path / "tb"))
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    rows = check_outputs(out, 3)  # the saved model was gathered from ZeRO-3 shards
+    tmp = tmp_path_factory.mktemp("two_rank")
+    runs = _two_rank_vllm_runs(tmp)
+    for names in (["stabilisers"], ["critic_warmup", "zero3"]):
+        run_job_variants(2, [runs[name] for name in names], tmp / f"variants-{names[0]}.json",
+                         *(tmp / name for name in names))
+    return tmp
+
+
+@pytest.mark.vllm
+def test_two_rank_vllm_zero3_reinforce_baseline(two_rank_runs):
+    rows = check_outputs(two_rank_runs / "zero3", 3)  # the saved model was gathered from ZeRO-3 shards
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(tmp_path / "tb"))
+    events = EventAccumulator(str(two_rank_runs / "tb"))
     events.Reload()
     assert [e.value for e in events.Scalars("reward_mean")] == pytest.approx([r["reward_mean"] for r in rows])
 
@@ -88,25 +118,13 @@ def _initial_ptx_loss(world_size: int, draws_per_rank: int, micro: int, max_len:
 
 
 @pytest.mark.vllm
-def test_every_stabiliser_wired_through(tmp_path):
+def test_every_stabiliser_wired_through(two_rank_runs):
     """RLOO + GSPO with KL loss, entropy bonus, ptx loss, ICEPOP correction, dynamic filtering, length
     penalties, reward normalisation and clipping run together; one optimizer step per RL step (16 samples),
     so step 1's terms are those of the initial policy: the ptx loss equals the SFT loss of the batches drawn
     (computed here), the KL to the reference is exactly 0, the engine's and the actor's log-probs agree, so
     every importance weight is 1; the shaped rewards stay inside the clip range."""
-    pytest.importorskip("vllm")
-    from rlhf.assets import TINY_DIR
-
-    out = tmp_path / "run"
-    proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *SMALL, "--train_batch_size", "16", "--advantage_estimator",
-                        "rloo", "--use_kl_loss", "--kl_estimator", "k3", "--init_kl_coef", "0.01",
-                        "--policy_loss_type", "gspo", "--entropy_loss_coef", "0.01", "--ptx_coef", "0.1",
-                        "--pretrain_data", f"{TINY_DIR}/prompts.jsonl", "--enable_vllm_is_correction",
-                        "--use_icepop", "--dynamic_filtering", "--dynamic_filtering_reward_range", "-0.01", "0.99",
-                        "--overlong_buffer_len", "2", "--stop_properly_penalty_coef", "0.5", "--normalize_reward",
-                        "--reward_clip_range", "-2", "2", "--save_path", str(out))
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    rows = check_outputs(out, 3)
+    rows = check_outputs(two_rank_runs / "stabilisers", 3)
     first = rows[0]
     # 16 samples over 2 ranks in micro-batches of 2: 4 ptx draws per rank; texts cut at 16 + 6 tokens
     assert first["ptx_loss"] == pytest.approx(_initial_ptx_loss(2, 4, 2, 22), rel=1e-5)
@@ -118,18 +136,8 @@ def test_every_stabiliser_wired_through(tmp_path):
 
 
 @pytest.mark.vllm
-def test_critic_warmup_freezes_the_actor_and_adaptive_kl_moves(tmp_path):
-    pytest.importorskip("vllm")
-    from rlhf.assets import TINY_DIR
-
-    out = tmp_path / "run"
-    proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *SMALL, "--advantage_estimator", "gae",
-                        "--n_samples_per_prompt", "1", "--rollout_batch_size", "8",
-                        "--reward_pretrain", f"{TINY_DIR}/reward_model", "--freezing_actor_steps", "2",
-                        "--value_clip", "0.2", "--dual_clip", "3", "--init_kl_coef", "0.05",
-                        "--kl_target", "0.001", "--kl_horizon", "100",
-                        "--save_path", str(out))
-    assert proc.returncode == 0, proc.stderr[-6000:]
+def test_critic_warmup_freezes_the_actor_and_adaptive_kl_moves(two_rank_runs):
+    out = two_rank_runs / "critic_warmup"
     rows = read_metrics(out)
     assert [("policy_loss" in r) for r in rows] == [False, False, True]
     assert all(r["value_loss"] > 0 for r in rows)
