@@ -35,6 +35,9 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> Non
         with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
             pickle.dump(("error", traceback.format_exc()), f)
         raise
+    from rlhf.cli.entry_point import end_program
+
+    end_program()  # as a job's program: no seconds of interpreter finalization per rank
 
 
 def run_on_ranks(world_size: int, fn, *args) -> list:

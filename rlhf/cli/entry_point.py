@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 from rlhf.config.errors import usage_errors_exit
 from rlhf.config.flags import parse_config
+from rlhf.utils.heap import freeze_heap
 
 
 def main_for(config_cls: type, run: Callable[[Any, Sequence[warnings.WarningMessage]], None], prog: str,
@@ -59,9 +60,12 @@ def distributed_started() -> bool:
 
 def deferred(module: str) -> Callable[[Any, Sequence[warnings.WarningMessage]], None]:
     """The `run` of job module `module`, imported when called: after the flags have parsed, so a refused command
-    answers before torch's and the engines' libraries load (transformers, DeepSpeed, vLLM: seconds)."""
+    answers before torch's and the engines' libraries load (transformers, DeepSpeed, vLLM: seconds). Once they
+    are imported, their objects are frozen out of the garbage collector's walks (`rlhf.utils.heap.freeze_heap`)."""
 
     def run(cfg: Any, parse_warnings: Sequence[warnings.WarningMessage]) -> None:
-        importlib.import_module(module).run(cfg, parse_warnings)
+        job = importlib.import_module(module)
+        freeze_heap()
+        job.run(cfg, parse_warnings)
 
     return run

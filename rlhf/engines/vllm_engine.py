@@ -18,7 +18,6 @@ the weights first, loads, frees PyTorch's cache, then wakes the KV cache.
 
 from __future__ import annotations
 
-import gc
 import inspect
 import logging
 import os
@@ -31,6 +30,7 @@ import torch
 from rlhf.distributed.launch_env import close_before_groups
 from rlhf.engines.rollout import MAX_REQUEST_SEED, Generation, SamplingSpec
 from rlhf.engines.weight_sync import CheckpointLayout
+from rlhf.utils.heap import freeze_heap
 
 COPY_IN_PLACE = "copy_in_place"
 RELOAD_IN_PLACE = "reload_weights"
@@ -244,6 +244,7 @@ class VLLMEngine:
         _quiet_vllm_logs()
         from vllm import LLM
 
+        freeze_heap()  # vLLM's modules too, as the job's libraries (`rlhf.cli.entry_point.deferred`)
         _quiet_vllm_logs()
         on_cuda = torch.cuda.is_available()
         kwargs = dict(
@@ -272,10 +273,11 @@ class VLLMEngine:
                                       min(sequences_per_call, scheduler.max_num_seqs))
             if note:
                 warnings.warn(note, stacklevel=2)
-        # vLLM re-seeds global RNGs, replaces set_num_threads with a no-op and freezes the GC.
+        # vLLM re-seeds global RNGs and replaces set_num_threads with a no-op. It also freezes the GC after
+        # collecting (its heap: the engine and its model, alive as long as the engine): kept, as after our
+        # own freezes.
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(num_threads)
-        gc.unfreeze()
         close_before_groups(_shutdown_at_exit(llm))
         self._attach(llm, sleep_enabled=on_cuda and enable_sleep)
         self.checkpoint_layout = CheckpointLayout(model_path, trust_remote_code)
