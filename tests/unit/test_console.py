@@ -329,3 +329,26 @@ def test_end_program_does_what_finalization_would_and_exits_0(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (proc.stdout, proc.stderr) == ("unflushed stdout", "unflushed stderr")
     assert (tmp_path / "order.txt").read_text() == "thread\nnewer handler\nolder handler\n"
+
+
+def test_freeze_heap_freezes_now_and_unfreezes_at_exit():
+    """`freeze_heap` takes every object alive out of the collector's walks, and the first call registers one
+    unfreeze at exit (a normal finalization then frees them as usual)."""
+    import subprocess
+
+    from tests.distributed import ROOT
+
+    code = ("import atexit, gc\n"
+            "from rlhf.utils.heap import freeze_heap\n"
+            "before = gc.get_freeze_count()\n"
+            "freeze_heap()\n"
+            "first = gc.get_freeze_count()\n"
+            "extra = [[] for _ in range(1000)]\n"
+            "freeze_heap()\n"
+            "second = gc.get_freeze_count()\n"
+            "atexit._run_exitfuncs()\n"
+            "print(before, first > 1000, second - first >= 1000, gc.get_freeze_count())\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["0", "True", "True", "0"]
