@@ -282,12 +282,19 @@ def test_an_unwritable_save_path_is_the_first_line_shown(single_process, capsys,
     assert err.splitlines()[0].startswith(f"error: --save_path {blocker}/out is not writable"), err
 
 
-def test_a_refused_command_never_imports_torch():
-    """Every job answers a mistyped flag before torch (let alone transformers, DeepSpeed, vLLM) is imported:
-    `benchmarks/refusal_latency.py` measures the time this saves."""
+def _python(code: str, timeout: int, **env: str):
+    """`python -c code` from the repository root, its output captured."""
     import subprocess
 
     from tests.distributed import ROOT
+
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": ROOT, **env})
+
+
+def test_a_refused_command_never_imports_torch():
+    """Every job answers a mistyped flag before torch (let alone transformers, DeepSpeed, vLLM) is imported:
+    `benchmarks/refusal_latency.py` measures the time this saves."""
     from tests.unit.test_job_registry import JOBS
 
     code = ("import sys\n"
@@ -299,8 +306,7 @@ def test_a_refused_command_never_imports_torch():
             "        assert exit.code == 2, (job, exit.code)\n"
             "heavy = ('torch', 'transformers', 'deepspeed', 'vllm')\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": ROOT})
+    proc = _python(code, 120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[]"
     assert proc.stderr.count("error: unknown flag --no_such_flag") == len(JOBS)
@@ -310,10 +316,6 @@ def test_end_program_does_what_finalization_would_and_exits_0(tmp_path):
     """`end_program` skips the interpreter's finalization but not what it does that matters: a non-daemon
     thread finishes, atexit handlers run after it (newest first), unflushed output reaches the streams, and the
     exit status is 0."""
-    import subprocess
-
-    from tests.distributed import ROOT
-
     code = ("import atexit, sys, threading, time\n"
             "from rlhf.cli.entry_point import end_program\n"
             f"log = open({str(tmp_path / 'order.txt')!r}, 'w')\n"
@@ -324,8 +326,7 @@ def test_end_program_does_what_finalization_would_and_exits_0(tmp_path):
             "sys.stderr.write('unflushed stderr')\n"
             "end_program()\n"
             "print('never reached')\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": ""})
+    proc = _python(code, 60, PYTHONUNBUFFERED="")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (proc.stdout, proc.stderr) == ("unflushed stdout", "unflushed stderr")
     assert (tmp_path / "order.txt").read_text() == "thread\nnewer handler\nolder handler\n"
@@ -334,10 +335,6 @@ def test_end_program_does_what_finalization_would_and_exits_0(tmp_path):
 def test_freeze_heap_freezes_now_and_unfreezes_at_exit():
     """`freeze_heap` takes every object alive out of the collector's walks, and the first call registers one
     unfreeze at exit (a normal finalization then frees them as usual)."""
-    import subprocess
-
-    from tests.distributed import ROOT
-
     code = ("import atexit, gc\n"
             "from rlhf.utils.heap import freeze_heap\n"
             "before = gc.get_freeze_count()\n"
@@ -348,7 +345,6 @@ def test_freeze_heap_freezes_now_and_unfreezes_at_exit():
             "second = gc.get_freeze_count()\n"
             "atexit._run_exitfuncs()\n"
             "print(before, first > 1000, second - first >= 1000, gc.get_freeze_count())\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": ROOT})
+    proc = _python(code, 60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["0", "True", "True", "0"]
