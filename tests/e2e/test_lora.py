@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf.assets import EMBEDDED_MODEL_DIR
-from tests.distributed import run_torchrun
+from tests.distributed import run_job_variants, run_torchrun
 from tests.tiny_lora import lora_batch
 from tests.tiny_runs import CPU, SMALL
 
@@ -21,14 +21,24 @@ SFT = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max
        "--lora_rank", "8", "--lora_alpha", "16", "--eval_steps", "8"]
 
 
-def _sft(out, *extra):
-    proc = run_torchrun(1, "-m rlhf.cli.train_sft", *SFT, "--save_path", str(out), *extra)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    with open(out / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f], proc.stdout
+@pytest.fixture(scope="module")
+def one_rank_runs(tmp_path_factory):
+    """The 1-rank LoRA runs of this file in one launch (tests/workers/job_variants.py): SFT with adapters
+    (checkpointed at its last step) and PPO with adapters on the actor and the critic (GAE; HF generation, packed
+    samples, checkpointed activations)."""
+    tmp = tmp_path_factory.mktemp("lora")
+    ppo = [a for a in SMALL if a not in ("group_norm", "--advantage_estimator")]
+    run_job_variants(1, [
+        ("train_sft", [*SFT, "--save_path", str(tmp / "straight"), "--save_steps", "16", "--ckpt_path",
+                       str(tmp / "ckpt")]),
+        ("train_ppo", [*ppo, "--max_steps", "2", "--zero_stage", "2", "--lora_rank", "4", "--save_path",
+                       str(tmp / "run"), "--critic_learning_rate", "1e-3", "--rollout_engine", "hf",
+                       "--packing_samples", "--gradient_checkpointing"]),
+    ], tmp / "variants.json", tmp / "straight", tmp / "run")
+    return tmp
 
 
-def test_sft_with_lora_learns_and_saves_adapters(tmp_path):
+def test_sft_with_lora_learns_and_saves_adapters(one_rank_runs, tmp_path):
     """Held-out NLL falls with only the adapters trained; --save_path and the checkpoints hold the adapters
     alone; the combined model is the adapter model. (Resuming from adapter-only checkpoints:
     tests/dist/test_lora_zero3.py, in one process.)"""
@@ -38,11 +48,10 @@ def test_sft_with_lora_learns_and_saves_adapters(tmp_path):
     from rlhf.cli.lora_combiner import main
     from tests.references import sequence_logprobs
 
-    ckpt = tmp_path / "ckpt"
-    rows, _ = _sft(tmp_path / "straight", "--save_steps", "16", "--ckpt_path", str(ckpt))
+    ckpt, out = one_rank_runs / "ckpt", one_rank_runs / "straight"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval_gpt_loss"] for r in rows if "eval_gpt_loss" in r]
     assert evals[-1] < 0.85 * evals[0], evals
-    out = tmp_path / "straight"
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 8
     adapter = load_file(out / "adapter_model.safetensors")
     assert adapter and all(".lora_A." in k or ".lora_B." in k for k in adapter)
@@ -80,7 +89,7 @@ def test_engine_logprobs_match_lora_actor_after_push(tmp_path):
     assert report["max_abs_diff"] <= 1e-4
 
 
-def test_ppo_with_lora_actor_and_critic(tmp_path):
+def test_ppo_with_lora_actor_and_critic(one_rank_runs, tmp_path):
     """train_ppo (GAE: actor and critic both get adapters, as in OpenRLHF; one rank, HF generation, packed
     samples, checkpointed activations) saves both as adapters; the critic's combines (--is_rm) into a sequence
     classifier."""
@@ -88,12 +97,7 @@ def test_ppo_with_lora_actor_and_critic(tmp_path):
 
     from rlhf.cli.lora_combiner import main
 
-    out = tmp_path / "run"
-    flags = [a for a in SMALL if a not in ("group_norm", "--advantage_estimator")]
-    proc = run_torchrun(1, "-m rlhf.cli.train_ppo", *flags, "--max_steps", "2", "--zero_stage", "2", "--lora_rank",
-                        "4", "--save_path", str(out), "--critic_learning_rate", "1e-3", "--rollout_engine", "hf",
-                        "--packing_samples", "--gradient_checkpointing")
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    out = one_rank_runs / "run"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and "value_loss" in rows[-1] and "policy_loss" in rows[-1]
     for role in ("model", "critic"):
