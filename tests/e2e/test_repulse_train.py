@@ -109,21 +109,50 @@ def _enumerate(model, prompt_ids, tokenizer):
     return joint, tokenizer.batch_decode(pairs, skip_special_tokens=True)
 
 
-def test_ctl_moves_the_proposal_toward_sigma(tmp_path):
+CTL_RUN = ["--duplicate_rollout_batch_by", "16", "--rollout_batch_size", "1", "--train_batch_size", "16",
+           "--micro_train_batch_size", "16", "--fit_steps", "1", "--harmlessness_training_num_episodes", "60",
+           "--alpha", "0", "--actor_learning_rate", "1e-2", "--base_actor_learning_rate", "0", "--seed", "1",
+           "--zero_stage", "0"]
+PACKING_RUN = ["--duplicate_rollout_batch_by", "4", "--rollout_batch_size", "2", "--train_batch_size", "8",
+               "--micro_train_batch_size", "4", "--fit_steps", "1", "--harmlessness_training_num_episodes", "2",
+               "--alpha", "1", "--actor_learning_rate", "1e-3", "--base_actor_learning_rate", "1e-3", "--seed", "1",
+               "--zero_stage", "2"]
+
+
+def _heldout_run(heldout) -> list[str]:
+    return ["--duplicate_rollout_batch_by", "4", "--rollout_batch_size", "1", "--train_batch_size", "4",
+            "--micro_train_batch_size", "4", "--fit_steps", "2", "--harmlessness_training_num_episodes", "1",
+            "--alpha", "1", "--seed", "1", "--actor_learning_rate", "1e-3", "--base_actor_learning_rate", "1e-3",
+            "--init_kl_coef", "0.1", "--evaluate_heldout_sampling", "--heldout_prompt_data", str(heldout),
+            "--heldout_input_key", "text", "--sampling_iters", "2", "--threshold", "0", "--heldout_cvar_fraction",
+            "0.25"]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """The 1-rank runs of this file in one launch (`_train_variants`): name -> (its directory, its metrics, its
+    policy and proposal weights). The held-out prompts are in the directory's parent, heldout.jsonl."""
+    tmp = tmp_path_factory.mktemp("one_rank")
+    heldout = tmp / "heldout.jsonl"
+    heldout.write_text('{"text": "copy :"}\n{"text": "a :"}\n{"text": "b :"}\n')
+    runs = {"ctl": CTL_RUN, "heldout": _heldout_run(heldout), "padded": PACKING_RUN,
+            "packed": [*PACKING_RUN, "--packing_samples"]}
+    results = _train_variants(1, [(tmp / name, extra) for name, extra in runs.items()])
+    return {name: (tmp / name, *result[:3]) for name, result in zip(runs, results)}
+
+
+def test_ctl_moves_the_proposal_toward_sigma(one_rank):
     """p fixed (--base_actor_learning_rate 0): sigma ∝ p·exp(-r) is fixed, and q learns it by CTL."""
     from rlhf.assets.toy.reward import BAD_WORDS  # noqa: F401 - the toy's bad set, by name
     from rlhf.models.loading import load_causal_lm, load_tokenizer
     from rlhf.rewards.reward_func import load_reward_func
 
-    _, policy, _ = _train(tmp_path / "run", 1, "--duplicate_rollout_batch_by", "16", "--rollout_batch_size", "1",
-                          "--train_batch_size", "16", "--micro_train_batch_size", "16", "--fit_steps", "1",
-                          "--harmlessness_training_num_episodes", "60", "--alpha", "0", "--actor_learning_rate",
-                          "1e-2", "--base_actor_learning_rate", "0", "--seed", "1", "--zero_stage", "0")
+    run, _, policy, _ = one_rank["ctl"]
     tok = load_tokenizer(f"{TINY_DIR}/policy")
     prompt = TOY_PROMPT + " "
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     p = load_causal_lm(f"{TINY_DIR}/policy", torch.float32, "sdpa").eval()
-    q = load_causal_lm(str(tmp_path / "run" / "proposal"), torch.float32, "sdpa").eval()
+    q = load_causal_lm(str(run / "proposal"), torch.float32, "sdpa").eval()
     for name, weight in p.state_dict().items():  # lr 0: the policy did not move
         if name in policy:
             torch.testing.assert_close(policy[name], weight, rtol=0, atol=0)
@@ -151,14 +180,9 @@ def test_ctl_moves_the_proposal_toward_sigma(tmp_path):
     assert math.isfinite(exact)
 
 
-def test_packed_repulse_steps_equal_padded(tmp_path):
+def test_packed_repulse_steps_equal_padded(one_rank):
     """--packing_samples gives the padded run's losses and gradient norms of both models (2 steps)."""
-    run = ["--duplicate_rollout_batch_by", "4", "--rollout_batch_size", "2", "--train_batch_size", "8",
-           "--micro_train_batch_size", "4", "--fit_steps", "1", "--harmlessness_training_num_episodes", "2",
-           "--alpha", "1", "--actor_learning_rate", "1e-3", "--base_actor_learning_rate", "1e-3", "--seed", "1",
-           "--zero_stage", "2"]
-    (padded, *_), (packed, *_) = _train_variants(1, [(tmp_path / "padded", run),
-                                                     (tmp_path / "packed", [*run, "--packing_samples"])])
+    padded, packed = one_rank["padded"][1], one_rank["packed"][1]
     assert len(padded) == len(packed) == 3  # the evaluation before, then 2 steps (the last with its evaluation)
     for a, b in zip(padded, packed):
         for key in ("policy_loss", "neg_term", "ctl_loss", "grad_norm", "q_grad_norm", "reward_mean", "log_p_bad"):
@@ -167,21 +191,14 @@ def test_packed_repulse_steps_equal_padded(tmp_path):
                 assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
 
 
-def test_heldout_sampling_evaluation_saves_every_sample(tmp_path):
+def test_heldout_sampling_evaluation_saves_every_sample(one_rank):
     """--evaluate_heldout_sampling: after every fit step (and before training) K x --sampling_iters samples per
     held-out prompt are saved with reward, return and KL; the reported statistics are those of the file."""
-    heldout = tmp_path / "heldout.jsonl"
-    heldout.write_text('{"text": "copy :"}\n{"text": "a :"}\n{"text": "b :"}\n')
-    rows, _, _ = _train(tmp_path / "run", 1, "--duplicate_rollout_batch_by", "4", "--rollout_batch_size", "1",
-                        "--train_batch_size", "4", "--micro_train_batch_size", "4", "--fit_steps", "2",
-                        "--harmlessness_training_num_episodes", "1", "--alpha", "1", "--seed", "1",
-                        "--actor_learning_rate", "1e-3", "--base_actor_learning_rate", "1e-3", "--init_kl_coef", "0.1",
-                        "--evaluate_heldout_sampling", "--heldout_prompt_data", str(heldout), "--heldout_input_key",
-                        "text", "--sampling_iters", "2", "--threshold", "0", "--heldout_cvar_fraction", "0.25")
+    run, rows, _, _ = one_rank["heldout"]
     evals = [r for r in rows if "heldout_cvar" in r]
     assert [r["step"] for r in evals] == [0, 1, 2] and all("log_p_bad" in r for r in evals)
     for r in evals:
-        saved = [json.loads(line) for line in (tmp_path / "run" / f"heldout_{int(r['samples_drawn'])}.jsonl").open()]
+        saved = [json.loads(line) for line in (run / f"heldout_{int(r['samples_drawn'])}.jsonl").open()]
         assert len(saved) == 3 * 4 * 2
         rewards = torch.tensor([s["reward"] for s in saved])
         assert r["heldout_reward_mean"] == pytest.approx(float(rewards.mean()), abs=1e-6)
