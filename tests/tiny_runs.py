@@ -48,21 +48,15 @@ def run_jobs(nproc: int, runs: list[tuple[str, object, list[str]]], tmp) -> list
     """Like `run_job` for each (module, out, args) of `runs`, all in one torchrun process on `nproc` CPU ranks
     (tests/workers/job_variants.py): one launch for several variants. Put ZeRO-3 runs last: the hooks that make
     transformers build a model partitioned stay installed in the process."""
-    import json
-
     from safetensors.torch import load_file
 
-    from tests.distributed import assert_clean_exit, run_torchrun
+    from tests.distributed import run_job_variants
 
-    spec = tmp / f"variants-{len(os.listdir(tmp))}.json"
-    spec.write_text(json.dumps([[module, [*args, "--save_path", str(out)]] for module, out, args in runs]))
-    proc = run_torchrun(nproc, "tests/workers/job_variants.py", str(spec), timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    assert_clean_exit(proc, *(out for _, out, _ in runs))
-    stdouts = proc.stdout.split("=== variant ")[1:]
-    assert len(stdouts) == len(runs), proc.stdout[-3000:]
+    texts = run_job_variants(nproc, [(module, [*args, "--save_path", str(out)]) for module, out, args in runs],
+                             tmp / f"variants-{len(os.listdir(tmp))}.json", *(out for _, out, _ in runs),
+                             timeout=1200)
     return [(read_metrics(out), load_file(os.path.join(out, "model.safetensors")), text)
-            for (_, out, _), text in zip(runs, stdouts)]
+            for (_, out, _), text in zip(runs, texts)]
 
 
 def assert_same_steps(ref: tuple, other: tuple, compared: tuple[str, ...], rel: float, abs_: float,

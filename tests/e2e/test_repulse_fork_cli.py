@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlhf.assets import TINY_DIR, TOY_BAD_WORDS, TOY_PROMPTS, TOY_REWARD
-from tests.distributed import run_torchrun
+from tests.distributed import run_job_variants, run_torchrun
 from tests.repulse_fork import REALISTIC, TOY, flag_value, set_flag
 from tests.tiny_runs import CPU
 
@@ -87,12 +87,8 @@ def replays(tmp_path_factory) -> dict[int, tuple[Path, str]]:
     openrlhf.cli.train_ppo: {index: (its output directory, its console output)}."""
     tmp = tmp_path_factory.mktemp("fork_toy")
     runs = {i: tmp / str(i) for i in REPLAYED}
-    spec = tmp / "variants.json"
-    spec.write_text(json.dumps([["train_ppo", toy_replay(TOY[i][1], out)] for i, out in runs.items()]))
-    proc = run_torchrun(2, "tests/workers/job_variants.py", str(spec), timeout=1500)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    outputs = proc.stdout.split("=== variant ")[1:]
-    assert len(outputs) == len(runs), proc.stdout[-3000:]
+    outputs = run_job_variants(2, [("train_ppo", toy_replay(TOY[i][1], out)) for i, out in runs.items()],
+                               tmp / "variants.json", timeout=1500)
     return {i: (out, text) for (i, out), text in zip(runs.items(), outputs)}
 
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from rlhf.assets import TINY_DIR, TOY_BAD_WORDS, TOY_PROMPT, TOY_REWARD
 from rlhf.utils.checkpoint_files import complete_checkpoints
-from tests.distributed import run_torchrun
+from tests.distributed import run_job_variants, run_torchrun
 from tests.tiny_runs import CPU
 
 TOY = [*CPU, "--pretrain", f"{TINY_DIR}/policy", "--remote_rm_url", TOY_REWARD, "--new_custom_single_prompt",
@@ -39,12 +39,9 @@ def _train(out, nproc, *extra):
 def _train_variants(nproc, runs, base=TOY):
     """`_train` for each (out, extra flags) of `runs`, one after another in one launch (tests/workers/
     job_variants.py); each result also carries its console output."""
-    spec = runs[0][0].parent / f"variants-{runs[0][0].name}.json"
-    spec.write_text(json.dumps([["train_repulse", [*base, "--save_path", str(out), *extra]] for out, extra in runs]))
-    proc = run_torchrun(nproc, "tests/workers/job_variants.py", str(spec), timeout=1500)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    outputs = proc.stdout.split("=== variant ")[1:]
-    assert len(outputs) == len(runs), proc.stdout[-3000:]
+    outputs = run_job_variants(nproc, [("train_repulse", [*base, "--save_path", str(out), *extra])
+                                       for out, extra in runs],
+                               runs[0][0].parent / f"variants-{runs[0][0].name}.json", timeout=1500)
     return [(*_results(out), text) for (out, _), text in zip(runs, outputs)]
 
 
