@@ -21,9 +21,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-PRELOAD = ["torch", "torch.distributed", "transformers", "deepspeed", "rlhf.core.role_models", "tests.tiny_actor"]
+PRELOAD = ["torch", "torch.distributed", "transformers", "deepspeed", "vllm", "rlhf.core.role_models",
+           "tests.tiny_actor"]
 """What the ranks' forkserver imports once per test process, so that a rank starts as a fork of an interpreter that
-has them instead of importing them again (several seconds a rank on 2 CPU cores). Not where CUDA is available:
+has them instead of importing them again (several seconds a rank on 2 CPU cores; a module missing here, vLLM say,
+is skipped). Not where CUDA is available:
 importing DeepSpeed there initializes the driver, and a forked child could not use the GPU."""
 
 
@@ -38,7 +40,7 @@ def _context():
     return ctx
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args, environ: dict) -> None:
+def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args, environ: dict, init_group: bool) -> None:
     import torch.distributed as dist
 
     os.environ.clear()  # the caller's environment now, as a spawned process would have it (the forkserver has
@@ -46,7 +48,8 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args, enviro
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if init_group:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(*args)
         with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
             pickle.dump(("ok", result), f)
@@ -59,25 +62,37 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args, enviro
     end_program()  # as a job's program: no seconds of interpreter finalization per rank
 
 
-def run_on_ranks(world_size: int, fn, *args) -> list:
+def run_on_ranks(world_size: int, fn, *args, init_group: bool = True, timeout: float = 600) -> list:
     """fn(*args) on every rank of a fresh gloo world; returns the per-rank results in rank order.
 
-    `fn` must be importable (module level) so spawned processes can find it.
+    `fn` must be importable (module level) so the rank processes can find it. Each rank has the caller's
+    environment plus the variables a launcher sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT). `init_group=False` leaves the default group to `fn` (a job initialises its own). A rank still
+    running after `timeout` seconds is killed and reported.
     """
+    import time
+
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = _context()
         port = free_port()
-        procs = [ctx.Process(target=_entry, args=(r, world_size, port, out_dir, fn, args, dict(os.environ)))
+        procs = [ctx.Process(target=_entry, args=(r, world_size, port, out_dir, fn, args, dict(os.environ),
+                                                  init_group))
                  for r in range(world_size)]
         for p in procs:
             p.start()
+        deadline = time.monotonic() + timeout
         for p in procs:
-            p.join(timeout=600)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in hung:
+            procs[r].kill()
+            procs[r].join()
         results = []
         for r in range(world_size):
             path = os.path.join(out_dir, f"{r}.pkl")
             if not os.path.exists(path):
-                raise RuntimeError(f"rank {r} died without a result (exit code {procs[r].exitcode})")
+                raise RuntimeError(f"rank {r} " + (f"still ran after {timeout:.0f} s (killed)" if r in hung else
+                                   f"died without a result (exit code {procs[r].exitcode})"))
             with open(path, "rb") as f:
                 status, value = pickle.load(f)
             if status != "ok":
@@ -135,23 +150,66 @@ def run_torchrun(nproc: int, target: str, *args: str, timeout: int = 600) -> sub
     raise AssertionError("unreachable")
 
 
-def run_job_variants(nproc: int, runs: list[tuple[str, list[str]]], spec_path, *save_paths,
-                     timeout: int = 1500) -> list[str]:
-    """Each (module, argv) of `runs` (module: `train_ppo`, `train_sft`, ...) one after another in one torchrun
-    launch of `nproc` ranks (tests/workers/job_variants.py: one interpreter start, one process group, the
-    libraries imported once); the spec is written to `spec_path`. Asserts the launch exited 0 and printed no
-    traceback (nor did the logs of `save_paths`); returns each run's console output (its stdout, then its
-    stderr), in order."""
-    import json
+VARIANT_MARK = "=== variant "
 
-    with open(spec_path, "w") as f:
-        json.dump([[module, list(argv)] for module, argv in runs], f)
-    proc = run_torchrun(nproc, "tests/workers/job_variants.py", str(spec_path), timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    assert_clean_exit(proc, *save_paths)
-    stdouts, stderrs = proc.stdout.split("=== variant ")[1:], proc.stderr.split("=== variant ")[1:]
-    assert len(stdouts) == len(stderrs) == len(runs), proc.stdout[-3000:]
-    return [out + err for out, err in zip(stdouts, stderrs)]
+
+def _run_jobs_on_this_rank(runs: list[tuple[str, list[str]]], console: str) -> None:
+    """The jobs of `runs` one after another in this rank's process, its stdout and stderr written to
+    `console`.out/.err with VARIANT_MARK and the run's index before each run."""
+    import importlib
+
+    with open(f"{console}.out", "wb", buffering=0) as out, open(f"{console}.err", "wb", buffering=0) as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        for i, (module, argv) in enumerate(runs):
+            print(f"{VARIANT_MARK}{i} ===", flush=True)
+            print(f"{VARIANT_MARK}{i} ===", file=sys.stderr, flush=True)
+            # --watchdog_interval 0: the watchdog of an earlier run would otherwise time the later ones
+            job = importlib.import_module(module if "." in module else f"rlhf.cli.{module}")
+            job.main([*argv, "--watchdog_interval", "0"])
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def run_job_variants(nproc: int, runs: list[tuple[str, list[str]]], console_dir, *save_paths,
+                     timeout: int = 1500) -> list[str]:
+    """Each (module, argv) of `runs` (module: `train_ppo`, `train_sft`, ... of rlhf.cli, or a dotted module with
+    the same `main(argv)`) one after another in the same `nproc`
+    rank processes (`run_on_ranks` with the job initialising its own group: one process start, one process
+    group, the libraries imported once by the forkserver), as a launcher would run them: the variants of one
+    equivalence pay one start. Each rank's console goes to `console_dir`. Asserts that every rank finished and
+    printed no traceback (nor did the logs of `save_paths`); returns each run's console output (every rank's
+    stdout, then every rank's stderr), in order."""
+    os.makedirs(console_dir, exist_ok=True)
+    consoles = [os.path.join(str(console_dir), f"rank{r}") for r in range(nproc)]
+    try:
+        run_on_ranks(nproc, _run_job_on_rank, runs, consoles, init_group=False, timeout=timeout)
+    except RuntimeError as failure:
+        raise AssertionError(f"{failure}\n{_read_consoles(consoles)[-6000:]}") from None
+    parts = {stream: [_read(f"{console}.{stream}").split(VARIANT_MARK)[1:] for console in consoles]
+             for stream in ("out", "err")}
+    assert all(len(sections) == len(runs) for per_rank in parts.values() for sections in per_rank), \
+        _read_consoles(consoles)[-3000:]
+    outputs = ["".join(sections[i] for stream in ("out", "err") for sections in parts[stream])
+               for i in range(len(runs))]
+    assert_clean_output("".join(outputs), "", *save_paths)
+    return outputs
+
+
+def _run_job_on_rank(runs: list[tuple[str, list[str]]], consoles: list[str]) -> None:
+    _run_jobs_on_this_rank(runs, consoles[int(os.environ["RANK"])])
+
+
+def _read(path: str) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def _read_consoles(consoles: list[str]) -> str:
+    return "".join(_read(f"{console}.{stream}") for stream in ("out", "err") for console in consoles
+                   if os.path.exists(f"{console}.{stream}"))
 
 
 CRASH_MARKS = ("Traceback (most recent call last)", "terminate called")

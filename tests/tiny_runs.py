@@ -32,28 +32,25 @@ def read_metrics(out_dir):
 
 
 def run_job(nproc: int, module: str, out, *args: str) -> tuple[list[dict], dict, str]:
-    """`torchrun -m rlhf.cli.<module> args --save_path out` on `nproc` CPU ranks of a supervised job: its
-    metrics rows, its saved weights (model.safetensors) and its stdout."""
-    from safetensors.torch import load_file
+    """`rlhf.cli.<module> args --save_path out` on `nproc` CPU ranks of a supervised job (`run_jobs` of one run):
+    its metrics rows, its saved weights (model.safetensors) and its console output."""
+    import pathlib
 
-    from tests.distributed import assert_clean_exit, run_torchrun
-
-    proc = run_torchrun(nproc, f"-m rlhf.cli.{module}", *args, "--save_path", str(out))
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    assert_clean_exit(proc, out)
-    return read_metrics(out), load_file(os.path.join(out, "model.safetensors")), proc.stdout
+    out = pathlib.Path(out)
+    return run_jobs(nproc, [(module, out, list(args))], out.parent)[0]
 
 
 def run_jobs(nproc: int, runs: list[tuple[str, object, list[str]]], tmp) -> list[tuple[list[dict], dict, str]]:
-    """Like `run_job` for each (module, out, args) of `runs`, all in one torchrun process on `nproc` CPU ranks
-    (tests/workers/job_variants.py): one launch for several variants. Put ZeRO-3 runs last: the hooks that make
+    """For each (module, out, args) of `runs`, `rlhf.cli.<module> args --save_path out`: its metrics rows, saved
+    weights and console output; all in the same `nproc` CPU rank processes (`tests.distributed.run_job_variants`):
+    one process start for several variants. Put ZeRO-3 runs last: the hooks that make
     transformers build a model partitioned stay installed in the process."""
     from safetensors.torch import load_file
 
     from tests.distributed import run_job_variants
 
     texts = run_job_variants(nproc, [(module, [*args, "--save_path", str(out)]) for module, out, args in runs],
-                             tmp / f"variants-{len(os.listdir(tmp))}.json", *(out for _, out, _ in runs),
+                             tmp / f"consoles-{len(os.listdir(tmp))}", *(out for _, out, _ in runs),
                              timeout=1200)
     return [(read_metrics(out), load_file(os.path.join(out, "model.safetensors")), text)
             for (_, out, _), text in zip(runs, texts)]

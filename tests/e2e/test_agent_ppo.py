@@ -31,7 +31,7 @@ def test_agent_ppo_packed_dynamic_ring_matches_padded(tmp_path):
         _agent_ppo(tmp_path / "padded"),
         _agent_ppo(tmp_path / "ring", "--packing_samples", "--use_dynamic_batch", "--ring_attn_size", "2",
                    "--train_max_tokens_per_gpu", "16", "--rollout_max_tokens_per_gpu", "24"),
-    ], tmp_path / "variants.json", tmp_path / "padded", tmp_path / "ring")
+    ], tmp_path / "consoles", tmp_path / "padded", tmp_path / "ring")
     padded, ring = read_metrics(tmp_path / "padded"), read_metrics(tmp_path / "ring")
     first, expected = ring[0], padded[0]
     assert expected["reward_extra/agent_turns"] > 1.5  # most episodes took both turns: several action spans

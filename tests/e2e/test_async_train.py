@@ -4,7 +4,7 @@ steps after an update)."""
 
 import pytest
 
-from tests.distributed import run_job_variants, run_torchrun
+from tests.distributed import run_job_variants
 from tests.tiny_runs import SMALL, read_metrics
 
 RUN = [*SMALL, "--rollout_engine", "hf", "--zero_stage", "2", "--max_steps", "4", "--seed", "5",
@@ -15,17 +15,17 @@ RUN = [*SMALL, "--rollout_engine", "hf", "--zero_stage", "2", "--max_steps", "4"
 def test_async_batches_are_stale_by_the_queue_size(tmp_path):
     def train(name, nproc, *extra):
         out = tmp_path / name
-        proc = run_torchrun(nproc, "-m rlhf.cli.train_ppo", *RUN, "--save_path", str(out), *extra)
-        assert proc.returncode == 0, proc.stderr[-6000:]
-        return proc.stdout + proc.stderr, read_metrics(out)
+        log, = run_job_variants(nproc, [("train_ppo", [*RUN, "--save_path", str(out), *extra])],
+                                tmp_path / f"consoles-{name}", out)
+        return log, read_metrics(out)
 
     # lr 1e-12 leaves the fp32 weights as they are: every batch is the initial weights' samples
     _, frozen = train("frozen", 1, "--actor_learning_rate", "1e-12")
     asynchronous = [*RUN, "--actor_learning_rate", "1e-2", "--async_train", "--vllm_num_engines", "1"]
-    log, _ = run_job_variants(2, [  # both 2-rank runs in one launch (tests/workers/job_variants.py)
+    log, _ = run_job_variants(2, [  # both 2-rank runs in one process start
         ("train_ppo", [*asynchronous, "--save_path", str(tmp_path / "async1")]),
         ("train_ppo", [*asynchronous, "--async_queue_size", "2", "--save_path", str(tmp_path / "async2")])],
-        tmp_path / "variants.json", tmp_path / "async1", tmp_path / "async2")
+        tmp_path / "consoles-async", tmp_path / "async1", tmp_path / "async2")
     assert "asynchronous: ranks 1-1 generate (1 engine(s)) up to 1 step(s) ahead of ranks 0-0" in log
     one, two = read_metrics(tmp_path / "async1"), read_metrics(tmp_path / "async2")
     reward = [r["reward_mean"] for r in frozen]

@@ -46,7 +46,7 @@ def _scoring_model(tmp) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """This file's launched runs, in two launches (tests/workers/job_variants.py): on 2 ranks, the demo's first
+    """This file's launched runs, in two launches (`run_job_variants`): on 2 ranks, the demo's first
     24 prompts x 2 samples with HF generate, their rejection sampling by the reward model, 12 greedy rows from
     vLLM and the 24 x 2 sampled by vLLM; on 1 rank, the same greedy rows from HF generate.
     Returns (the directory, each run's console output by name)."""
@@ -70,7 +70,7 @@ def runs(tmp_path_factory):
     for nproc, named in ((2, two), (1, one)):
         if named:
             texts = run_job_variants(nproc, [("batch_inference", argv) for argv in named.values()],
-                                     tmp / f"variants{nproc}.json")
+                                     tmp / f"consoles{nproc}")
             outputs.update(zip(named, texts))
     return tmp, outputs
 

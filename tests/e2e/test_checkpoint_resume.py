@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from rlhf.assets import TINY_DIR
 from rlhf.utils.checkpoint_files import complete_checkpoints, pick_checkpoint
-from tests.distributed import ROOT, run_job_variants, run_torchrun
+from tests.distributed import ROOT, run_job_variants
 from tests.tiny_runs import CPU, EAGER
 
 PPO = [*CPU, *EAGER, "--pretrain", f"{TINY_DIR}/policy", "--reward_pretrain", f"{TINY_DIR}/reward_model",
@@ -39,23 +39,23 @@ def results(out):
 
 
 def train(out, *extra, stdout=None):
-    proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *PPO, "--save_path", str(out), *extra)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    log, = run_job_variants(2, [("train_ppo", [*PPO, "--save_path", str(out), *extra])],
+                            out.parent / f"consoles-{out.name}", out)
     if stdout is not None:
-        stdout.append(proc.stdout)
+        stdout.append(log)
     return results(out)
 
 
 @pytest.mark.vllm
 def test_resume_equals_uninterrupted(tmp_path):
-    """The straight and the saving run share one launch (tests/workers/job_variants.py); the resume is a
-    launch of its own, as after a real stop."""
+    """The straight and the saving run share one process start (`run_job_variants`); the resume
+    runs in processes of its own, as after a real stop."""
     pytest.importorskip("vllm")
     ckpt = tmp_path / "ckpt"
     run_job_variants(2, [("train_ppo", [*PPO, "--save_path", str(tmp_path / "straight")]),
                          ("train_ppo", [*PPO, "--save_path", str(tmp_path / "saving"), "--save_steps", "2",
                                         "--ckpt_path", str(ckpt), *SLEEP])],
-                     tmp_path / "variants.json", tmp_path / "straight", tmp_path / "saving")
+                     tmp_path / "consoles", tmp_path / "straight", tmp_path / "saving")
     (straight_metrics, straight), (saved_metrics, saved) = results(tmp_path / "straight"), results(tmp_path / "saving")
     assert [s for s, _ in complete_checkpoints(str(ckpt))] == [2, 4]
     # as if the job died while writing step 6's checkpoint, and step 4's lost rank 1's RNG state: resume

@@ -34,7 +34,7 @@ def test_every_step_trains_on_a_full_batch_of_informative_groups(tmp_path):
     reward.write_text(RANDOM_COUNTING_REWARD)
     out, _ = run_job_variants(1, [
         _run(tmp_path / "refill", "--dynamic_filtering_max_rounds", "50", "--remote_rm_url", str(reward)),
-        _run(tmp_path / "one_round", "--dynamic_filtering_max_rounds", "1")], tmp_path / "variants.json")
+        _run(tmp_path / "one_round", "--dynamic_filtering_max_rounds", "1")], tmp_path / "consoles")
     rows, capped = read_metrics(tmp_path / "refill"), read_metrics(tmp_path / "one_round")
     calls = [tuple(map(float, line.split())) for line in (tmp_path / "calls.txt").read_text().splitlines()]
     assert sum(n for n, _ in calls) == sum(r["dynamic_filtering_prompts"] for r in rows) * 4  # each scored once

@@ -23,7 +23,7 @@ SFT = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max
 
 @pytest.fixture(scope="module")
 def one_rank_runs(tmp_path_factory):
-    """The 1-rank LoRA runs of this file in one launch (tests/workers/job_variants.py): SFT with adapters
+    """The 1-rank LoRA runs of this file in one launch (`run_job_variants`): SFT with adapters
     (checkpointed at its last step) and PPO with adapters on the actor and the critic (GAE; HF generation, packed
     samples, checkpointed activations)."""
     tmp = tmp_path_factory.mktemp("lora")
@@ -34,7 +34,7 @@ def one_rank_runs(tmp_path_factory):
         ("train_ppo", [*ppo, "--max_steps", "2", "--zero_stage", "2", "--lora_rank", "4", "--save_path",
                        str(tmp / "run"), "--critic_learning_rate", "1e-3", "--rollout_engine", "hf",
                        "--packing_samples", "--gradient_checkpointing"]),
-    ], tmp / "variants.json", tmp / "straight", tmp / "run")
+    ], tmp / "consoles", tmp / "straight", tmp / "run")
     return tmp
 
 

@@ -41,12 +41,12 @@ def results(out):
 
 
 def test_split_placement_equals_colocated(tmp_path):
-    """Both placements in one 4-rank launch (tests/workers/job_variants.py), colocated first."""
+    """Both placements in one 4-rank launch (`run_job_variants`), colocated first."""
     zero_stage = 3  # the stage whose collectives DeepSpeed had to be taught to scope to a role's group
     runs = {"colocated": ["--colocate_all_models"], "split": SPLIT}
     run_job_variants(4, [("train_ppo", [*COMMON, *placement, "--zero_stage", str(zero_stage),
                                         "--save_path", str(tmp_path / name)]) for name, placement in runs.items()],
-                     tmp_path / "variants.json", *(tmp_path / name for name in runs))
+                     tmp_path / "consoles", *(tmp_path / name for name in runs))
     colo_metrics, colo_actor, colo_critic = results(tmp_path / "colocated")
     split_metrics, split_actor, split_critic = results(tmp_path / "split")
     assert len(colo_metrics) == len(split_metrics) == 2

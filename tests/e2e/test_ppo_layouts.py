@@ -27,7 +27,7 @@ def test_packed_dynamic_ring_ppo_matches_padded(tmp_path):
         _ppo(tmp_path / "padded"),
         _ppo(tmp_path / "ring", "--packing_samples", "--use_dynamic_batch", "--ring_attn_size", "2",
              "--train_max_tokens_per_gpu", "16", "--rollout_max_tokens_per_gpu", "24"),
-    ], tmp_path / "variants.json", tmp_path / "padded", tmp_path / "ring")
+    ], tmp_path / "consoles", tmp_path / "padded", tmp_path / "ring")
     padded, ring = read_metrics(tmp_path / "padded"), read_metrics(tmp_path / "ring")
     assert ("layout: packed samples (varlen attention: sdpa); ring attention over 2 ranks (head stride 1; fp32 "
             "einsum blocks); dynamic "

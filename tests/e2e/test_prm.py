@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlhf.assets import EMBEDDED_PRM_EVAL, EMBEDDED_PRM_PLACEHOLDER, EMBEDDED_PRM_REWARD_TOKENS
-from tests.distributed import run_torchrun
+from tests.distributed import run_job_variants
 from tests.tiny_runs import CPU
 
 PRM = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_len", "32", "--max_epochs", "1",
@@ -21,8 +21,7 @@ PRM = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("prm") / "run"
-    proc = run_torchrun(2, "-m rlhf.cli.train_prm", *PRM, "--save_path", str(out))
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    run_job_variants(2, [("train_prm", [*PRM, "--save_path", str(out)])], out.parent / "consoles", out)
     with open(out / "metrics.jsonl") as f:
         return out, [json.loads(line) for line in f]
 

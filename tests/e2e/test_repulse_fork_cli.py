@@ -82,13 +82,13 @@ REPLAYED = [0, 5, 6, 3, 8]
 
 @pytest.fixture(scope="module")
 def replays(tmp_path_factory) -> dict[int, tuple[Path, str]]:
-    """The replayed toy commands, one after another in one 2-rank launch (tests/workers/job_variants.py), each
+    """The replayed toy commands, one after another in one 2-rank launch (`run_job_variants`), each
     under `rlhf.cli.train_ppo`, the module name the rule "replace the launcher" gives for the fork's
     openrlhf.cli.train_ppo: {index: (its output directory, its console output)}."""
     tmp = tmp_path_factory.mktemp("fork_toy")
     runs = {i: tmp / str(i) for i in REPLAYED}
     outputs = run_job_variants(2, [("train_ppo", toy_replay(TOY[i][1], out)) for i, out in runs.items()],
-                               tmp / "variants.json", timeout=1500)
+                               tmp / "consoles", timeout=1500)
     return {i: (out, text) for (i, out), text in zip(runs.items(), outputs)}
 
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from rlhf.assets import TINY_DIR, TOY_BAD_WORDS, TOY_PROMPT, TOY_REWARD
 from rlhf.utils.checkpoint_files import complete_checkpoints
-from tests.distributed import run_job_variants, run_torchrun
+from tests.distributed import run_job_variants
 from tests.tiny_runs import CPU
 
 TOY = [*CPU, "--pretrain", f"{TINY_DIR}/policy", "--remote_rm_url", TOY_REWARD, "--new_custom_single_prompt",
@@ -31,17 +31,17 @@ def _results(out):
 
 
 def _train(out, nproc, *extra):
-    proc = run_torchrun(nproc, "-m rlhf.cli.train_repulse", *TOY, "--save_path", str(out), *extra)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    run_job_variants(nproc, [("train_repulse", [*TOY, "--save_path", str(out), *extra])],
+                     out.parent / f"consoles-{out.name}", out)
     return _results(out)
 
 
 def _train_variants(nproc, runs, base=TOY):
-    """`_train` for each (out, extra flags) of `runs`, one after another in one launch (tests/workers/
-    job_variants.py); each result also carries its console output."""
+    """`_train` for each (out, extra flags) of `runs`, one after another in the same rank
+    processes (`run_job_variants`); each result also carries its console output."""
     outputs = run_job_variants(nproc, [("train_repulse", [*base, "--save_path", str(out), *extra])
                                        for out, extra in runs],
-                               runs[0][0].parent / f"variants-{runs[0][0].name}.json", timeout=1500)
+                               runs[0][0].parent / f"consoles-{runs[0][0].name}", timeout=1500)
     return [(*_results(out), text) for (out, _), text in zip(runs, outputs)]
 
 

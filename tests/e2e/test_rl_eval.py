@@ -22,7 +22,7 @@ def test_eval_on_trains_the_same_weights_as_eval_off(tmp_path):
                   "--eval_temperature", "0.7"]
     run_job_variants(1, [("train_ppo", [*run, "--save_path", str(tmp_path / "off")]),
                          ("train_ppo", [*run, "--save_path", str(tmp_path / "on"), *evaluation])],
-                     tmp_path / "variants.json", tmp_path / "off", tmp_path / "on")
+                     tmp_path / "consoles", tmp_path / "off", tmp_path / "on")
     off_rows, off = read_metrics(tmp_path / "off"), load_file(tmp_path / "off" / "model" / "model.safetensors")
     on_rows, on = read_metrics(tmp_path / "on"), load_file(tmp_path / "on" / "model" / "model.safetensors")
     for name, weight in off.items():

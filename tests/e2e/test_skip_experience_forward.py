@@ -4,7 +4,7 @@ same losses, same weights, and the same rollout-mismatch metrics, now measured b
 import pytest
 from safetensors.torch import load_file
 
-from tests.distributed import run_torchrun
+from tests.distributed import run_job_variants
 from tests.tiny_runs import SMALL, assert_adam_weights_close, read_metrics
 
 ONE_UPDATE = [*SMALL, "--train_batch_size", "16", "--micro_train_batch_size", "4", "--rollout_engine", "hf",
@@ -14,14 +14,14 @@ LR = 1e-3
 
 
 def test_skipped_forward_gives_the_full_paths_update(tmp_path):
-    def train(name, target):
-        out = tmp_path / name
-        proc = run_torchrun(2, target, *ONE_UPDATE, "--save_path", str(out))
-        assert proc.returncode == 0, proc.stderr[-6000:]
-        return proc.stdout + proc.stderr, read_metrics(out), load_file(out / "model" / "model.safetensors")
-
-    skip_log, skip_rows, skip = train("skip", "-m rlhf.cli.train_ppo")
-    full_log, full_rows, full = train("full", "tests/workers/full_experience_forward.py")
+    # one process start for both; the full path's module patches train_ppo when imported, so it runs second
+    logs = run_job_variants(2, [("train_ppo", [*ONE_UPDATE, "--save_path", str(tmp_path / "skip")]),
+                                ("tests.workers.full_experience_forward",
+                                 [*ONE_UPDATE, "--save_path", str(tmp_path / "full")])],
+                            tmp_path / "consoles", tmp_path / "skip", tmp_path / "full")
+    (skip_log, skip_rows, skip), (full_log, full_rows, full) = (
+        (log, read_metrics(tmp_path / name), load_file(tmp_path / name / "model" / "model.safetensors"))
+        for log, name in zip(logs, ("skip", "full")))
     assert SKIPPED in skip_log and SKIPPED not in full_log
     assert len(skip_rows) == len(full_rows) == 2
     for s, f in zip(skip_rows, full_rows):

@@ -59,13 +59,13 @@ def _two_rank_vllm_runs(tmp) -> dict[str, tuple[str, list[str]]]:
 
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
-    """The output directories of `_two_rank_vllm_runs`, in two 2-rank launches (tests/workers/job_variants.py):
+    """The output directories of `_two_rank_vllm_runs`, in two 2-rank launches (`run_job_variants`):
     a third vLLM engine built in one process hung in its gloo group's rendezvous, so at most two per launch."""
     pytest.importorskip("vllm")
     tmp = tmp_path_factory.mktemp("two_rank")
     runs = _two_rank_vllm_runs(tmp)
     for names in (["stabilisers"], ["critic_warmup", "zero3"]):
-        run_job_variants(2, [runs[name] for name in names], tmp / f"variants-{names[0]}.json",
+        run_job_variants(2, [runs[name] for name in names], tmp / f"consoles-{names[0]}",
                          *(tmp / name for name in names))
     return tmp
 

@@ -2,7 +2,7 @@
 with and without the refill, compared by held-out pass1."""
 
 
-from tests.distributed import run_torchrun
+from tests.distributed import run_job_variants
 
 
 def test_refilled_batches_learn_faster_per_step(tmp_path):
@@ -24,15 +24,18 @@ def test_refilled_batches_learn_faster_per_step(tmp_path):
                 "--max_steps", "40", "--zero_stage", "2", "--seed", "1", "--eval_dataset", str(eval_file),
                 "--eval_steps", "10", "--eval_n_samples_per_prompt", "4", "--eval_temperature", "1.0"]
 
-    def pass1(name, *extra):
-        out = tmp_path / name
-        proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *settings, "--save_path", str(out), *extra)
-        assert proc.returncode == 0, proc.stderr[-6000:]
-        metrics = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    # both runs in the same two rank processes (`run_job_variants`: one process start)
+    run_job_variants(2, [("train_ppo", [*settings, "--save_path", str(tmp_path / "off")]),
+                         ("train_ppo", [*settings, "--save_path", str(tmp_path / "on"), "--dynamic_filtering",
+                                        "--dynamic_filtering_max_rounds", "20"])],
+                     tmp_path / "consoles", tmp_path / "off", tmp_path / "on")
+
+    def pass1(name):
+        metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
         return {r["step"]: r["eval/default_pass1"] for r in metrics if "eval/default_pass1" in r}, metrics
 
     off, _ = pass1("off")
-    on, on_rows = pass1("on", "--dynamic_filtering", "--dynamic_filtering_max_rounds", "20")
+    on, on_rows = pass1("on")
     print(f"held-out pass1 by step: without refill {off}, with refill {on}")
     assert off[0] == on[0]  # the same initial model
     assert on[40] > 1.5 * off[40] and on[40] > off[0] + 0.1
