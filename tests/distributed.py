@@ -97,6 +97,8 @@ def run_on_ranks(world_size: int, fn, *args, init_group: bool = True, timeout: f
                 status, value = pickle.load(f)
             if status != "ok":
                 raise RuntimeError(f"rank {r} failed:\n{value}")
+            if procs[r].exitcode != 0:  # an abort in the teardown, after the result
+                raise RuntimeError(f"rank {r} exited with code {procs[r].exitcode} after returning its result")
             results.append(value)
         return results
 

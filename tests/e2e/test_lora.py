@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf.assets import EMBEDDED_MODEL_DIR
-from tests.distributed import run_job_variants, run_torchrun
-from tests.tiny_lora import lora_batch
+from tests.distributed import run_job_variants, run_on_ranks
+from tests.tiny_lora import lora_batch, vllm_parity_worker
 from tests.tiny_runs import CPU, SMALL
 
 SFT = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_len", "32", "--max_epochs", "1",
@@ -80,8 +80,7 @@ def test_engine_logprobs_match_lora_actor_after_push(tmp_path):
     the merged weights go into every rank's engine, whose log-probs then equal the actor's."""
     pytest.importorskip("vllm")
     out = tmp_path / "parity.json"
-    proc = run_torchrun(2, "-m tests.tiny_lora", str(out))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_on_ranks(2, vllm_parity_worker, str(out), init_group=False)
     report = json.loads(out.read_text())
     print(report)
     assert report["num_tokens"] > 20

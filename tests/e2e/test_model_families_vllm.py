@@ -17,7 +17,8 @@ import pytest
 
 from rlhf.assets import EMBEDDED_PROMPTS as TINY_PROMPTS
 from rlhf.assets import EMBEDDED_REWARD as TINY_REWARD
-from tests.distributed import run_torchrun
+from tests.distributed import run_job_variants, run_on_ranks
+from tests.workers import family_engines
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -27,8 +28,7 @@ FAMILIES = ["mixtral", "qwen3-moe", "gemma2", "phi3"]
 
 def test_engine_logprobs_match_actor_after_push_per_family(tmp_path):
     out = tmp_path / "families.json"
-    proc = run_torchrun(1, "tests/workers/family_engines.py", str(out), str(tmp_path / "zoo"), *FAMILIES)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_on_ranks(1, family_engines.main, str(out), str(tmp_path / "zoo"), FAMILIES, init_group=False)
     report = json.loads(out.read_text())
     print(json.dumps(report, indent=1))
     for name in FAMILIES:
@@ -50,12 +50,11 @@ def test_grpo_on_mixtral_zero3_packed_keeps_engine_and_actor_in_step(tmp_path):
 
     model = build_family("mixtral", str(tmp_path / "mixtral"))
     out = tmp_path / "run"
-    proc = run_torchrun(2, "-m rlhf.cli.train_ppo", "--pretrain", model, "--prompt_data", TINY_PROMPTS,
-                        "--input_key", "input", "--remote_rm_url", TINY_REWARD, "--apply_chat_template",
-                        "--packing_samples", "--zero_stage", "3", "--aux_loss_coef", "0.01",
-                        *SMALL, "--prompt_max_len", "32",
-                        "--save_path", str(out))
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    run_job_variants(2, [("train_ppo", ["--pretrain", model, "--prompt_data", TINY_PROMPTS, "--input_key", "input",
+                                        "--remote_rm_url", TINY_REWARD, "--apply_chat_template", "--packing_samples",
+                                        "--zero_stage", "3", "--aux_loss_coef", "0.01", *SMALL,
+                                        "--prompt_max_len", "32", "--save_path", str(out)])],
+                     tmp_path / "consoles", out)
     rows = read_metrics(out)
     assert len(rows) == 3
     assert all(r["rollout/logprob_abs_diff"] < 1e-4 for r in rows), [r["rollout/logprob_abs_diff"] for r in rows]

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from tests.distributed import run_torchrun
+from tests.distributed import run_on_ranks
 from tests.rollout_stats import check_first_tokens
 from tests.rollout_stats import stat_distribution as model_distribution
 from tests.workers import rollout_seeds as worker
@@ -22,8 +22,7 @@ def one_engine_report(tmp_path_factory, stat_distribution) -> dict:
     """The worker's report on a single engine (world 1)."""
     pytest.importorskip("vllm")
     out = tmp_path_factory.mktemp("seeds") / "one_engine.json"
-    proc = run_torchrun(1, "tests/workers/rollout_seeds.py", str(out), "1", str(stat_distribution[0]))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_on_ranks(1, worker.main, str(out), 1, stat_distribution[0], init_group=False)
     return json.loads(out.read_text())
 
 
@@ -45,8 +44,7 @@ def test_vllm_samples_do_not_depend_on_the_number_of_engines(tmp_path, one_engin
     """World 2: two TP-1 engines, or one TP-2 engine, give each global prompt of a step the same samples
     as one engine on one rank; two engines also for 1 prompt (one engine idle) and 3 (shares 1 and 2)."""
     out = tmp_path / "world2.json"
-    proc = run_torchrun(2, "tests/workers/rollout_seeds.py", str(out), str(tp), str(stat_distribution[0]))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_on_ranks(2, worker.main, str(out), tp, stat_distribution[0], init_group=False)
     report = json.loads(out.read_text())
     assert report["steps"].keys() == one_engine_report["steps"].keys()
     for step, expected in one_engine_report["steps"].items():

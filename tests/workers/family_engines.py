@@ -1,7 +1,7 @@
-"""Run under torchrun (1 rank): for each named family of the tiny zoo, start a vLLM engine on its random
-weights, move the actor's weights (one AdamW step on a synthetic loss), push them into the engine, sample chat
-prompts, and compare the engine's log-probs with the actor's (padded and packed forwards). Writes a JSON report
-{family: {...}}.
+"""Run on one rank (`tests.distributed.run_on_ranks`, or torchrun): for each named family of the tiny zoo, start a vLLM
+engine on its random weights, move the actor's weights (one AdamW step on a synthetic loss), push them into the engine,
+sample chat prompts, and compare the engine's log-probs with the actor's (padded and packed forwards). Writes a JSON
+report {family: {...}}.
 
     torchrun --nproc_per_node 1 tests/workers/family_engines.py OUT.json ZOO_DIR FAMILY [FAMILY ...]
 """

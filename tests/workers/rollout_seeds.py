@@ -1,8 +1,8 @@
-"""Run under torchrun: the PPO trainer's `generate` (its per-prompt seeds, its engine slicing) for two
-steps of a batch that repeats prompts, gathered in global order; with one rank per engine also batches of 1 and
-3 prompts (fewer prompts than engines, unequal shares); with a single engine also many
-one-token samples of one prompt, as separate requests (n = 1) and as the n samples of one request.
-Rank 0 writes a JSON report.
+"""Run on the ranks of `tests.distributed.run_on_ranks` (or under torchrun): the PPO trainer's `generate` (its
+per-prompt seeds, its engine slicing) for two steps of a batch that repeats prompts, gathered in global order; with one
+rank per engine also batches of 1 and 3 prompts (fewer prompts than engines, unequal shares); with a single engine also
+many one-token samples of one prompt, as separate requests (n = 1) and as the n samples of one request. Rank 0 writes a
+JSON report.
 
     torchrun --nproc_per_node WORLD tests/workers/rollout_seeds.py OUT.json TP TEMPERATURE
 """

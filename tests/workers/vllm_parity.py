@@ -1,6 +1,6 @@
-"""Run under torchrun: train one step, push weights into every rank's vLLM engine, sample, and compare
-engine log-probs with actor log-probs of the same sequences, single-turn samples and multi-turn agent
-episodes (several action spans per row). Rank 0 writes a JSON report.
+"""Run on the ranks of `tests.distributed.run_on_ranks` (or under torchrun): train one step, push weights into every
+rank's vLLM engine, sample, and compare engine log-probs with actor log-probs of the same sequences, single-turn samples
+and multi-turn agent episodes (several action spans per row). Rank 0 writes a JSON report.
 
     torchrun --nproc_per_node 2 tests/workers/vllm_parity.py OUT.json ZERO_STAGE TP
 """
