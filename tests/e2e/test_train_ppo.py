@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from tests.distributed import run_job_variants, run_torchrun
+from tests.distributed import run_job_variants
 from tests.tiny_runs import SMALL, read_metrics
 
 REQUIRED_KEYS = {"step", "reward_mean", "time/generation", "time/weight_sync", "time/experience", "time/train",
@@ -83,10 +83,9 @@ def test_two_rank_vllm_zero3_reinforce_baseline(two_rank_runs):
 def test_hf_fallback_engine_single_rank(tmp_path):
     """--vllm_num_engines 0 (OpenRLHF: no vLLM) generates with transformers, as the algorithm line says."""
     out = tmp_path / "run"
-    proc = run_torchrun(1, "-m rlhf.cli.train_ppo", *SMALL, "--vllm_num_engines", "0", "--save_path", str(out),
-                        "--zero_stage", "0")
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    assert ", generation: transformers generate (--vllm_num_engines 0)\n" in proc.stdout
+    log, = run_job_variants(1, [("train_ppo", [*SMALL, "--vllm_num_engines", "0", "--save_path", str(out),
+                                               "--zero_stage", "0"])], tmp_path / "consoles", out)
+    assert ", generation: transformers generate (--vllm_num_engines 0)\n" in log
     check_outputs(out, 3)
 
 

@@ -18,7 +18,7 @@ import uuid
 import pytest
 import torch
 
-from tests.distributed import ROOT, assert_clean_output, free_port, run_torchrun
+from tests.distributed import ROOT, assert_clean_output, free_port, run_job_variants
 from tests.slurm_cluster import private_slurm
 from tests.tiny_runs import SMALL, read_metrics
 
@@ -79,10 +79,9 @@ def launch_on(ns: str, hostname: str, node_rank: int, master: str, port: int, ou
 
 @pytest.fixture(scope="module")
 def one_node(nodes, tmp_path_factory):
-    """The reference: the same job on one node, 2 ranks (torchrun); its save path."""
-    one = tmp_path_factory.mktemp("one_node")
-    proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *PPO, "--save_path", str(one))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    """The reference: the same job on one node, 2 ranks; its save path."""
+    one = tmp_path_factory.mktemp("one_node") / "run"
+    run_job_variants(2, [("train_ppo", [*PPO, "--save_path", str(one)])], one.parent / "consoles", one)
     return one
 
 
@@ -130,8 +129,7 @@ def test_two_nodes_with_vllm_rollout(nodes, tmp_path):
     pytest.importorskip("vllm")
     args = [*PPO[:PPO.index("--rollout_engine")], *PPO[PPO.index("--rollout_engine") + 2:], "--rollout_engine", "vllm"]
     one, two = tmp_path / "one_node", tmp_path / "two_nodes"
-    proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *args, "--save_path", str(one))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_job_variants(2, [("train_ppo", [*args, "--save_path", str(one)])], tmp_path / "consoles", one)
     run_two_nodes(nodes, two, args)
     assert_same_run(one, two)
 
