@@ -18,6 +18,7 @@ the weights first, loads, frees PyTorch's cache, then wakes the KV cache.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -30,6 +31,7 @@ import torch
 from rlhf.distributed.launch_env import close_before_groups
 from rlhf.engines.rollout import MAX_REQUEST_SEED, Generation, SamplingSpec
 from rlhf.engines.weight_sync import CheckpointLayout
+from rlhf.utils.console import native_output_routed
 from rlhf.utils.heap import freeze_heap
 
 COPY_IN_PLACE = "copy_in_place"
@@ -264,7 +266,9 @@ class VLLMEngine:
             tag_cpu_shm_names(os.environ.get("RLHF_RUN_TAG", ""))
         set_num_threads = torch.set_num_threads
         num_threads = torch.get_num_threads()
-        llm = LLM(**kwargs)
+        # on CPU vLLM's extension warns of its NUMA binding from C++ on every rank: routed as library output
+        with native_output_routed() if not on_cuda else contextlib.nullcontext():
+            llm = LLM(**kwargs)
         if enable_sleep and not on_cuda:
             warnings.warn("--vllm_enable_sleep has no effect on CPU (vLLM has no sleep mode there)", stacklevel=2)
         if not on_cuda and sequences_per_call:

@@ -15,10 +15,11 @@ Three channels are routed:
 - direct writes to `sys.stdout` / `sys.stderr` (library prints, library progress bars): a write goes
   to the file when the innermost calling frame that belongs to `rlhf` or to a library is a library's.
 
-Not routed: output written before this runs (import-time messages such as DeepSpeed's "Setting
-accelerator to CPU"), loggers a library configures later with its own console handler, and C++ output
-that bypasses Python's streams (torch's `[W... ] Warning:` lines). This module knows nothing of
-torch.distributed: the caller passes its rank.
+C++ output bypasses Python's streams; inside a `native_output_routed()` block (the vLLM engine's start-up,
+where vLLM's CPU extension warns about its NUMA binding on every rank) torch's `[W... ] Warning:` lines are
+routed too. Not routed: output written before this runs (import-time messages such as DeepSpeed's
+"Setting accelerator to CPU"), loggers a library configures later with its own console handler, and C++
+output outside such a block. This module knows nothing of torch.distributed: the caller passes its rank.
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import sys
+import tempfile
 import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
@@ -271,6 +275,10 @@ class LibraryOutputRouting:
         sys.stdout = _LibraryOutputStream(sys.stdout, self._run_log, owners)
         sys.stderr = _LibraryOutputStream(sys.stderr, self._run_log, owners)
 
+    def replay_native(self, text: str) -> None:
+        """What native code wrote to stderr inside `native_output_routed`: C++ warnings routed, the rest shown."""
+        _replay_native(self._run_log, self._streams[1], text)
+
     def uninstall(self) -> None:
         """Put back the streams, loggers and warning display found at install; a second call does nothing."""
         global _active
@@ -286,6 +294,44 @@ class LibraryOutputRouting:
 
 
 _active: LibraryOutputRouting | None = None
+
+NATIVE_WARNING = re.compile(r"^(?:\[rank\d+\]:)?\[W\d{4} [^\]]*\] Warning: (.*?)(?: \(function \w+\))?\s*$")
+"""A C++ warning as torch's c10 logging writes it: `[rank0]:[W1129 04:43:58.131 utils.cpp:68] Warning: MESSAGE
+(function NAME)`; group 1 is the message."""
+
+
+@contextmanager
+def native_output_routed() -> Iterator[None]:
+    """Inside the block, what native code writes to file descriptor 2 is held in a temporary file; after it, each
+    C++ warning line goes to the log file, shown once on rank 0's console as `[torch] WARNING: message`, and
+    everything else written to stderr meanwhile is written on as it was. Nothing changes without an active
+    routing (`--verbose`, or before `route_library_output`)."""
+    routing = _active
+    if routing is None:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            routing.replay_native(held.read().decode(errors="replace"))
+
+
+def _replay_native(run_log: _RunLog, stderr: TextIO, text: str) -> None:
+    for line in text.splitlines(keepends=True):
+        match = NATIVE_WARNING.match(line)
+        if match:
+            run_log.report("torch", "WARNING", match.group(1), line)
+        else:
+            stderr.write(line)
+    stderr.flush()
 
 
 def route_library_output(log: LoggingConfig, rank: int) -> LibraryOutputRouting | None:

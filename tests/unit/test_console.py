@@ -20,7 +20,7 @@ from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.config.shared_config import LoggingConfig
 from rlhf.core.run import show_parse_warnings
 from rlhf.distributed.launch_env import read_launch_env
-from rlhf.utils.console import route_library_output
+from rlhf.utils.console import native_output_routed, route_library_output
 
 TORCH_FILE = os.path.join(os.path.dirname(torch.__file__), "fake_module.py")
 RLHF_FILE = os.path.join(os.path.dirname(rlhf.__file__), "fake_module.py")
@@ -348,3 +348,28 @@ def test_freeze_heap_freezes_now_and_unfreezes_at_exit():
     proc = _python(code, 60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["0", "True", "True", "0"]
+
+
+def test_native_warnings_in_a_routed_block_are_shown_once_and_logged(tmp_path, capfd):
+    """C++ writes to file descriptor 2 inside `native_output_routed` (vLLM's NUMA-binding warning at engine
+    start-up): torch's warning lines go to the log file and once to rank 0's console; any other stderr output of
+    the block (a progress bar, say) is shown as written. Outside a block, and without routing, nothing changes."""
+    warning = "[rank0]:[W1129 04:43:58.131542475 utils.cpp:68] Warning: NUMA binding: MEMBIND on nodes (0). " \
+              "(function init_cpu_memory_env)\n"
+    with native_output_routed():  # no routing installed: passes through
+        os.write(2, b"unrouted\n")
+    routing = route_library_output(LoggingConfig(save_path=str(tmp_path)), rank=0)
+    try:
+        with native_output_routed():
+            os.write(2, warning.encode())
+            os.write(2, b"native progress 1/2\n")
+            os.write(2, warning.replace("[rank0]:", "").replace("04:43:58", "04:44:01").encode())
+        os.write(2, b"after the block\n")
+    finally:
+        routing.uninstall()
+    path = tmp_path / "logs" / "rank0.log"
+    assert capfd.readouterr().err == (
+        "unrouted\n"
+        f"[torch] WARNING: NUMA binding: MEMBIND on nodes (0). (repeats are logged to {path})\n"
+        "native progress 1/2\nafter the block\n")
+    assert path.read_text().count("Warning: NUMA binding: MEMBIND on nodes (0).") == 2
