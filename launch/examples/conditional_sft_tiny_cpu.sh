@@ -28,7 +28,7 @@
 # conditioning's. (Scoring the SFT policy's own samples instead of the pairs' answers, 2 epochs: w9 0.098 against
 # the SFT policy's 0.120; the barely trained policy's samples are near-random words, too noisy to learn the
 # condition from.) About 2.5 minutes on 2 otherwise idle CPU cores (152 s), 4-5 minutes with other work on them
-# (224-272 s at load average 3-3.5; 235 s on a machine about 2.5x slower, beside other tests), nearly all of it
+# (224-272 s at load average 3-3.5; 235-274 s on a machine about 2.5x slower, beside other tests), nearly all of it
 # the 9 stages' process and vLLM start-up.
 # Restartable: a finished stage leaves OUT_DIR/<stage>.done (batch_inference stages also resume mid-way) and a
 # rerun skips it. Environment: SEED (default 1; every stage's seed). Extra flags go to the train_sft of csft.

@@ -17,7 +17,7 @@
 # Measured (3 iterations): mean reward-model score of iterations 1, 2, 3 (rule reward in brackets) seed 1: 0.142
 # (0.074), 0.219 (0.131), 0.414 (0.264); seed 2: 0.138 (0.073), 0.219 (0.123), 0.362 (0.223); seed 3: 0.136
 # (0.066), 0.220 (0.128), 0.403 (0.259). About 3 minutes on 2 otherwise idle CPU cores (176 s), 4-5 minutes with
-# other work on them (256-301 s at load average 3-3.5; 260 s on a machine about 2.5x slower, beside other tests),
+# other work on them (256-301 s at load average 3-3.5; 260-278 s on a machine about 2.5x slower, beside other tests),
 # nearly all of it the 10 stages' process and vLLM start-up.
 # Restartable: OUT_DIR/iter.log counts finished iterations (as OpenRLHF's ITER_LOG_PATH), and a rerun skips
 # them; within an interrupted iteration the batch_inference stages resume, the training stage starts again.
