@@ -25,8 +25,8 @@ PRELOAD = ["torch", "torch.distributed", "transformers", "deepspeed", "vllm", "r
            "tests.tiny_actor"]
 """What the ranks' forkserver imports once per test process, so that a rank starts as a fork of an interpreter that
 has them instead of importing them again (several seconds a rank on 2 CPU cores; a module missing here, vLLM say,
-is skipped). Not where CUDA is available:
-importing DeepSpeed there initializes the driver, and a forked child could not use the GPU."""
+is skipped). Not where CUDA is available: importing DeepSpeed there initializes the driver, and a forked child
+could not use the GPU."""
 
 
 def _context():
@@ -155,11 +155,12 @@ def run_torchrun(nproc: int, target: str, *args: str, timeout: int = 600) -> sub
 VARIANT_MARK = "=== variant "
 
 
-def _run_jobs_on_this_rank(runs: list[tuple[str, list[str]]], console: str) -> None:
+def _run_jobs_on_this_rank(runs: list[tuple[str, list[str]]], consoles: list[str]) -> None:
     """The jobs of `runs` one after another in this rank's process, its stdout and stderr written to
-    `console`.out/.err with VARIANT_MARK and the run's index before each run."""
+    `consoles[RANK]`.out/.err with VARIANT_MARK and the run's index before each run."""
     import importlib
 
+    console = consoles[int(os.environ["RANK"])]
     with open(f"{console}.out", "wb", buffering=0) as out, open(f"{console}.err", "wb", buffering=0) as err:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -177,17 +178,16 @@ def _run_jobs_on_this_rank(runs: list[tuple[str, list[str]]], console: str) -> N
 
 def run_job_variants(nproc: int, runs: list[tuple[str, list[str]]], console_dir, *save_paths,
                      timeout: int = 1500) -> list[str]:
-    """Each (module, argv) of `runs` (module: `train_ppo`, `train_sft`, ... of rlhf.cli, or a dotted module with
-    the same `main(argv)`) one after another in the same `nproc`
-    rank processes (`run_on_ranks` with the job initialising its own group: one process start, one process
-    group, the libraries imported once by the forkserver), as a launcher would run them: the variants of one
-    equivalence pay one start. Each rank's console goes to `console_dir`. Asserts that every rank finished and
-    printed no traceback (nor did the logs of `save_paths`); returns each run's console output (every rank's
-    stdout, then every rank's stderr), in order."""
+    """Each (module, argv) of `runs` (module: `train_ppo`, `train_sft`, ... of rlhf.cli, or a dotted module with the
+    same `main(argv)`) one after another in the same `nproc` rank processes (`run_on_ranks` with the job initialising
+    its own group: one process start, one process group, the libraries imported once by the forkserver), as a launcher
+    would run them: the variants of one equivalence pay one start. Each rank's console goes to `console_dir`. Asserts
+    that every rank finished and printed no traceback (nor did the logs of `save_paths`); returns each run's console
+    output (every rank's stdout, then every rank's stderr), in order."""
     os.makedirs(console_dir, exist_ok=True)
     consoles = [os.path.join(str(console_dir), f"rank{r}") for r in range(nproc)]
     try:
-        run_on_ranks(nproc, _run_job_on_rank, runs, consoles, init_group=False, timeout=timeout)
+        run_on_ranks(nproc, _run_jobs_on_this_rank, runs, consoles, init_group=False, timeout=timeout)
     except RuntimeError as failure:
         raise AssertionError(f"{failure}\n{_read_consoles(consoles)[-6000:]}") from None
     parts = {stream: [_read(f"{console}.{stream}").split(VARIANT_MARK)[1:] for console in consoles]
@@ -198,10 +198,6 @@ def run_job_variants(nproc: int, runs: list[tuple[str, list[str]]], console_dir,
                for i in range(len(runs))]
     assert_clean_output("".join(outputs), "", *save_paths)
     return outputs
-
-
-def _run_job_on_rank(runs: list[tuple[str, list[str]]], consoles: list[str]) -> None:
-    _run_jobs_on_this_rank(runs, consoles[int(os.environ["RANK"])])
 
 
 def _read(path: str) -> str:

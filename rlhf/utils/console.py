@@ -277,7 +277,14 @@ class LibraryOutputRouting:
 
     def replay_native(self, text: str) -> None:
         """What native code wrote to stderr inside `native_output_routed`: C++ warnings routed, the rest shown."""
-        _replay_native(self._run_log, self._streams[1], text)
+        stderr = self._streams[1]
+        for line in text.splitlines(keepends=True):
+            match = NATIVE_WARNING.match(line)
+            if match:
+                self._run_log.report("torch", "WARNING", match.group(1), line)
+            else:
+                stderr.write(line)
+        stderr.flush()
 
     def uninstall(self) -> None:
         """Put back the streams, loggers and warning display found at install; a second call does nothing."""
@@ -322,16 +329,6 @@ def native_output_routed() -> Iterator[None]:
             os.close(saved)
             held.seek(0)
             routing.replay_native(held.read().decode(errors="replace"))
-
-
-def _replay_native(run_log: _RunLog, stderr: TextIO, text: str) -> None:
-    for line in text.splitlines(keepends=True):
-        match = NATIVE_WARNING.match(line)
-        if match:
-            run_log.report("torch", "WARNING", match.group(1), line)
-        else:
-            stderr.write(line)
-    stderr.flush()
 
 
 def route_library_output(log: LoggingConfig, rank: int) -> LibraryOutputRouting | None:
