@@ -18,7 +18,7 @@ from rlhf.jobs.supervised_run import (
 )
 from rlhf.models.loading import load_causal_lm
 from rlhf.trainers.frozen import padded_target_logprobs
-from rlhf.trainers.preference_trainers import DPO_METRICS, PAIR_EVAL_SUMS, REFERENCE, DPOTrainer
+from rlhf.trainers.preference_trainers import REFERENCE, DPOTrainer
 
 
 def check_reference(cfg: PreferenceJobConfig) -> None:
@@ -30,13 +30,13 @@ def reference_plan(cfg: PreferenceJobConfig, world_size: int) -> dict[Role, tupl
     return frozen_plan(REFERENCE, cfg.ref.num_ranks, "--ref_num_nodes x --ref_num_gpus_per_node", world_size)
 
 
-def with_reference(cfg: PreferenceJobConfig, b: Built, make_trainer, metrics, eval_sums) -> Job:
+def with_reference(cfg: PreferenceJobConfig, b: Built, make_trainer, served: type) -> Job:
     """This rank's job: the trained model with its reference colocated or on its own ranks (or, there, the
-    reference's service)."""
+    reference's service, which mirrors the collectives `served`, the trainer's class, declares)."""
     m = cfg.model
     load = lambda attn: load_causal_lm(cfg.ref_path, m.dtype, attn, m.trust_remote_code)  # noqa: E731
     return frozen_role(cfg, b, REFERENCE, load, padded_target_logprobs, offload=cfg.ref.ref_offload, tail=(),
-                       make_trainer=make_trainer, metrics=metrics, eval_sums=eval_sums)
+                       make_trainer=make_trainer, served=served)
 
 
 def pair_samples(cfg, tokenizer, rows: list) -> list:
@@ -52,7 +52,7 @@ def pair_samples(cfg, tokenizer, rows: list) -> list:
 def _trainer(cfg: TrainDPOConfig, b: Built) -> Job:
     return with_reference(cfg, b, lambda reference: DPOTrainer(
         *b.trainer_args, reference=reference, beta=cfg.beta, label_smoothing=cfg.label_smoothing, ipo=cfg.ipo,
-        nll_loss_coef=cfg.nll_loss_coef), DPO_METRICS, PAIR_EVAL_SUMS)
+        nll_loss_coef=cfg.nll_loss_coef), DPOTrainer)
 
 
 DPO_JOB = SupervisedJob(

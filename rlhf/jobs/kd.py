@@ -17,7 +17,7 @@ from rlhf.jobs.supervised_run import (
 )
 from rlhf.models.loading import load_causal_lm
 from rlhf.trainers.frozen import padded_logits
-from rlhf.trainers.kd_trainer import KD_METRICS, TEACHER, DistillationTrainer
+from rlhf.trainers.kd_trainer import TEACHER, DistillationTrainer
 
 
 def _check(cfg: TrainKDConfig) -> None:
@@ -37,7 +37,7 @@ def _trainer(cfg: TrainKDConfig, b: Built) -> Job:
     return frozen_role(cfg, b, TEACHER, load, padded_logits, offload=t.teacher_offload, tail=vocab,
                        make_trainer=lambda teacher: DistillationTrainer(*b.trainer_args, teacher=teacher,
                                                                         kd_coef=t.kd_coef),
-                       metrics=KD_METRICS, eval_sums=(3,))
+                       served=DistillationTrainer)
 
 
 KD_JOB = SupervisedJob(

@@ -8,7 +8,7 @@ from rlhf.data.supervised_samples import load_unpaired_samples
 from rlhf.jobs.dpo import check_reference, reference_plan, with_reference
 from rlhf.jobs.sft import SFT_JOB
 from rlhf.jobs.supervised_run import Built, SupervisedJob, run_supervised, save_trained_model
-from rlhf.trainers.preference_trainers import KTO_EVAL_SUMS, KTO_METRICS, KTOTrainer
+from rlhf.trainers.preference_trainers import KTOTrainer
 
 
 def _samples(cfg: TrainKTOConfig, tokenizer, rows: list) -> list:
@@ -23,7 +23,7 @@ def _samples(cfg: TrainKTOConfig, tokenizer, rows: list) -> list:
 def _trainer(cfg: TrainKTOConfig, b: Built) -> Job:
     return with_reference(cfg, b, lambda reference: KTOTrainer(
         *b.trainer_args, reference=reference, beta=cfg.beta, desirable_weight=cfg.desirable_loss_weight,
-        undesirable_weight=cfg.undesirable_loss_weight, max_len=cfg.data.max_len), KTO_METRICS, KTO_EVAL_SUMS)
+        undesirable_weight=cfg.undesirable_loss_weight, max_len=cfg.data.max_len), KTOTrainer)
 
 
 KTO_JOB = SupervisedJob(

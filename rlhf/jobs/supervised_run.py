@@ -17,7 +17,6 @@ import torch
 from rlhf.config.errors import UsageError
 from rlhf.config.supervised_config import DEMO_MAX_LEN
 from rlhf.core.loop import Job
-from rlhf.core.metrics import Reduce
 from rlhf.core.role_models import check_model_configs, micro_batcher, model_builder, role_model
 from rlhf.core.run import Assembled, JobParts, Started, run_job
 from rlhf.data.sampler import DistributedBatchSampler
@@ -106,12 +105,12 @@ def frozen_plan(role: Role, num_ranks: int, flags: str, world_size: int) -> dict
 
 
 def frozen_role(cfg, built: Built, role: Role, load: Callable[[str], torch.nn.Module], answer: Answer, *,
-                offload: bool, tail: Sequence[int], make_trainer: Callable[[Frozen], Job],
-                metrics: dict[str, Reduce], eval_sums: Sequence[int]) -> Job:
+                offload: bool, tail: Sequence[int], make_trainer: Callable[[Frozen], Job], served: type) -> Job:
     """The job of this rank for a trained model with a frozen `role` (a teacher, a reference): on a rank of
     the trained model, `make_trainer(frozen)` with the role colocated (a `FrozenModel`, in host memory between
     phases with `offload`) or reached through a `FrozenLink`; on a rank of the role's own, a `FrozenService`
-    (replicated, whole sequences per rank: ZeRO-0; `metrics` and `eval_sums` mirror the trainer's collectives).
+    (replicated, whole sequences per rank: ZeRO-0; it mirrors the collectives that `served`, the trainer's class,
+    declares).
     `load(attn)`: the frozen module; `tail`: the answer's trailing shape."""
     m, topology = cfg.model, built.topology
     own_ranks = topology.ranks(role) != topology.ranks(MODEL)
@@ -122,8 +121,8 @@ def frozen_role(cfg, built: Built, role: Role, load: Callable[[str], torch.nn.Mo
     model = role_model(model_builder(m, engine, layout, load), m, engine, cfg.optim, topology, role, built.device,
                        trainable=False, micro_batch_size=cfg.batch.micro_train_batch_size, name=role.value)
     if own_ranks:
-        return FrozenService(model, role, topology, layout, answer, built.device, metrics,
-                             has_eval=bool(built.eval_samples), eval_sums=eval_sums)
+        return FrozenService(model, role, topology, layout, answer, built.device, served,
+                             has_eval=bool(built.eval_samples))
     return make_trainer(FrozenModel(model, layout, answer, built.device, offload))
 
 

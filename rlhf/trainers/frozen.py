@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from rlhf.core.metrics import Reduce, reduce_metrics
+from rlhf.core.metrics import reduce_metrics
 from rlhf.core.state import CheckpointedState
 from rlhf.distributed.topology import Role, Topology
 from rlhf.engines.deepspeed_engine import DeepSpeedModel
@@ -120,14 +120,13 @@ def server_rank_of(topology: Topology, role: Role, student_rank: int) -> int:
 class FrozenService:
     """The `Job` of a frozen role on its own ranks: each step (and evaluation) answers its students in one
     phase, then takes part in the world-wide collectives the students' step and evaluation end with, with
-    nothing of its own. `eval_sums`: the lengths of the float64 sums the students' evaluation all-reduces
-    over the world, in order. Holds no checkpointed state."""
+    nothing of its own: those the trainer it serves (`served`, a `SupervisedTrainer` class) declares, its metric
+    table and its evaluation's `eval_sums`. Holds no checkpointed state."""
 
     def __init__(self, model: DeepSpeedModel, role: Role, topology: Topology, layout: SequenceLayout,
-                 answer: Answer, device: torch.device, metrics: dict[str, Reduce], *, has_eval: bool,
-                 eval_sums: Sequence[int]) -> None:
+                 answer: Answer, device: torch.device, served: type, *, has_eval: bool) -> None:
         self.model, self.topology, self.layout, self.answer, self.device = model, topology, layout, answer, device
-        self.metrics, self.has_eval, self.eval_sums = metrics, has_eval, eval_sums
+        self.metrics, self.eval_sums, self.has_eval = served.metrics, served.eval_sums, has_eval
         servers, students = topology.ranks(role), topology.ranks(MODEL)
         mine = servers.index(topology.rank)
         self.students = [r for i, r in enumerate(students) if i % len(servers) == mine]

@@ -34,6 +34,7 @@ class DistillationTrainer(SupervisedTrainer):
 
     batch_type = SFTBatch
     metrics = KD_METRICS
+    eval_sums = (3,)
 
     def __init__(self, *args, teacher: Frozen, kd_coef: float) -> None:
         super().__init__(*args)

@@ -36,7 +36,6 @@ REFERENCE = Role.REF
 
 KTO_METRICS = {**dict.fromkeys(("kto_loss", "chosen_reward", "reject_reward"), Reduce.SHARE),
                **dict.fromkeys(("kl", "grad_norm", "lr", "nonfinite_skipped"), Reduce.LEAD)}
-KTO_EVAL_SUMS = (2, 8)
 
 
 class PreferenceTrainer(SupervisedTrainer):
@@ -91,7 +90,6 @@ def pair_metrics(*terms: str) -> dict[str, Reduce]:
 DPO_METRICS = pair_metrics("nll_loss")
 SIMPO_METRICS = pair_metrics()
 ORPO_METRICS = pair_metrics("nll_loss", "or_loss", "log_odds_ratio")
-PAIR_EVAL_SUMS = (6,)
 
 
 class PairTrainer(PreferenceTrainer):
@@ -100,6 +98,7 @@ class PairTrainer(PreferenceTrainer):
     --packing_samples). A subclass gives `pair_terms`; the step and the held-out evaluation are shared."""
 
     batch_type = PairBatch
+    eval_sums = (6,)
 
     def __init__(self, *args, reference: Frozen | None = None) -> None:
         super().__init__(*args, reference=reference)
@@ -229,6 +228,7 @@ class KTOTrainer(PreferenceTrainer):
 
     batch_type = UnpairedBatch
     metrics = KTO_METRICS
+    eval_sums = (2, 8)  # the held-out reference point's sums, then the scores'
 
     def __init__(self, *args, reference: Frozen, beta: float, desirable_weight: float, undesirable_weight: float,
                  max_len: int) -> None:

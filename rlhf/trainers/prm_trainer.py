@@ -42,6 +42,7 @@ class ProcessRewardTrainer(SupervisedTrainer):
 
     batch_type = PRMBatch
     metrics = PRM_METRICS
+    eval_sums = (3,)
 
     def __init__(self, *args, reward_token_ids: list[int] | None, aux_loss_coef: float = 0.0) -> None:
         super().__init__(*args)

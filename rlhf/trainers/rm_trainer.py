@@ -43,6 +43,7 @@ class RewardModelTrainer(SupervisedTrainer):
 
     batch_type = PairBatch
     metrics = RM_METRICS
+    eval_sums = (5,)
 
     def __init__(self, *args, loss: str, margin_loss: bool) -> None:
         super().__init__(*args)

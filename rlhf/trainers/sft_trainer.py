@@ -26,6 +26,7 @@ class SFTTrainer(SupervisedTrainer):
 
     batch_type = SFTBatch
     metrics = SFT_METRICS
+    eval_sums = (2,)
 
     def __init__(self, *args, aux_loss_coef: float = 0.0) -> None:
         super().__init__(*args)

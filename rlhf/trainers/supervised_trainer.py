@@ -32,6 +32,10 @@ class SupervisedTrainer:
 
     batch_type: ClassVar[type]  # the record with `collate(samples, pad_id)`, `select` and `trimmed`
     metrics: ClassVar[dict[str, Reduce]]
+    eval_sums: ClassVar[tuple[int, ...]]
+    """The lengths of the float64 sums `evaluate` all-reduces over the world, in order. A frozen role on ranks of
+    its own (`rlhf.trainers.frozen.FrozenService`) takes part in the same collectives from this declaration, so
+    `evaluate` checks that it holds."""
 
     def __init__(self, model: DeepSpeedModel, topology: Topology, samples: list, eval_samples: list,
                  sampler: DistributedBatchSampler, batcher: MicroBatcher, tokenizer, device: torch.device) -> None:
@@ -39,6 +43,7 @@ class SupervisedTrainer:
         self.sampler, self.batcher, self.tokenizer, self.device = sampler, batcher, tokenizer, device
         self.group = topology.group(MODEL)
         self.timer = StageTimer()
+        self._world_sums: list[int] = []  # the lengths `world_sums` added during this evaluation
 
     def cost_mask(self, batch) -> torch.Tensor:
         """[B, T'] 1 on the tokens a sample costs (what dynamic batching budgets)."""
@@ -97,17 +102,24 @@ class SupervisedTrainer:
         if not self.eval_samples:
             return {}
         self.model.eval()
+        self._world_sums = []
         items, counted = self.eval_batches()
         totals: list[float] = []
         for i, scores in enumerate(self.eval_scores(items)):
             totals = totals or [0.0] * len(scores)
             if i < counted:
                 totals = [total + float(v) for total, v in zip(totals, scores)]
-        return self.eval_metrics(self.world_sums(totals))
+        metrics = self.eval_metrics(self.world_sums(totals))
+        if tuple(self._world_sums) != tuple(self.eval_sums):
+            raise RuntimeError(f"{type(self).__name__}.evaluate added sums of lengths {tuple(self._world_sums)} over "
+                               f"the world but declares eval_sums = {self.eval_sums}: a frozen role on ranks of its "
+                               "own takes part in the declared collectives, so correct the declaration")
+        return metrics
 
     def world_sums(self, sums: list[float]) -> list[float]:
         """`sums` added over the data-parallel replicas (the ranks of a ring hold the same samples: one counts).
         Collective over the world."""
+        self._world_sums.append(len(sums))
         t = torch.tensor(sums if self.topology.ring_rank(MODEL) == 0 else [0.0] * len(sums),
                          dtype=torch.float64)
         dist.all_reduce(t)

@@ -104,3 +104,64 @@ def test_a_nonfinite_step_names_the_training_step(tmp_path):
     loop = _loop(tmp_path, eval_every=None)
     with pytest.raises(NonFiniteError, match=r"^training step 5, optimizer step 9: model policy_loss is nan"):
         loop.fit(FakeJob(fail_at=4))
+
+
+def _supervised_trainers() -> list[type]:
+    """Every trainer class of the product with a metric table of its own (the concrete ones)."""
+    import rlhf.trainers.kd_trainer
+    import rlhf.trainers.preference_trainers
+    import rlhf.trainers.prm_trainer
+    import rlhf.trainers.rm_trainer
+    import rlhf.trainers.sft_trainer  # noqa: F401
+    from rlhf.trainers.supervised_trainer import SupervisedTrainer
+
+    found, todo = [], [SupervisedTrainer]
+    while todo:
+        subs = todo.pop().__subclasses__()
+        todo += subs
+        found += [c for c in subs if c.__module__.startswith("rlhf.") and "metrics" in vars(c)]
+    return found
+
+
+def test_an_evaluation_whose_sums_differ_from_its_declaration_fails_and_every_trainer_declares(monkeypatch):
+    """A frozen role on ranks of its own mirrors the collectives of the trainer it serves from the trainer's
+    `eval_sums`: a declaration that differs from the sums `evaluate` adds over the world fails the evaluation
+    (colocated too, so the first test of a new trainer catches it) instead of hanging a split run."""
+    import torch.distributed as dist
+
+    from rlhf.trainers.supervised_trainer import SupervisedTrainer
+
+    class Topology:
+        def ring_rank(self, role):
+            return 0
+
+    class Model:
+        def eval(self):
+            pass
+
+    class Scores(SupervisedTrainer):
+        metrics = {}
+        eval_sums = (3,)
+
+        def eval_batches(self):
+            return [1.0, 2.0], 2
+
+        def eval_scores(self, items):
+            for x in items:
+                yield x, 2 * x, 1.0
+
+        def eval_metrics(self, totals):
+            return {"eval_mean": totals[1] / totals[0]}
+
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: None)
+    trainer = object.__new__(Scores)
+    trainer.eval_samples, trainer.model, trainer.topology = [0], Model(), Topology()
+    assert trainer.evaluate() == {"eval_mean": 6.0 / 3.0}
+    trainer.eval_sums = (2,)
+    with pytest.raises(RuntimeError, match=r"sums of lengths \(3,\) .* declares eval_sums = \(2,\)"):
+        trainer.evaluate()
+
+    trainers = {t.__name__: t.eval_sums for t in _supervised_trainers()}
+    assert trainers == {"SFTTrainer": (2,), "RewardModelTrainer": (5,), "ProcessRewardTrainer": (3,),
+                        "DistillationTrainer": (3,), "DPOTrainer": (6,), "SimPOTrainer": (6,),
+                        "ORPOTrainer": (6,), "KTOTrainer": (2, 8)}
