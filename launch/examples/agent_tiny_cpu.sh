@@ -6,8 +6,8 @@ set -euo pipefail
 # shellcheck source=launch/examples/common.sh
 source "$(dirname "$0")/common.sh"
 shift
-exec python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_ppo \
-  --param_dtype fp32 --attn_implementation sdpa \
+exec "${launch[@]}" --nproc_per_node 2 -m rlhf.cli.train_ppo \
+  "${cpu[@]}" \
   --pretrain "$tiny/policy" --agent_func_path "$tiny/guess_agent.py" \
   --prompt_data "$tiny/guess_prompts.jsonl" --input_key input --label_key label \
   --agent_max_turns 2 --agent_turn_max_tokens 4 \

@@ -21,10 +21,9 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 shift
 mkdir -p "$out"
-cpu=(--param_dtype fp32 --attn_implementation sdpa)
 
 # (a) generation
-python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.batch_inference \
+"${launch[@]}" --nproc_per_node 2 -m rlhf.cli.batch_inference \
   --eval_task generate_vllm "${cpu[@]}" \
   --pretrain "$tiny/policy" --dataset "$tiny/prompts.jsonl" --input_key input --input_template "{} " \
   --max_samples 256 --best_of_n 4 --temperature 1.0 --prompt_max_len 16 --max_new_tokens 8 \
@@ -35,7 +34,7 @@ python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_po
 for processor in rs iter_dpo; do
   # shellcheck source=launch/examples/common.sh
   source "$(dirname "$0")/common.sh" "$out"
-  python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.batch_inference \
+  "${launch[@]}" --nproc_per_node 2 -m rlhf.cli.batch_inference \
     --eval_task rm "${cpu[@]}" \
     --pretrain "$tiny/reward_model" --dataset "$out/generate.jsonl" --max_len 32 --micro_batch_size 64 \
     --post_processor "$processor" --output_path "$out/$processor.jsonl"

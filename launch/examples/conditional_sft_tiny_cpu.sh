@@ -37,9 +37,8 @@ set -euo pipefail
 # shellcheck source=launch/examples/common.sh
 source "$(dirname "$0")/common.sh"
 shift
-here=$(dirname "$0")
-seed=${SEED:-1}
-cpu=(--param_dtype fp32 --attn_implementation sdpa)
+# shellcheck source=launch/examples/stages.sh
+source "$(dirname "$0")/stages.sh"
 mkdir -p "$out/data" "$out/condition"
 
 # Runs "$@" unless OUT_DIR/$1.done exists, then writes it; with a port free now (common.sh).
@@ -51,28 +50,6 @@ stage() {
   source "$here/common.sh" "$out"
   "$@"
   touch "$out/$name.done"
-}
-
-torchrun_() { python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" "$@"; }
-
-generate() {  # OUTPUT_PATH POLICY [extra batch_inference flags]; eager vLLM: one generate call per stage
-  local output=$1 policy=$2
-  shift 2
-  torchrun_ -m rlhf.cli.batch_inference \
-    --eval_task generate_vllm "${cpu[@]}" --zero_stage 0 --enforce_eager \
-    --pretrain "$policy" --dataset "$tiny/prompts.jsonl" --input_key input --input_template "{} " \
-    --max_new_tokens 8 --prompt_max_len 16 --temperature 1.0 --best_of_n 4 \
-    --tp_size 1 --seed "$seed" --output_path "$output" "$@"
-}
-
-score() {  # DATASET OUTPUT_PATH [extra batch_inference flags]
-  local dataset=$1 output=$2
-  shift 2
-  torchrun_ -m rlhf.cli.batch_inference \
-    --eval_task rm "${cpu[@]}" --zero_stage 0 \
-    --pretrain "$tiny/reward_model" --max_len 32 \
-    --dataset "$dataset" --dataset_probs 1.0 --micro_batch_size 64 \
-    --output_path "$output" "$@"
 }
 
 stage sft bash "$here/sft_tiny_cpu.sh" "$out/sft" --max_steps 12 --seed "$seed"
@@ -101,23 +78,24 @@ for row in rows:
 write_atomically(sys.argv[2], "".join(json.dumps(r) + "\n" for r in rows))
 PY
 
-stage csft torchrun_ -m rlhf.cli.train_sft \
+stage csft launched --nproc_per_node 2 -m rlhf.cli.train_sft \
   --max_len 32 \
   --dataset "$out/condition/csft.jsonl" --dataset_probs 1.0 \
   --input_key input --output_key output --input_template "{}" \
   --train_batch_size 32 --micro_train_batch_size 8 \
   --pretrain "$out/sft" \
-  --save_path "$out/csft" --save_steps -1 --logging_steps 1 --eval_steps -1 \
+  --save_path "$out/csft" "${logged[@]}" \
   --zero_stage 2 --max_epochs 1 \
-  --param_dtype fp32 --attn_implementation sdpa \
+  "${cpu[@]}" \
   --learning_rate 3e-3 --lr_warmup_ratio 0.05 \
   --seed "$seed" \
   "$@"
 
-stage generate generate "$out/generate/generate.jsonl" "$out/sft"
+stage generate generate "$out/sft" "$out/generate/generate.jsonl" --temperature 1.0 --best_of_n 4
 stage rm_sft score "$out/generate/generate.jsonl" "$out/rm_sft/scored.jsonl"
 for level in w9 w0; do
-  stage "generate_$level" generate "$out/generate_$level/generate.jsonl" "$out/csft" --enable_csft --csft_prompt "$level"
+  stage "generate_$level" generate "$out/csft" "$out/generate_$level/generate.jsonl" --temperature 1.0 --best_of_n 4 \
+    --enable_csft --csft_prompt "$level"
   stage "rm_$level" score "$out/generate_$level/generate.jsonl" "$out/rm_$level/scored.jsonl"
 done
 

@@ -6,8 +6,8 @@ set -euo pipefail
 # shellcheck source=launch/examples/common.sh
 source "$(dirname "$0")/common.sh"
 shift
-exec python -m rlhf.cli.launch --nproc_per_node 4 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_ppo \
-  --param_dtype fp32 --attn_implementation sdpa \
+exec "${launch[@]}" --nproc_per_node 4 -m rlhf.cli.train_ppo \
+  "${cpu[@]}" \
   --pretrain "$tiny/policy" --remote_rm_url "$tiny/reward.py" \
   --prompt_data "$tiny/prompts.jsonl" --input_key input --label_key label \
   --colocate_all_models \

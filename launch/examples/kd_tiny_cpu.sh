@@ -7,13 +7,13 @@ set -euo pipefail
 # shellcheck source=launch/examples/common.sh
 source "$(dirname "$0")/common.sh"
 shift
-common=(--param_dtype fp32 --attn_implementation sdpa --pretrain "$tiny/policy"
+common=("${cpu[@]}" --pretrain "$tiny/policy"
         --dataset "$tiny/sft.jsonl" --eval_dataset "$tiny/sft_eval.jsonl" --eval_split train
         --input_key input --output_key output --input_template "{} " --max_len 32
         --train_batch_size 32 --micro_train_batch_size 8 --learning_rate 3e-3 --lr_warmup_ratio 0.05)
-python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_sft \
+"${launch[@]}" --nproc_per_node 2 -m rlhf.cli.train_sft \
   "${common[@]}" --max_epochs 2 --zero_stage 2 --save_path "$out/teacher"
-exec python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_kd \
+exec "${launch[@]}" --nproc_per_node 2 -m rlhf.cli.train_kd \
   "${common[@]}" --teacher_model "$out/teacher" --kd_coef 0.4 --teacher_offload \
   --max_epochs 1 --zero_stage 2 --eval_steps 8 \
   --save_path "$out/student" --use_tensorboard "$out/student/tensorboard" \

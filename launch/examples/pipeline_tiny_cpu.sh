@@ -44,8 +44,8 @@ stage rm bash "$here/rm_tiny_cpu.sh" "$out/rm" --pretrain "$out/sft"
 # (c) The PPO example's algorithm, every role colocated on the 2 ranks (common.sh again: a port free now).
 # shellcheck source=launch/examples/common.sh
 source "$here/common.sh" "$out"
-exec python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_ppo \
-  --param_dtype fp32 --attn_implementation sdpa \
+exec "${launch[@]}" --nproc_per_node 2 -m rlhf.cli.train_ppo \
+  "${cpu[@]}" \
   --pretrain "$out/sft" --reward_pretrain "$out/rm" \
   --colocate_all_models \
   --advantage_estimator gae --gamma 1.0 --lambd 0.95 \

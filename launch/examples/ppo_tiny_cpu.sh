@@ -6,8 +6,8 @@ set -euo pipefail
 # shellcheck source=launch/examples/common.sh
 source "$(dirname "$0")/common.sh"
 shift
-exec python -m rlhf.cli.launch --nproc_per_node 4 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_ppo \
-  --param_dtype fp32 --attn_implementation sdpa \
+exec "${launch[@]}" --nproc_per_node 4 -m rlhf.cli.train_ppo \
+  "${cpu[@]}" \
   --pretrain "$tiny/policy" \
   --reward_pretrain "$tiny/reward_model" \
   --actor_num_nodes 1 --actor_num_gpus_per_node 2 \

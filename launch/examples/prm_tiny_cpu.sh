@@ -7,8 +7,8 @@ set -euo pipefail
 # shellcheck source=launch/examples/common.sh
 source "$(dirname "$0")/common.sh"
 shift
-exec python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_prm \
-  --param_dtype fp32 --attn_implementation sdpa \
+exec "${launch[@]}" --nproc_per_node 2 -m rlhf.cli.train_prm \
+  "${cpu[@]}" \
   --pretrain "$tiny/policy" \
   --dataset "$tiny/prm.jsonl" --eval_dataset "$tiny/prm_eval.jsonl" --eval_split train \
   --input_key input --label_key label --placeholder_token w0 --reward_tokens w1 w2 \

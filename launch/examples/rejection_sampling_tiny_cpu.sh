@@ -28,45 +28,22 @@ set -euo pipefail
 # shellcheck source=launch/examples/common.sh
 source "$(dirname "$0")/common.sh"
 shift
-here=$(dirname "$0")
-iters=${ITERS:-3}
-seed=${SEED:-1}
-rollout_batch_size=$((512 / iters))  # each iteration generates for new prompts, as OpenRLHF's --iter slices
-cpu=(--param_dtype fp32 --attn_implementation sdpa)
-mkdir -p "$out"
-# shellcheck source=launch/examples/generate_and_score.sh
-source "$here/generate_and_score.sh"
+# shellcheck source=launch/examples/stages.sh
+source "$(dirname "$0")/stages.sh"
 
-if [[ ! -f $out/iter.log ]]; then
-  bash "$here/sft_tiny_cpu.sh" "$out/sft" --max_steps 12 --seed "$seed"
-  echo 0 > "$out/iter.log"
-fi
-
-policy=$out/sft
-for ((i = 0; i < iters; i++)); do
-  dir=$out/iter_$i
-  if ((i < $(cat "$out/iter.log"))); then
-    policy=$dir/sft
-    continue
-  fi
-  echo "rejection sampling: iteration $i of $iters, policy $policy"
-  generate_and_score "$policy" "$dir" "$i" 0.9 rs
-  python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_sft \
+train() {  # POLICY DATASET SAVE_PATH: SFT on the best-scored sample of each prompt
+  "${launch[@]}" --nproc_per_node 2 -m rlhf.cli.train_sft \
     --max_len 32 \
-    --dataset "$dir/rm/rs.jsonl" --dataset_probs 1.0 --input_key input --output_key output --input_template "{}" \
+    --dataset "$2" --dataset_probs 1.0 --input_key input --output_key output --input_template "{}" \
     --train_batch_size 32 --micro_train_batch_size 8 \
-    --pretrain "$policy" \
-    --save_path "$dir/sft" --save_steps -1 --logging_steps 1 --eval_steps -1 \
+    --pretrain "$1" \
+    --save_path "$3" "${logged[@]}" \
     --zero_stage 2 --max_epochs 4 \
-    --param_dtype fp32 --attn_implementation sdpa \
+    "${cpu[@]}" \
     --learning_rate 3e-3 --lr_warmup_ratio 0.05 \
     --seed "$seed" \
-    "$@"
-  echo $((i + 1)) > "$out/iter.log"
-  policy=$dir/sft
-done
+    "${extra[@]}"
+}
 
-stages=()
-for ((i = 0; i < iters; i++)); do stages+=("iter_$i=$out/iter_$i/rm/rs.jsonl.scored.jsonl"); done
-python -m rlhf.inference.summary "$out/rewards.jsonl" "${stages[@]}"
-echo "final policy: $policy"
+extra=("$@")
+iterate "rejection sampling" 0.9 rs sft

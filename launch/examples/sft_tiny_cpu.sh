@@ -11,16 +11,16 @@ set -euo pipefail
 # shellcheck source=launch/examples/common.sh
 source "$(dirname "$0")/common.sh"
 shift
-exec python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_sft \
+exec "${launch[@]}" --nproc_per_node 2 -m rlhf.cli.train_sft \
   --max_len 32 \
   --dataset "$tiny/sft.jsonl" --eval_dataset "$tiny/sft_eval.jsonl" \
   --input_key input --output_key output --input_template "{} " \
   --train_batch_size 32 --micro_train_batch_size 8 \
   --max_samples 500000 \
   --pretrain "$tiny/policy" \
-  --save_path "$out" --save_steps -1 --logging_steps 1 --eval_steps -1 \
+  --save_path "$out" "${logged[@]}" \
   --zero_stage 2 --max_epochs 1 \
-  --param_dtype fp32 --attn_implementation sdpa \
+  "${cpu[@]}" \
   --learning_rate 3e-3 --lr_warmup_ratio 0.05 \
   --seed 1 \
   --use_tensorboard "$out/tensorboard" \

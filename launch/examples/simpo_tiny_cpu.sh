@@ -11,15 +11,14 @@ set -euo pipefail
 # shellcheck source=launch/examples/common.sh
 source "$(dirname "$0")/common.sh"
 shift
-exec python -m rlhf.cli.launch --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_simpo \
-  --save_path "$out" --save_steps -1 --logging_steps 1 --eval_steps -1 \
+exec "${launch[@]}" --nproc_per_node 2 -m rlhf.cli.train_simpo \
+  --save_path "$out" "${logged[@]}" \
   --train_batch_size 32 --micro_train_batch_size 8 \
   --pretrain "$tiny/policy" \
-  --param_dtype fp32 --max_epochs 1 --max_len 32 --zero_stage 2 \
+  --max_epochs 1 --max_len 32 --zero_stage 2 \
   --learning_rate 1e-3 --lr_warmup_ratio 0.05 --beta 2.0 --simpo_gamma 1.0 \
-  --dataset "$tiny/pairs.jsonl" --eval_dataset "$tiny/pairs_eval.jsonl" \
-  --prompt_key prompt --chosen_key chosen --rejected_key rejected --input_template "{} " \
-  --attn_implementation sdpa \
+  "${pairs[@]}" --prompt_key prompt \
+  "${cpu[@]}" \
   --seed 1 \
   --use_tensorboard "$out/tensorboard" \
   "$@"

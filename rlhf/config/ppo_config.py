@@ -390,6 +390,22 @@ DEMO_ROLLOUT_BATCH = 128
 one pass takes 4 steps of one --train_batch_size (128) each."""
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """What PPO's run reads of its updates and their cadence (`TrainPPOConfig.schedule`). PPO's code reads these,
+    never the flags behind them, so a job built on `TrainPPOConfig` that gives the flags other meanings (RePULSe:
+    `rlhf.repulse.repulse_config.TrainRepulseConfig.schedule`) changes PPO's run in this one place
+    (tests/unit/test_repulse_config.py checks that PPO's modules read no flag behind it)."""
+
+    ppo_update: bool  # whether the policy takes PPO's update (RePULSe gives it another)
+    uses_critic: bool
+    save_steps: int  # the checkpoint interval in steps, -1: none
+    samples_per_prompt: int  # samples per prompt and step
+    samples_per_prompt_flags: str  # the flags that set `samples_per_prompt` (for errors)
+    actor_learning_rate: float  # the policy's
+    episodes: int  # passes over the prompts
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainPPOConfig(JobConfig):
     """Everything `train_ppo` needs, one sub-config per component."""
@@ -420,8 +436,8 @@ class TrainPPOConfig(JobConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_grad_accum(self.model, self.engine)
-        if self.ppo_update:
-            require(self.optim.actor_learning_rate > 0, "--actor_learning_rate must be positive")
+        if self.schedule.ppo_update:
+            require(self.schedule.actor_learning_rate > 0, "--actor_learning_rate must be positive")
         self._check_async()
         require(not (self.optim.enable_ema and self.model.lora.enabled),
                 "--enable_ema averages the actor's full weights, and with --lora_rank only adapters are trained "
@@ -429,20 +445,20 @@ class TrainPPOConfig(JobConfig):
         if self.logging.eval_steps != -1 and self.data.eval_dataset is None:
             warnings.warn(f"--eval_steps {self.logging.eval_steps} has no effect: there is no --eval_dataset",
                           stacklevel=2)
-        n, algo = self.samples_per_prompt, self.algo
-        if algo.advantage_estimator in GROUP_ESTIMATORS and self.ppo_update:
+        n, algo = self.schedule.samples_per_prompt, self.algo
+        if algo.advantage_estimator in GROUP_ESTIMATORS and self.schedule.ppo_update:
             require(n > 1, f"--advantage_estimator {algo.advantage_estimator} compares samples of one prompt: "
-                            f"{self.samples_per_prompt_flags} must be > 1 (got {n})")
+                            f"{self.schedule.samples_per_prompt_flags} must be > 1 (got {n})")
         require(not algo.dynamic_filtering or n > 1, "--dynamic_filtering filters prompt groups: "
                  "--n_samples_per_prompt must be > 1")
         require(self.batch.train_batch_size <= self.batch.rollout_batch_size * n,
                  f"--train_batch_size {self.batch.train_batch_size} exceeds the samples of one step "
-                 f"(--rollout_batch_size x {self.samples_per_prompt_flags} = "
+                 f"(--rollout_batch_size x {self.schedule.samples_per_prompt_flags} = "
                  f"{self.batch.rollout_batch_size * n})")
         if algo.overlong_buffer_len is not None:
             require(0 < algo.overlong_buffer_len <= self.rollout.generate_max_len,
                      "--overlong_buffer_len must lie in (0, --generate_max_len]")
-        if not self.uses_critic and (self.model.critic_pretrain or self.placement.num_ranks("critic")):
+        if not self.schedule.uses_critic and (self.model.critic_pretrain or self.placement.num_ranks("critic")):
             warnings.warn(f"--advantage_estimator {algo.advantage_estimator} uses no critic: critic flags are "
                           "ignored", stacklevel=2)
         if self.model.pretrain is not None:
@@ -494,43 +510,18 @@ class TrainPPOConfig(JobConfig):
                            "inside the step, where the generation ranks are already a step ahead; drop one of them")
 
     @property
-    def ppo_update(self) -> bool:
-        """Whether the policy takes PPO's update (a job built on this config may give it another)."""
-        return True
-
-    @property
-    def uses_critic(self) -> bool:
-        return self.algo.advantage_estimator == "gae" and self.ppo_update
-
-    @property
-    def save_steps(self) -> int:
-        """The checkpoint interval."""
-        return self.checkpoint.save_steps
-
-    @property
-    def samples_per_prompt(self) -> int:
-        """Samples per prompt and step."""
-        return self.rollout.n_samples_per_prompt
-
-    @property
-    def samples_per_prompt_flags(self) -> str:
-        """The flags that set `samples_per_prompt` (for errors)."""
-        return "--n_samples_per_prompt"
+    def schedule(self) -> Schedule:
+        """PPO's schedule from PPO's flags; a job built on this config that reads them otherwise (RePULSe)
+        returns its own."""
+        return Schedule(ppo_update=True, uses_critic=self.algo.advantage_estimator == "gae",
+                        save_steps=self.checkpoint.save_steps, samples_per_prompt=self.rollout.n_samples_per_prompt,
+                        samples_per_prompt_flags="--n_samples_per_prompt",
+                        actor_learning_rate=self.optim.actor_learning_rate, episodes=self.batch.num_episodes)
 
     @property
     def prompts_given(self) -> bool:
         """Whether the run names its prompts (without --pretrain the embedded demo prompts are used)."""
         return self.data.prompt_data is not None
-
-    @property
-    def actor_learning_rate(self) -> float:
-        """The policy's learning rate."""
-        return self.optim.actor_learning_rate
-
-    @property
-    def episodes(self) -> int:
-        """Passes over the prompts."""
-        return self.batch.num_episodes
 
     @property
     def max_model_len(self) -> int:
@@ -577,7 +568,7 @@ class TrainPPOConfig(JobConfig):
                                       f"--vllm_tensor_parallel_size {tp} = {gen} generation ranks leave none of the "
                                       f"{world_size} to train; use fewer engines or more ranks")
             num_engines = self.rollout.vllm_num_engines
-        samples = b.rollout_batch_size * self.samples_per_prompt
+        samples = b.rollout_batch_size * self.schedule.samples_per_prompt
         require(samples % b.train_batch_size == 0,
                  f"--train_batch_size {b.train_batch_size} must divide the samples per step ({samples})")
         if tp > 1:  # with one rank per engine the prompts may split unevenly (engines with none stay idle)
@@ -594,7 +585,7 @@ class TrainPPOConfig(JobConfig):
         """Every role's data-parallel replicas (ranks / --ring_attn_size) must split the step's samples
         evenly; trainable ones also its batches."""
         b, ring = self.batch, self.engine.ring_attn_size
-        samples = b.rollout_batch_size * self.samples_per_prompt
+        samples = b.rollout_batch_size * self.schedule.samples_per_prompt
         for role, count in rank_counts.items():
             require(count % ring == 0, f"the {count} {role} ranks do not split into rings of --ring_attn_size "
                                         f"{ring}; change the role's rank count or the ring size")

@@ -56,7 +56,7 @@ def ppo_memory(cfg: TrainPPOConfig, plan: dict[Role, tuple[int, ...]], device: i
     longest = cfg.data.prompt_max_len + r.generate_max_len
     actor = read_shape(m.pretrain)
     models = {"actor": Model(actor, trained=True, lora_rank=m.lora.lora_rank, offload=e.deepspeed_enable_sleep)}
-    if cfg.uses_critic:
+    if cfg.schedule.uses_critic:
         models["critic"] = Model(read_shape(cfg.critic_init), trained=True, scalar_head=True,
                                  lora_rank=m.lora.lora_rank, offload=e.deepspeed_enable_sleep)
     if cfg.algo.needs_ref:
@@ -69,7 +69,7 @@ def ppo_memory(cfg: TrainPPOConfig, plan: dict[Role, tuple[int, ...]], device: i
     train_tokens = micro_tokens(cfg, b.micro_train_batch_size, longest)
     engines = len(plan[Role.ROLLOUT]) // r.vllm_tensor_parallel_size
     vllm = rollout_engine_choice(cfg)[0] == "vllm"
-    sequences = -(-b.rollout_batch_size // engines) * cfg.samples_per_prompt
+    sequences = -(-b.rollout_batch_size // engines) * cfg.schedule.samples_per_prompt
     rollout = Rollout(actor, vllm=vllm, tp=r.vllm_tensor_parallel_size, kv_cache_bytes=r.vllm_kv_cache_bytes,
                       gpu_fraction=r.vllm_gpu_memory_utilization, tokens_per_rank=sequences * longest,
                       sleep=r.vllm_enable_sleep and device is not None)

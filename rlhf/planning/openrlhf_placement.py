@@ -33,7 +33,7 @@ def openrlhf_groups(cfg: Any) -> list[tuple[str, int]]:
     """OpenRLHF's placement groups for `cfg`: (what the group holds, its GPU count), in its creation order."""
     p, r = cfg.placement, cfg.rollout
     has_ref = cfg.algo.init_kl_coef > 0  # OpenRLHF v0.9.5 builds the reference only then
-    has_critic = cfg.uses_critic
+    has_critic = cfg.schedule.uses_critic
     has_reward = not cfg.reward.remote_rm_url
     engines = r.vllm_num_engines or 0
     actor = ["actor"] + (["reference"] if has_ref and (p.colocate_actor_ref or p.colocate_all_models) else [])
@@ -77,7 +77,7 @@ def comparison_lines(cfg: Any, plan: dict[Role, tuple[int, ...]], world: int) ->
             "generation by the actor's own model (OpenRLHF without --vllm_num_engines)"
         lines.append(f"  rollout: {world // tp} engine(s) of TP {tp} inside the training ranks' own processes "
                      f"(asleep while the models train), instead of {asked}: the engine count is the world size / TP")
-    placed = {"actor": True, "critic": cfg.uses_critic, "reward": not cfg.reward.remote_rm_url,
+    placed = {"actor": True, "critic": cfg.schedule.uses_critic, "reward": not cfg.reward.remote_rm_url,
               "ref": cfg.algo.init_kl_coef > 0}  # the roles OpenRLHF gives GPUs
     unsized = [role for role, on in placed.items() if on and p.by_role[role].num_gpus_per_node == 0
                and Role.define(role) in plan]

@@ -10,10 +10,10 @@ argparse or of the trainer.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
-from rlhf.config.ppo_config import AlgoConfig, PlacementConfig, PPOOptimConfig, TrainPPOConfig
+from rlhf.config.ppo_config import AlgoConfig, PlacementConfig, PPOOptimConfig, Schedule, TrainPPOConfig
 from rlhf.config.shared_config import RolePlacement, opt, require, role_placement
 
 FORK_IGNORED_FLAGS = {
@@ -188,34 +188,24 @@ class TrainRepulseConfig(TrainPPOConfig):
                 "--agent_func_path: multi-turn episodes are not supported with --do_harmlessness_training")
 
     @property
-    def ppo_update(self) -> bool:
-        return not self.repulse.do_harmlessness_training
-
-    @property
-    def save_steps(self) -> int:
-        """--save_steps, or --save_steps_harmless in a RePULSe run."""
-        rp = self.repulse
-        return rp.save_steps_harmless if rp.do_harmlessness_training and rp.save_steps_harmless != -1 \
-            else self.checkpoint.save_steps
-
-    @property
-    def samples_per_prompt(self) -> int:
-        """--n_samples_per_prompt times --duplicate_rollout_batch_by (the fork's PPO runs use it too)."""
-        return self.rollout.n_samples_per_prompt * self.repulse.duplicate_rollout_batch_by
-
-    @property
-    def samples_per_prompt_flags(self) -> str:
-        return "--n_samples_per_prompt x --duplicate_rollout_batch_by"
+    def schedule(self) -> Schedule:
+        """In a RePULSe run (--do_harmlessness_training): no PPO update and no critic, --save_steps_harmless (when
+        given) for the checkpoint interval, the policy's rate from --base_actor_learning_rate (--actor_learning_rate
+        is then q's; the fork's names). Always: --n_samples_per_prompt x --duplicate_rollout_batch_by samples per
+        prompt (the fork's PPO runs use it too) and --fit_steps x the episodes of a fit step."""
+        rp, ppo = self.repulse, super().schedule
+        harmless = rp.do_harmlessness_training
+        return replace(
+            ppo, ppo_update=not harmless, uses_critic=ppo.uses_critic and not harmless,
+            save_steps=rp.save_steps_harmless if harmless and rp.save_steps_harmless != -1 else ppo.save_steps,
+            samples_per_prompt=self.rollout.n_samples_per_prompt * rp.duplicate_rollout_batch_by,
+            samples_per_prompt_flags="--n_samples_per_prompt x --duplicate_rollout_batch_by",
+            actor_learning_rate=rp.base_actor_learning_rate if harmless else ppo.actor_learning_rate,
+            episodes=rp.fit_steps * self.episodes_per_fit_step)
 
     @property
     def prompts_given(self) -> bool:
         return super().prompts_given or self.repulse.new_custom_single_prompt
-
-    @property
-    def actor_learning_rate(self) -> float:
-        """--base_actor_learning_rate in a RePULSe run (--actor_learning_rate is then q's; the fork's names)."""
-        rp = self.repulse
-        return rp.base_actor_learning_rate if rp.do_harmlessness_training else self.optim.actor_learning_rate
 
     @property
     def episodes_per_fit_step(self) -> int:
@@ -223,11 +213,6 @@ class TrainRepulseConfig(TrainPPOConfig):
         --do_harmlessness_training (where --num_episodes counts q's updates per step), else --num_episodes."""
         rp = self.repulse
         return rp.harmlessness_training_num_episodes if rp.do_harmlessness_training else self.batch.num_episodes
-
-    @property
-    def episodes(self) -> int:
-        """--fit_steps x the episodes of a fit step."""
-        return self.repulse.fit_steps * self.episodes_per_fit_step
 
     def _check_repulse_unused(self) -> None:
         """PPO settings RePULSe's step does not use (or has not built yet): refused when set, never ignored."""
@@ -258,7 +243,7 @@ class TrainRepulseConfig(TrainPPOConfig):
         rp, b = self.repulse, self.batch
         if not rp.do_harmlessness_training:
             return
-        k = self.samples_per_prompt
+        k = self.schedule.samples_per_prompt
         require(k > 1, "--do_harmlessness_training compares the samples of a prompt: --duplicate_rollout_batch_by "
                        "(times --n_samples_per_prompt) must be > 1")
         # A prompt's group may span micro-batches and ranks (advantages and weights are computed on whole groups

@@ -67,7 +67,7 @@ class RepulseTrainer(PPOTrainer):
     def __init__(self, cfg: TrainRepulseConfig, *args, proposal: Actor | None, **kwargs) -> None:
         super().__init__(cfg, *args, **kwargs)
         self.rp = cfg.repulse
-        self.k = cfg.samples_per_prompt
+        self.k = cfg.schedule.samples_per_prompt
         self.proposal = proposal
         self.has_proposal = PROPOSAL in self.topology.plan  # whether the run has a q at all
         self.trainable = self.roles.trainable + ([proposal.model] if proposal is not None else [])
@@ -290,7 +290,7 @@ class RepulseTrainer(PPOTrainer):
 
 def describe_repulse(cfg: TrainRepulseConfig) -> str:
     """The algorithm line of a --do_harmlessness_training run: which variant, its weights and schedule."""
-    rp, k = cfg.repulse, cfg.samples_per_prompt
+    rp, k = cfg.repulse, cfg.schedule.samples_per_prompt
     if rp.harmlessness_training_loss_type == "reinforce":
         variant = "REINFORCE (leave-one-out baseline)"
     elif rp.use_base_as_proposal:

@@ -46,7 +46,7 @@ def actor_forward_skippable(cfg: TrainPPOConfig) -> bool:
     model: its KL shapes rewards and its metric is the actor's). Then the old log-probs are the training
     forward's own, detached (the ratio is exactly 1), and the rollout-mismatch metrics come from that forward."""
     b = cfg.batch
-    one_update = (b.max_epochs == 1 and b.rollout_batch_size * cfg.samples_per_prompt == b.train_batch_size
+    one_update = (b.max_epochs == 1 and b.rollout_batch_size * cfg.schedule.samples_per_prompt == b.train_batch_size
                   and cfg.algo.freezing_actor_steps <= 0)
     return one_update and not cfg.algo.needs_ref
 
@@ -190,7 +190,7 @@ class ExperienceMaker:
         raw_rewards, scores, extra = scored.rewards_B, scored.scores_B, scored.extra
         rewards = self._shape_rewards(raw_rewards, batch)
         action = batch.action_mask_BT1
-        n = self.cfg.samples_per_prompt
+        n = self.cfg.schedule.samples_per_prompt
         if self.cfg.algo.dynamic_filtering:
             keep = group_filter(scores.reshape(-1, n), *self.cfg.algo.dynamic_filtering_reward_range)
             action = action * keep.repeat_interleave(n)[:, None].float()

@@ -37,7 +37,7 @@ from rlhf.trainers.ppo_trainer import Roles
 
 def roles_needed(cfg: TrainPPOConfig, extra_roles: tuple[Role, ...] = ()) -> tuple[Role, ...]:
     roles = [Role.ACTOR, Role.REWARD]
-    if cfg.uses_critic:
+    if cfg.schedule.uses_critic:
         roles.append(Role.CRITIC)
     if cfg.algo.needs_ref:
         roles.append(Role.REF)
@@ -76,7 +76,7 @@ def _engine(cfg: TrainPPOConfig, topology: Topology, role: Role, build, device: 
     `role_model`."""
     b = cfg.batch
     dp = topology.dp_size(role)
-    samples = b.rollout_batch_size * cfg.samples_per_prompt * updates_per_batch
+    samples = b.rollout_batch_size * cfg.schedule.samples_per_prompt * updates_per_batch
     steps = cfg.batch.max_steps or 1_000_000
     return role_model(build, cfg.model, cfg.engine, cfg.optim, topology, role, device, trainable=trainable,
                       micro_batch_size=b.micro_train_batch_size if trainable else b.micro_rollout_batch_size,
@@ -99,7 +99,7 @@ def check_models(cfg: TrainPPOConfig) -> None:
     which vLLM plans for); with ring attention, --ring_head_stride divides its key/value heads."""
     m = cfg.model
     paths = [("--pretrain", m.pretrain)] + [("--reward_pretrain", p) for p in cfg.reward.reward_paths]
-    if cfg.uses_critic and m.critic_pretrain:
+    if cfg.schedule.uses_critic and m.critic_pretrain:
         paths.append(("--critic_pretrain", m.critic_pretrain))
     check_model_configs(paths, m, cfg.engine, longest=cfg.data.prompt_max_len + cfg.rollout.generate_max_len,
                         length_flags=f"--prompt_max_len {cfg.data.prompt_max_len} + --generate_max_len "
@@ -117,7 +117,7 @@ def describe_generation(cfg: TrainPPOConfig) -> str:
 def describe_algorithm(cfg: TrainPPOConfig, topology: Topology) -> str:
     """One line saying which algorithm runs: estimator, group size, KL and where it enters, the models
     that exist, and the active corrections."""
-    a, n = cfg.algo, cfg.samples_per_prompt
+    a, n = cfg.algo, cfg.schedule.samples_per_prompt
     parts = [f"--advantage_estimator {a.advantage_estimator}", f"{n} sample{'s' if n > 1 else ''} per prompt"]
     if not a.needs_ref:
         parts.append("no KL term")
@@ -211,7 +211,7 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
     four_bit = m.lora.load_in_4bit  # the trained models' bases only (QLoRA); frozen ones load as they are
 
     if topology.hosts(Role.ACTOR):
-        actor = build_policy(cfg, topology, Role.ACTOR, device, total_steps, cfg.actor_learning_rate,
+        actor = build_policy(cfg, topology, Role.ACTOR, device, total_steps, cfg.schedule.actor_learning_rate,
                              ema_beta=cfg.optim.actor_ema_beta)
     if Role.CRITIC in topology.plan and topology.hosts(Role.CRITIC):
         path = cfg.critic_init

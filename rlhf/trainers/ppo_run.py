@@ -54,8 +54,8 @@ def build_rollout_engine(cfg: TrainPPOConfig, device: torch.device, tokenizer, n
                           kv_cache_bytes=r.vllm_kv_cache_bytes, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                           enforce_eager=r.enforce_eager, enable_prefix_caching=r.enable_prefix_caching,
                           enable_sleep=r.vllm_enable_sleep, trust_remote_code=m.trust_remote_code,
-                          sequences_per_call=(-(-cfg.batch.rollout_batch_size // num_engines) * cfg.samples_per_prompt
-                                              if num_engines else 0))
+                          sequences_per_call=(-(-cfg.batch.rollout_batch_size // num_engines)
+                                              * cfg.schedule.samples_per_prompt if num_engines else 0))
     if why == NO_VLLM:
         warnings.warn("vLLM is not installed: generating with transformers (slower); install the cpu or gpu "
                       "extra for vLLM", stacklevel=2)
@@ -212,7 +212,7 @@ class PPORun(JobParts):
         roles = build_roles(cfg, topology, device, steps, self.reward_source, self.tokenizer)
         trainer = self.make_trainer(run, roles, engine, steps)
         periods = [e.period for e in trainer.evaluators]
-        return Assembled(trainer, steps, math.gcd(*periods) if periods else None, cfg.save_steps,
+        return Assembled(trainer, steps, math.gcd(*periods) if periods else None, cfg.schedule.save_steps,
                          save=lambda: self.save(run, roles), after_resume=trainer.sync_weights)
 
 

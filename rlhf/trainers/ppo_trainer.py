@@ -58,7 +58,7 @@ TRAIN_METRICS = {
 
 def total_steps(cfg: TrainPPOConfig, sampler: PromptSampler) -> int:
     """RL steps of the run: episodes x steps per episode, at most --max_steps."""
-    steps = sampler.steps_per_episode * cfg.episodes
+    steps = sampler.steps_per_episode * cfg.schedule.episodes
     return min(steps, cfg.batch.max_steps) if cfg.batch.max_steps else steps
 
 
@@ -210,7 +210,7 @@ class PPOTrainer:
         --dynamic_filtering_max_rounds rounds; then rejected groups fill the batch (the experience masks them:
         `kept_ratio` < 1). Returns the batch, its rewards (each sample is scored once), the filter's metrics and
         the samples generated. Collective."""
-        a, n = self.cfg.algo, self.cfg.samples_per_prompt
+        a, n = self.cfg.algo, self.cfg.schedule.samples_per_prompt
         want, pad = self.cfg.batch.rollout_batch_size, self.tokenizer.pad_token_id
         engines = self.topology.num_engines
         kept: list[tuple[Rollout, Scored]] = []
@@ -270,13 +270,13 @@ class PPOTrainer:
 
     def generate(self, step: int, stream: int = 0, batch: list[Prompt] | None = None,
                  spec: SamplingSpec | None = None) -> Rollout:
-        """Sample the step's responses per prompt (`cfg.samples_per_prompt`) with the weights the engine holds;
+        """Sample the step's responses per prompt (`cfg.schedule.samples_per_prompt`) with the weights the engine holds;
         keep this rank's share of prompts. `stream` > 0: other seeds for the same prompts. `batch`: sample
         these prompts instead of the step's (every rank passes the same list). `spec`: other sampling
         settings (an evaluation's)."""
         prompts, seeds, share = self._engine_prompts(step, stream, batch)
         r = self.cfg.rollout
-        spec = spec or SamplingSpec(n=self.cfg.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
+        spec = spec or SamplingSpec(n=self.cfg.schedule.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
                                     max_tokens=r.generate_max_len)
         if not prompts:  # an idle engine this call: more engines than prompts
             generations = []

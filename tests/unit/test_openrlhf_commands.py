@@ -20,7 +20,7 @@ def test_openrlhf_example_commands_parse_to_what_they_mean(argv, world, tmp_path
         assert cfg.algo.advantage_estimator == "group_norm" and cfg.algo.use_kl_loss and cfg.algo.dynamic_filtering
         assert cfg.algo.clip_range == (0.2, 0.27) and cfg.rollout.n_samples_per_prompt == 8
     else:  # the scripts rely on the defaults for the estimator: PPO with a critic, KL in the reward
-        assert cfg.algo.advantage_estimator == "gae" and cfg.uses_critic and not cfg.algo.use_kl_loss
+        assert cfg.algo.advantage_estimator == "gae" and cfg.schedule.uses_critic and not cfg.algo.use_kl_loss
         assert cfg.algo.init_kl_coef == 0.01 and cfg.algo.lambd == 1.0 and cfg.algo.value_clip == 0.5
 
 

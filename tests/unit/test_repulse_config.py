@@ -18,8 +18,8 @@ def test_repulse_config_checks():
                                                         **{**repulse_flags, **repulse}),
                                   batch=BatchConfig(rollout_batch_size=2, train_batch_size=8, micro_train_batch_size=4))
 
-    assert cfg(duplicate_rollout_batch_by=4).samples_per_prompt == 4
-    assert not cfg(duplicate_rollout_batch_by=4).uses_critic
+    assert cfg(duplicate_rollout_batch_by=4).schedule.samples_per_prompt == 4
+    assert not cfg(duplicate_rollout_batch_by=4).schedule.uses_critic
     with pytest.raises(UsageError, match="--duplicate_rollout_batch_by \\(times --n_samples_per_prompt\\) must be > 1"):
         TrainRepulseConfig(repulse=RepulseConfig(do_harmlessness_training=True, **repulse_flags),
                            batch=BatchConfig(rollout_batch_size=8, train_batch_size=8, micro_train_batch_size=4))
@@ -28,9 +28,9 @@ def test_repulse_config_checks():
     with pytest.raises(UsageError, match="--train_batch_size 8 must be a multiple of the 16 samples of a prompt "
                                          "with --actor_loss_type ctl"):
         cfg(duplicate_rollout_batch_by=16)
-    assert cfg(duplicate_rollout_batch_by=16, actor_loss_type="dpg").samples_per_prompt == 16
+    assert cfg(duplicate_rollout_batch_by=16, actor_loss_type="dpg").schedule.samples_per_prompt == 16
     assert cfg(duplicate_rollout_batch_by=16, harmlessness_training_loss_type="reinforce",
-               alpha=0.0).samples_per_prompt == 16
+               alpha=0.0).schedule.samples_per_prompt == 16
     with pytest.raises(UsageError, match="the proposal trains with ctl or dpg"):
         RepulseConfig(do_harmlessness_training=True, **{**repulse_flags, "actor_loss_type": "sixo"})
     # the fork's defaults: nothing RePULSe-specific is assumed, each choice is asked for by name
@@ -67,7 +67,7 @@ def test_repulse_config_checks():
         TrainRepulseConfig(optim=PPOOptimConfig(actor_learning_rate=0))
     # PPO runs take --duplicate_rollout_batch_by as samples per prompt (the fork's PPO commands do)
     assert TrainRepulseConfig(repulse=RepulseConfig(duplicate_rollout_batch_by=4),
-                              batch=BatchConfig(rollout_batch_size=2, train_batch_size=8)).samples_per_prompt == 4
+                              batch=BatchConfig(rollout_batch_size=2, train_batch_size=8)).schedule.samples_per_prompt == 4
     with pytest.warns(UserWarning, match="--alpha, --target_dist_beta only act with --do_harmlessness_training"):
         TrainRepulseConfig(repulse=RepulseConfig(alpha=1.0, target_dist_beta=-1.0))
 
@@ -90,4 +90,33 @@ def test_the_forks_flags_belong_to_train_repulse_only(capsys):
     assert "--rm_type is a flag of python -m rlhf.cli.train_repulse" in err  # no look-alike hint
     with pytest.warns(UserWarning, match="--rm_type is ignored: the RePULSe fork's reward-model plumbing"):
         assert parse_config(TrainRepulseConfig, ["--rm_type", "x", "--duplicate_rollout_batch_by", "2"]
-                            ).samples_per_prompt == 2
+                            ).schedule.samples_per_prompt == 2
+
+
+SCHEDULE_FLAGS = {("rollout", "n_samples_per_prompt"), ("batch", "num_episodes"), ("checkpoint", "save_steps"),
+                  ("optim", "actor_learning_rate")}
+"""The flags behind `rlhf.config.ppo_config.Schedule` that RePULSe reads otherwise (as `cfg.<sub-config>.<flag>`)."""
+
+
+def test_ppo_reads_its_schedule_never_the_flags_behind_it():
+    """PPO's run, builders, planner and config checks read `cfg.schedule`: a read of a flag behind it would run
+    RePULSe's command with PPO's meaning of the flag (--num_episodes is q's updates per step there, for
+    example). Only the `schedule` property itself reads them."""
+    import ast
+    import glob
+
+    from tests.distributed import ROOT
+
+    paths = [*glob.glob(f"{ROOT}/rlhf/trainers/*.py"), *glob.glob(f"{ROOT}/rlhf/planning/*.py"),
+             f"{ROOT}/rlhf/config/ppo_config.py"]
+    offenders = []
+    for path in paths:
+        tree = ast.parse(open(path).read())
+        schedule = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "schedule"]
+        allowed = {id(n) for f in schedule for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and id(node) not in allowed
+                    and (node.value.attr, node.attr) in SCHEDULE_FLAGS):
+                offenders.append(f"{path.removeprefix(ROOT + '/')}:{node.lineno}: .{node.value.attr}.{node.attr}")
+    assert offenders == []
+    assert len(paths) > 20 and len(schedule) == 1

@@ -45,10 +45,11 @@ def test_every_train_command_parses_into_what_it_means(heading, argv):
     rp = cfg.repulse
     method = heading.rsplit(" / ", 1)[1]
     assert rp.do_harmlessness_training == (method != "PPO")
-    assert cfg.samples_per_prompt == int(flag_value(argv, "--duplicate_rollout_batch_by"))
-    assert cfg.batch.rollout_batch_size * cfg.samples_per_prompt % cfg.batch.train_batch_size == 0
+    assert cfg.schedule.samples_per_prompt == int(flag_value(argv, "--duplicate_rollout_batch_by"))
+    assert cfg.batch.rollout_batch_size * cfg.schedule.samples_per_prompt % cfg.batch.train_batch_size == 0
     if method == "PPO":
-        assert cfg.uses_critic and cfg.optim.critic_learning_rate == float(flag_value(argv, "--critic_learning_rate"))
+        assert cfg.schedule.uses_critic
+        assert cfg.optim.critic_learning_rate == float(flag_value(argv, "--critic_learning_rate"))
         assert cfg.batch.num_episodes == int(flag_value(argv, "--num_episodes"))
     elif method == "RePULSe":
         assert rp.uses_proposal and rp.actor_loss_type == "ctl" and rp.alpha > 0
