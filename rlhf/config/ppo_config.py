@@ -404,6 +404,7 @@ class Schedule:
     samples_per_prompt_flags: str  # the flags that set `samples_per_prompt` (for errors)
     actor_learning_rate: float  # the policy's
     episodes: int  # passes over the prompts
+    policy_copies: tuple[str, ...] = ()  # trained copies of the policy beside PPO's roles, by role (RePULSe's q)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -56,6 +56,8 @@ def ppo_memory(cfg: TrainPPOConfig, plan: dict[Role, tuple[int, ...]], device: i
     longest = cfg.data.prompt_max_len + r.generate_max_len
     actor = read_shape(m.pretrain)
     models = {"actor": Model(actor, trained=True, lora_rank=m.lora.lora_rank, offload=e.deepspeed_enable_sleep)}
+    for name in cfg.schedule.policy_copies:  # RePULSe's proposal: a second trained policy
+        models[name] = Model(actor, trained=True, lora_rank=m.lora.lora_rank, offload=e.deepspeed_enable_sleep)
     if cfg.schedule.uses_critic:
         models["critic"] = Model(read_shape(cfg.critic_init), trained=True, scalar_head=True,
                                  lora_rank=m.lora.lora_rank, offload=e.deepspeed_enable_sleep)
@@ -81,7 +83,7 @@ def ppo_memory(cfg: TrainPPOConfig, plan: dict[Role, tuple[int, ...]], device: i
     return JobMemory(models, ranks, stages, training(cfg), rollout, sync_bucket_bytes=sync, device_bytes=device,
                      reserve_bytes=CUDA_RESERVE_BYTES if device is not None else 0,
                      active={"experience": tuple(n for n in models if not models[n].trained),
-                             "train": ("actor", "critic")})
+                             "train": ("actor", "critic", *cfg.schedule.policy_copies)})
 
 
 def supervised_memory(cfg: Any, plan: dict[Role, tuple[int, ...]], device: int | None) -> JobMemory:

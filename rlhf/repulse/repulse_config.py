@@ -191,8 +191,9 @@ class TrainRepulseConfig(TrainPPOConfig):
     def schedule(self) -> Schedule:
         """In a RePULSe run (--do_harmlessness_training): no PPO update and no critic, --save_steps_harmless (when
         given) for the checkpoint interval, the policy's rate from --base_actor_learning_rate (--actor_learning_rate
-        is then q's; the fork's names). Always: --n_samples_per_prompt x --duplicate_rollout_batch_by samples per
-        prompt (the fork's PPO runs use it too) and --fit_steps x the episodes of a fit step."""
+        is then q's; the fork's names), and the proposal q beside the policy when it is used. Always:
+        --n_samples_per_prompt x --duplicate_rollout_batch_by samples per prompt (the fork's PPO runs use it too)
+        and --fit_steps x the episodes of a fit step."""
         rp, ppo = self.repulse, super().schedule
         harmless = rp.do_harmlessness_training
         return replace(
@@ -201,7 +202,8 @@ class TrainRepulseConfig(TrainPPOConfig):
             samples_per_prompt=self.rollout.n_samples_per_prompt * rp.duplicate_rollout_batch_by,
             samples_per_prompt_flags="--n_samples_per_prompt x --duplicate_rollout_batch_by",
             actor_learning_rate=rp.base_actor_learning_rate if harmless else ppo.actor_learning_rate,
-            episodes=rp.fit_steps * self.episodes_per_fit_step)
+            episodes=rp.fit_steps * self.episodes_per_fit_step,
+            policy_copies=("proposal",) if rp.uses_proposal else ())
 
     @property
     def prompts_given(self) -> bool:

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 from rlhf.core.run import Started, run_job
 from rlhf.data.prompts import Prompt, load_prompts
-from rlhf.distributed.topology import Role
 from rlhf.repulse.repulse_config import TrainRepulseConfig
 from rlhf.repulse.repulse_eval import AnalyticEvaluator, HeldoutEvaluator, the_single_prompt
 from rlhf.repulse.repulse_trainer import PROPOSAL, RepulseTrainer, describe_repulse
@@ -29,9 +28,6 @@ class RepulseRun(PPORun):
     """PPO's run with the fork's single prompt, evaluations, sample records and, for RePULSe, the proposal."""
 
     proposal = None
-
-    def extra_roles(self, cfg: TrainRepulseConfig) -> tuple[Role, ...]:
-        return (PROPOSAL,) if cfg.repulse.uses_proposal else ()
 
     def train_prompts(self, cfg: TrainRepulseConfig, tokenizer) -> list[Prompt]:
         if cfg.repulse.new_custom_single_prompt:  # the toy: one prompt, every step

@@ -35,27 +35,32 @@ from rlhf.trainers.experience import ExperienceMaker, actor_forward_skippable
 from rlhf.trainers.ppo_trainer import Roles
 
 
-def roles_needed(cfg: TrainPPOConfig, extra_roles: tuple[Role, ...] = ()) -> tuple[Role, ...]:
+def policy_copies(cfg: TrainPPOConfig) -> tuple[Role, ...]:
+    """The trained copies of the policy a job adds beside PPO's roles (`Schedule.policy_copies`: RePULSe's
+    proposal)."""
+    return tuple(Role.define(name) for name in cfg.schedule.policy_copies)
+
+
+def roles_needed(cfg: TrainPPOConfig) -> tuple[Role, ...]:
     roles = [Role.ACTOR, Role.REWARD]
     if cfg.schedule.uses_critic:
         roles.append(Role.CRITIC)
     if cfg.algo.needs_ref:
         roles.append(Role.REF)
-    return (*roles, *extra_roles)
+    return (*roles, *policy_copies(cfg))
 
 
-def placement_from_config(cfg: TrainPPOConfig, extra_roles: tuple[Role, ...] = ()) -> Placement:
-    """Role rank counts from the --{role}_num_nodes/_num_gpus_per_node flags and colocation switches.
-    `extra_roles`: trained copies of the policy a job adds (on the actor's ranks unless given ranks of their
-    own)."""
-    roles = roles_needed(cfg, extra_roles)
+def placement_from_config(cfg: TrainPPOConfig) -> Placement:
+    """Role rank counts from the --{role}_num_nodes/_num_gpus_per_node flags and colocation switches. The
+    policy's trained copies (`policy_copies`) are on the actor's ranks unless given ranks of their own."""
+    roles = roles_needed(cfg)
     p = cfg.placement
     counts = {role: p.num_ranks(role.value) for role in roles}
     generating = cfg.rollout.rollout_ranks  # --async_train: ranks of their own
     if p.colocate_all_models or not any(counts.values()):
         return dataclasses.replace(Placement.colocated(roles + (Role.ROLLOUT,)), rollout_ranks=generating)
     colocate = []
-    with_actor = {Role.ACTOR} | {role for role in extra_roles if counts[role] == 0}
+    with_actor = {Role.ACTOR} | {role for role in policy_copies(cfg) if counts[role] == 0}
     if p.colocate_actor_ref and Role.REF in roles:
         with_actor.add(Role.REF)
     if len(with_actor) > 1:

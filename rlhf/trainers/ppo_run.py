@@ -103,15 +103,14 @@ def save_models(cfg: TrainPPOConfig, roles: Roles, topology: Topology, tokenizer
             save_scalar_head_model(state, module.config, module.head_prefix, os.path.join(out, "critic"), tokenizer)
 
 
-def check_before_engines(cfg: TrainPPOConfig, world_size: int, extra_roles: tuple[Role, ...] = ()
-                         ) -> dict[Role, tuple[int, ...]]:
+def check_before_engines(cfg: TrainPPOConfig, world_size: int) -> dict[Role, tuple[int, ...]]:
     """The checks of flags and model files that need no engine (engines take minutes on real models), and
-    the rank plan they validate (`extra_roles`: a job's trained policy copies beside PPO's roles). Reading
-    the data and the reward file follows in `PPORun.prepare`, also before."""
+    the rank plan they validate (with the policy's trained copies a job adds, `Schedule.policy_copies`).
+    Reading the data and the reward file follows in `PPORun.prepare`, also before."""
     cfg.check_world(world_size)
-    plan = plan_ranks(placement_from_config(cfg, extra_roles), world_size)
+    plan = plan_ranks(placement_from_config(cfg), world_size)
     cfg.check_role_sizes({r.value: len(ranks) for r, ranks in plan.items() if r is not Role.ROLLOUT},
-                         trainable=("actor", "critic", *(r.value for r in extra_roles)))
+                         trainable=("actor", "critic", *cfg.schedule.policy_copies))
     if cfg.engine.use_liger_kernel:
         check_liger_kernel()
     check_models(cfg)
@@ -142,18 +141,15 @@ def check_reachable(flag: str, url: str, timeout_s: float) -> None:
 
 class PPORun(JobParts):
     """The core run's parts of RL training: the checks and inputs, the rank plan, the rollout engine, the roles
-    and the trainer. A job built on PPO's run (RePULSe) overrides the hooks `extra_roles`, `train_prompts`,
-    `eval_prompts`, `algorithm_line`, `make_trainer` and `save`."""
+    and the trainer. A job built on PPO's run (RePULSe) returns its own `Schedule` from its config root and
+    overrides the hooks `train_prompts`, `eval_prompts`, `algorithm_line`, `evaluators`, `make_trainer` and
+    `save`."""
 
     name, bar = "rl", {"reward": "reward_mean"}
     summary = ("kl", "response_length", "policy_loss", "value_loss")
     demo_line = ("no --pretrain given: training the embedded tiny demo policy (--prompt_max_len "
                  f"{DEMO_LENGTHS['prompt_max_len']} --generate_max_len {DEMO_LENGTHS['generate_max_len']}, and "
                  f"--rollout_batch_size {DEMO_ROLLOUT_BATCH} on its 512 prompts, unless given)")
-
-    def extra_roles(self, cfg: TrainPPOConfig) -> tuple[Role, ...]:
-        """Trained policy copies beside PPO's roles (on the actor's ranks unless placed)."""
-        return ()
 
     def train_prompts(self, cfg: TrainPPOConfig, tokenizer) -> list[Prompt]:
         return load_prompts(cfg.data, tokenizer, seed=cfg.seed)
@@ -168,7 +164,7 @@ class PPORun(JobParts):
                                      "--eval_dataset")}
 
     def prepare(self, cfg: TrainPPOConfig, launch: LaunchEnv) -> dict[Role, tuple[int, ...]]:
-        plan = check_before_engines(cfg, launch.world_size, self.extra_roles(cfg))
+        plan = check_before_engines(cfg, launch.world_size)
         self.reward_source = build_reward_source(cfg)
         self.agent = load_agent(cfg.agent.agent_func_path) if cfg.agent.agent_func_path else None
         self.tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code,

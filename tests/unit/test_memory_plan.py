@@ -114,6 +114,34 @@ def test_a_7b_ppo_at_zero0_does_not_fit_and_the_plan_says_what_would():
     assert fixes and all("--zero_stage 3" in f for f in fixes)
 
 
+def test_repulse_plans_its_proposal_as_a_second_trained_policy():
+    """RePULSe's --dry_run plans the proposal q: a trained copy of the policy on the actor's ranks. With
+    --use_base_as_proposal there is no q, and the train stage holds half the trained weights and optimizer states
+    (gradients are a training pass's, one model at a time)."""
+    from rlhf.repulse.repulse_config import TrainRepulseConfig
+
+    repulse = ["--do_harmlessness_training", "--harmlessness_training_loss_type", "neg_training",
+               "--reinforce_baseline_type", "expectation", "--actor_loss_type", "ctl",
+               "--parameterization", "policy_psi_q_p_s_t", "--target_dist_beta", "-1", "--alpha", "1",
+               "--duplicate_rollout_batch_by", "4", "--zero_stage", "3"]
+    argv = ["--pretrain", shape_path("qwen2.5-7b"), "--colocate_all_models", "--param_dtype", "bf16",
+            "--rollout_engine", "vllm", "--gpu_memory_gb", "80", "--prompt_data", "prompts.jsonl",
+            "--reward_pretrain", shape_path("qwen2.5-7b"), *repulse]
+    jobs = {}
+    for name, extra in (("q", []), ("base", ["--use_base_as_proposal"])):
+        cfg = parse_config(TrainRepulseConfig, [*argv, *extra])
+        plan = plan_ranks(placement_from_config(cfg), 8)
+        jobs[name] = job_memory(cfg, plan)
+    q, base = jobs["q"], jobs["base"]
+    assert q.models["proposal"] == q.models["actor"] and q.models["proposal"].trained
+    assert q.ranks["proposal"] == q.ranks["actor"] == tuple(range(8))
+    assert "proposal" not in base.models and "critic" not in q.models
+    train_q, train_base = mp.estimate(q, 8)[0]["train"], mp.estimate(base, 8)[0]["train"]
+    for part in ("weights", "optimizer"):  # the actor's and q's, sharded alike
+        assert train_q[part] == 2 * train_base[part] > 0
+    assert train_q["gradients"] == train_base["gradients"] > 0  # one model's training pass at a time
+
+
 def test_a_7b_ppo_at_zero3_with_sleep_fits_on_80_gb():
     cfg, plan, job = ppo_job(8, "--zero_stage", "3", "--vllm_enable_sleep", "--deepspeed_enable_sleep",
                              "--vllm_gpu_memory_utilization", "0.5", "--gradient_checkpointing")

@@ -66,8 +66,9 @@ def test_repulse_config_checks():
     with pytest.raises(UsageError, match="--actor_learning_rate must be positive"):
         TrainRepulseConfig(optim=PPOOptimConfig(actor_learning_rate=0))
     # PPO runs take --duplicate_rollout_batch_by as samples per prompt (the fork's PPO commands do)
-    assert TrainRepulseConfig(repulse=RepulseConfig(duplicate_rollout_batch_by=4),
-                              batch=BatchConfig(rollout_batch_size=2, train_batch_size=8)).schedule.samples_per_prompt == 4
+    ppo = TrainRepulseConfig(repulse=RepulseConfig(duplicate_rollout_batch_by=4),
+                             batch=BatchConfig(rollout_batch_size=2, train_batch_size=8))
+    assert ppo.schedule.samples_per_prompt == 4
     with pytest.warns(UserWarning, match="--alpha, --target_dist_beta only act with --do_harmlessness_training"):
         TrainRepulseConfig(repulse=RepulseConfig(alpha=1.0, target_dist_beta=-1.0))
 

@@ -68,14 +68,13 @@ def test_every_train_command_parses_into_what_it_means(heading, argv):
 def test_realistic_commands_stop_only_at_the_model_download(heading, argv):
     """Every check before the engines passes up to the model load, which names --pretrain and says the model
     must be a local path."""
-    from rlhf.repulse.repulse_run import RepulseRun
     from rlhf.trainers.ppo_run import check_before_engines
 
     cfg = for_this_machine(parse_config(TrainRepulseConfig, argv).with_demo_defaults())
     world = 1
     with pytest.raises(UsageError, match=f"--pretrain {flag_value(argv, '--pretrain')}: the model must be a local "
                                          "path.*huggingface-cli download"):
-        check_before_engines(cfg, world, RepulseRun().extra_roles(cfg))
+        check_before_engines(cfg, world)
 
 
 def test_the_gcg_command_stops_only_at_the_model_download(tmp_path):
