@@ -292,9 +292,9 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class JobConfig:
-    """The run-wide settings every job's root config starts with. `IGNORED_FLAGS`: a job's own flags accepted
-    with a note (flag -> why; `IGNORED_SWITCHES` take no value), beside the ones every job ignores."""
+class RunConfig:
+    """The settings of every run that starts through `rlhf.core.run.start`. `IGNORED_FLAGS`: a job's own flags
+    accepted with a note (flag -> why; `IGNORED_SWITCHES` take no value), beside the ones every job ignores."""
 
     IGNORED_FLAGS: ClassVar[dict[str, str]] = {}
     IGNORED_SWITCHES: ClassVar[frozenset[str]] = frozenset()
@@ -304,6 +304,17 @@ class JobConfig:
     dist_timeout: float = opt(30.0, "minutes a collective waits for the other ranks before the run fails")
     watchdog_interval: float = opt(120.0, "every N seconds without progress, each rank prints to stderr the "
                                    "stage it is in and since when (0: off)")
+    dry_run: ClassVar[bool] = False  # a job with a memory plan has the flag (`JobConfig`)
+
+    def __post_init__(self) -> None:
+        require(self.dist_timeout > 0, "--dist_timeout must be > 0 (minutes)")
+        require(self.watchdog_interval >= 0, "--watchdog_interval must be >= 0 (seconds; 0 turns it off)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig(RunConfig):
+    """The run-wide settings every job's root config starts with: a run's, and the memory plan's."""
+
     dry_run: bool = opt(False, "check the flags and inputs, print the rank plan and each rank's estimated peak memory "
                         "per stage, say whether it fits --gpu_memory_gb, and exit: no engine starts, no weights "
                         "load (not an OpenRLHF flag)")
@@ -311,6 +322,5 @@ class JobConfig:
                                       "GPU's; on CPU the plan says fits only with this given; not an OpenRLHF flag)")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(self.gpu_memory_gb is None or self.gpu_memory_gb > 0, "--gpu_memory_gb must be > 0 (GiB)")
-        require(self.dist_timeout > 0, "--dist_timeout must be > 0 (minutes)")
-        require(self.watchdog_interval >= 0, "--watchdog_interval must be >= 0 (seconds; 0 turns it off)")

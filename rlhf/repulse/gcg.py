@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from rlhf.repulse.gcg_config import GCGSearchConfig
+from rlhf.utils import watchdog
 
 INIT_FILLERS = ("!", "x")
 """The suffix starts as this word repeated: "!" as in the GCG paper and the fork's evaluate_gcg_sz ("! ! ... !"),
@@ -297,8 +298,9 @@ def run_gcg(model: torch.nn.Module, prompt: AttackPrompt, init_ids_L: torch.Tens
     rows_BL = initial_buffer_ids(init_ids_L, search.buffer_size, allowed, generator)
     state = init_state(model, prompt, rows_BL, search.buffer_size, loss_fn)
     for _ in range(search.num_steps):
-        state = gcg_step(model, prompt, state, search, disallowed_ids=disallowed_ids, generator=generator,
-                         tokenizer=tokenizer, loss_fn=loss_fn)
+        with watchdog.stage("gcg step"):  # progress for the watchdog (a goal may take minutes)
+            state = gcg_step(model, prompt, state, search, disallowed_ids=disallowed_ids, generator=generator,
+                             tokenizer=tokenizer, loss_fn=loss_fn)
         if search.early_stop and state.target_hit:
             break
     return state

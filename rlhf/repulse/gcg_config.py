@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_REWARD_MODEL_DIR, TINY_DIR
 from rlhf.config.ppo_config import RewardConfig
-from rlhf.config.shared_config import PARAM_DTYPES, opt, require
+from rlhf.config.shared_config import PARAM_DTYPES, RunConfig, opt, require
 from rlhf.repulse.repulse_config import FORK_IGNORED_FLAGS, FORK_IGNORED_SWITCHES
 
 EMBEDDED_GCG_GOALS = str(TINY_DIR / "gcg_goals.csv")
@@ -261,14 +261,13 @@ class ForkEngineFlags:
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvaluateGCGConfig:
-    """Everything `evaluate_gcg` needs."""
+class EvaluateGCGConfig(RunConfig):
+    """Everything `evaluate_gcg` needs (no --dry_run: the memory plan has no reader for the attack yet)."""
 
     PENDING_FLAGS: ClassVar[tuple[str, ...]] = ()
     IGNORED_FLAGS: ClassVar[dict[str, str]] = FORK_IGNORED_FLAGS
     IGNORED_SWITCHES: ClassVar[frozenset[str]] = FORK_IGNORED_SWITCHES
     seed: int = opt(42, "random seed: goal i searches and samples from streams seeded with seed + i")
-    full_determinism: bool = opt(False, "use deterministic torch algorithms")
     model: GCGModelConfig = field(default_factory=GCGModelConfig)
     reward: GCGRewardConfig = field(default_factory=GCGRewardConfig)
     data: GCGDataConfig = field(default_factory=GCGDataConfig)
@@ -279,6 +278,7 @@ class EvaluateGCGConfig:
     output_path: str | None = opt(None, "the results file (default: SAVE_PATH/gcg.json)")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(self.save_path is None or bool(self.save_path), "--save_path must name a directory")
         require(self.output_path is None or bool(self.output_path), "--output_path must name a file")
 

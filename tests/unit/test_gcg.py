@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlhf.assets import EMBEDDED_MODEL_DIR
-from rlhf.cli.evaluate_gcg import load_goals, main, policy_weights_dir
+from rlhf.cli.evaluate_gcg import main
 from rlhf.config.errors import UsageError
 from rlhf.config.flags import flag_specs, parse_config
 from rlhf.models.loading import load_causal_lm, load_tokenizer
@@ -32,6 +32,7 @@ from rlhf.repulse.gcg import (
     token_gradients_LV,
 )
 from rlhf.repulse.gcg_config import EMBEDDED_GCG_GOALS, EvaluateGCGConfig, GCGDataConfig, GCGSearchConfig
+from rlhf.repulse.gcg_run import load_goals, policy_weights_dir
 
 SMALL = ["--max_targets", "2", "--gcg_steps", "1", "--gcg_search_width", "8", "--gcg_suffix_len", "6",
          "--samples_per_goal", "3", "--max_new_tokens", "6"]
@@ -271,7 +272,7 @@ def test_reward_normalize_uses_the_reward_models_stored_statistics(tmp_path):
     import shutil
 
     from rlhf.assets import EMBEDDED_REWARD_MODEL_DIR
-    from rlhf.cli.evaluate_gcg import build_reward
+    from rlhf.repulse.gcg_run import build_reward
     from rlhf.rewards.base import RewardInputs
 
     rm = tmp_path / "rm"
