@@ -18,7 +18,7 @@ import torch
 from rlhf.data.records import Rollout
 
 if TYPE_CHECKING:
-    from rlhf.config.ppo_config import TrainPPOConfig
+    from rlhf.config.ppo_config import RolloutConfig
 
 # Below 2**62: vLLM seeds the k-th of a request's n samples with seed + k, and torch generators take
 # seeds below 2**64; -1 means "unseeded" to vLLM, so seeds are never negative.
@@ -133,10 +133,9 @@ def vllm_available() -> bool:
 NO_VLLM = "vLLM is not installed"
 
 
-def rollout_engine_choice(cfg: TrainPPOConfig) -> tuple[str, str]:
-    """("vllm" or "hf", why): --vllm_num_engines 0 or --rollout_engine hf choose transformers' generate,
-    --rollout_engine vllm vLLM, and auto vLLM where it is installed."""
-    r = cfg.rollout
+def rollout_engine_choice(r: RolloutConfig) -> tuple[str, str]:
+    """("vllm" or "hf", why) for PPO's rollout flags: --vllm_num_engines 0 or --rollout_engine hf choose
+    transformers' generate, --rollout_engine vllm vLLM, and auto vLLM where it is installed."""
     if r.vllm_num_engines == 0 and not r.async_train:
         return "hf", "--vllm_num_engines 0"
     if r.rollout_engine != "auto":

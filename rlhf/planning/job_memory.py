@@ -70,7 +70,7 @@ def ppo_memory(cfg: TrainPPOConfig, plan: dict[Role, tuple[int, ...]], device: i
     exp_tokens = e.rollout_tokens_per_gpu if e.use_dynamic_batch else b.micro_rollout_batch_size * longest
     train_tokens = micro_tokens(cfg, b.micro_train_batch_size, longest)
     engines = len(plan[Role.ROLLOUT]) // r.vllm_tensor_parallel_size
-    vllm = rollout_engine_choice(cfg)[0] == "vllm"
+    vllm = rollout_engine_choice(cfg.rollout)[0] == "vllm"
     sequences = -(-b.rollout_batch_size // engines) * cfg.schedule.samples_per_prompt
     rollout = Rollout(actor, vllm=vllm, tp=r.vllm_tensor_parallel_size, kv_cache_bytes=r.vllm_kv_cache_bytes,
                       gpu_fraction=r.vllm_gpu_memory_utilization, tokens_per_rank=sequences * longest,

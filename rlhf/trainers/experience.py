@@ -29,7 +29,7 @@ from rlhf.algorithms.shaping import (
     overlong_penalty,
     stop_properly_penalty,
 )
-from rlhf.config.ppo_config import TrainPPOConfig
+from rlhf.config.ppo_config import AlgoConfig, BatchConfig, Schedule, TrainPPOConfig
 from rlhf.data.records import Experience, Rollout
 from rlhf.distributed.collectives import assemble, broadcast_keys, shard
 from rlhf.distributed.topology import Role, Topology
@@ -39,16 +39,15 @@ from rlhf.trainers.actor import Actor, batched_logprobs
 from rlhf.trainers.critic import Critic
 
 
-def actor_forward_skippable(cfg: TrainPPOConfig) -> bool:
+def actor_forward_skippable(b: BatchConfig, algo: AlgoConfig, schedule: Schedule) -> bool:
     """Whether the experience-time actor forward can be skipped: the step's batch feeds exactly one optimizer
     step of the actor (--max_epochs 1, --rollout_batch_size x --n_samples_per_prompt == --train_batch_size, the
     actor trained from the first step), and nothing before training reads the actor's log-probs (no reference
     model: its KL shapes rewards and its metric is the actor's). Then the old log-probs are the training
     forward's own, detached (the ratio is exactly 1), and the rollout-mismatch metrics come from that forward."""
-    b = cfg.batch
-    one_update = (b.max_epochs == 1 and b.rollout_batch_size * cfg.schedule.samples_per_prompt == b.train_batch_size
-                  and cfg.algo.freezing_actor_steps <= 0)
-    return one_update and not cfg.algo.needs_ref
+    one_update = (b.max_epochs == 1 and b.rollout_batch_size * schedule.samples_per_prompt == b.train_batch_size
+                  and algo.freezing_actor_steps <= 0)
+    return one_update and not algo.needs_ref
 
 
 @dataclass

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlhf.config.ppo_config import TrainPPOConfig
+from rlhf.config.ppo_config import AlgoConfig, RewardConfig, TrainPPOConfig
 from rlhf.config.shared_config import replace_quietly
 from rlhf.core.role_models import check_model_configs, micro_batcher, model_builder, role_model
 from rlhf.data.pretrain import PtxData, tokenize_texts
@@ -70,10 +70,6 @@ def placement_from_config(cfg: TrainPPOConfig) -> Placement:
     return Placement({**counts, Role.ROLLOUT: 0}, tuple(colocate), rollout_ranks=generating)
 
 
-def _dtype(cfg: TrainPPOConfig) -> torch.dtype:
-    return cfg.model.dtype
-
-
 def _engine(cfg: TrainPPOConfig, topology: Topology, role: Role, build, device: torch.device, *,
             trainable: bool, learning_rate: float = 0.0, name: str | None = None,
             updates_per_batch: int = 1, ema_beta: float | None = None) -> DeepSpeedModel:
@@ -115,7 +111,7 @@ def check_models(cfg: TrainPPOConfig) -> None:
 
 
 def describe_generation(cfg: TrainPPOConfig) -> str:
-    kind, why = rollout_engine_choice(cfg)
+    kind, why = rollout_engine_choice(cfg.rollout)
     return f"generation: {'vLLM' if kind == 'vllm' else 'transformers generate'} ({why})"
 
 
@@ -147,7 +143,7 @@ def describe_algorithm(cfg: TrainPPOConfig, topology: Topology) -> str:
         parts.append(f"rollout correction {kind} in [{low}, {high}]")
     if cfg.optim.enable_ema:
         parts.append(f"the saved actor is the moving average of its weights (--ema_beta {cfg.optim.ema_beta})")
-    if actor_forward_skippable(cfg):
+    if actor_forward_skippable(cfg.batch, cfg.algo, cfg.schedule):
         parts.append("one actor update per batch (old log-probs from the training forward, no experience forward)")
     parts.append(describe_generation(cfg))
     return "algorithm: " + ", ".join(parts)
@@ -206,7 +202,7 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
     """Role objects for this rank (None where it does not host the role)."""
     if cfg.engine.deepspeed_enable_sleep:
         check_sleep_supported(cfg.engine.zero_stage, cfg.engine.adam_offload)
-    m, dtype = cfg.model, _dtype(cfg)
+    m, dtype = cfg.model, cfg.model.dtype
     actor = critic = ref_model = ref_batcher = None
     frozen: list[DeepSpeedModel] = []
 
@@ -234,7 +230,7 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
                               trainable=False))
         ref_model = frozen[-1].engine
     reward = reward_source
-    norms = stored_reward_norms(cfg)
+    norms = stored_reward_norms(cfg.reward, cfg.algo)
     if cfg.reward.reward_paths and topology.hosts(Role.REWARD):
         reward_batcher, _ = batchers_for(cfg, topology, Role.REWARD)
         reward_models = _reward_models(cfg, topology, device, reward_batcher.layout)
@@ -243,19 +239,19 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
     experience = ExperienceMaker(cfg, topology, actor=actor, critic=critic, ref_model=ref_model, reward=reward,
                                  device=device, ref_batcher=ref_batcher,
                                  running_reward_norm=cfg.algo.normalize_reward and norms is None,
-                                 skip_actor_forward=actor_forward_skippable(cfg))
+                                 skip_actor_forward=actor_forward_skippable(cfg.batch, cfg.algo, cfg.schedule))
     specs = meta_param_specs(m.pretrain, dtype, m.trust_remote_code)
     return Roles(actor, critic, experience, specs, _ptx_data(cfg, topology, tokenizer) if actor is not None else None,
                  frozen)
 
 
-def stored_reward_norms(cfg: TrainPPOConfig) -> list[tuple[float, float]] | None:
+def stored_reward_norms(reward: RewardConfig, algo: AlgoConfig) -> list[tuple[float, float]] | None:
     """With --normalize_reward and reward models that all carry the mean/std stored by reward-model training
     (OpenRLHF's normalisation): those statistics, one pair per model. Otherwise None, and --normalize_reward
     (when set) normalises with running statistics over the run's rewards (a warning says why when reward
     models lack them). Reads only the models' config files; the same on every rank."""
-    paths = cfg.reward.reward_paths
-    if not (cfg.algo.normalize_reward and paths):
+    paths = reward.reward_paths
+    if not (algo.normalize_reward and paths):
         return None
     norms = [stored_reward_norm(p) for p in paths]
     missing = [p for p, n in zip(paths, norms) if n is None]
@@ -274,7 +270,7 @@ def _with_steps(cfg: TrainPPOConfig, total_steps: int) -> TrainPPOConfig:
 
 def _reward_models(cfg: TrainPPOConfig, topology: Topology, device: torch.device,
                    layout: SequenceLayout) -> list[DeepSpeedModel]:
-    m, dtype = cfg.model, _dtype(cfg)
+    m, dtype = cfg.model, cfg.model.dtype
     return [_engine(cfg, topology, Role.REWARD, _model_builder(
         cfg, layout, lambda attn, p=path: load_scalar_head_model(p, m.value_head_prefix, dtype, attn,
                                                                  m.trust_remote_code)), device, trainable=False)

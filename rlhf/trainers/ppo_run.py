@@ -17,7 +17,7 @@ import torch
 
 from rlhf.agents import load_agent
 from rlhf.config.errors import UsageError
-from rlhf.config.ppo_config import DEMO_LENGTHS, DEMO_ROLLOUT_BATCH, TrainPPOConfig
+from rlhf.config.ppo_config import DEMO_LENGTHS, DEMO_ROLLOUT_BATCH, AgentConfig, RewardConfig, TrainPPOConfig
 from rlhf.core.run import Assembled, JobParts, Started, run_job
 from rlhf.data.prompts import Prompt, PromptSampler, load_prompts
 from rlhf.distributed.launch_env import LaunchEnv
@@ -47,7 +47,7 @@ def build_rollout_engine(cfg: TrainPPOConfig, device: torch.device, tokenizer, n
 
     r, m = cfg.rollout, cfg.model
     dtype = m.dtype
-    kind, why = rollout_engine_choice(cfg)
+    kind, why = rollout_engine_choice(cfg.rollout)
     if kind == "vllm":
         return VLLMEngine(m.pretrain, dtype=dtype, tp_size=r.vllm_tensor_parallel_size, seed=cfg.seed,
                           max_model_len=cfg.max_model_len,
@@ -68,22 +68,23 @@ def build_rollout_engine(cfg: TrainPPOConfig, device: torch.device, tokenizer, n
                             trust_remote_code=m.trust_remote_code)
 
 
-def build_reward_source(cfg: TrainPPOConfig) -> RewardSource | None:
-    """The reward_func file or HTTP client (reward models are built per rank with the roles)."""
-    if cfg.agent.agent_func_path:
+def build_reward_source(reward: RewardConfig, agent: AgentConfig) -> RewardSource | None:
+    """The reward_func file or HTTP client (reward models are built per rank with the roles), or the agent's
+    rewards."""
+    if agent.agent_func_path:
         from rlhf.agents import AgentRewards
 
         return AgentRewards()
-    source = cfg.reward.source
+    source = reward.source
     if not source:
         return None
     if source.startswith(("http://", "https://")):
         from rlhf.rewards.remote import RemoteRewardClient
 
-        return RemoteRewardClient(source, cfg.reward.remote_rm_timeout, cfg.reward.remote_rm_retries)
+        return RemoteRewardClient(source, reward.remote_rm_timeout, reward.remote_rm_retries)
     from rlhf.rewards.reward_func import RewardFuncFile
 
-    return RewardFuncFile(source, cfg.reward.reward_func_timeout)
+    return RewardFuncFile(source, reward.reward_func_timeout)
 
 
 def save_models(cfg: TrainPPOConfig, roles: Roles, topology: Topology, tokenizer) -> None:
@@ -165,7 +166,7 @@ class PPORun(JobParts):
 
     def prepare(self, cfg: TrainPPOConfig, launch: LaunchEnv) -> dict[Role, tuple[int, ...]]:
         plan = check_before_engines(cfg, launch.world_size)
-        self.reward_source = build_reward_source(cfg)
+        self.reward_source = build_reward_source(cfg.reward, cfg.agent)
         self.agent = load_agent(cfg.agent.agent_func_path) if cfg.agent.agent_func_path else None
         self.tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code,
                                         use_fast=not cfg.model.disable_fast_tokenizer)
@@ -189,7 +190,8 @@ class PPORun(JobParts):
             return []
         cfg = run.cfg
         every = cfg.logging.eval_steps if cfg.logging.eval_steps > 0 else steps
-        return [PromptEvaluator(cfg, self.prompts_for_eval["eval"], prompt_unit(run.topology), every)]
+        return [PromptEvaluator(cfg.rollout, self.prompts_for_eval["eval"], prompt_unit(run.topology), every,
+                                f"--eval_dataset {cfg.data.eval_dataset}")]
 
     def make_trainer(self, run: Started, roles: Roles, engine, steps: int) -> PPOTrainer:
         cfg = run.cfg
@@ -204,7 +206,7 @@ class PPORun(JobParts):
         cfg, topology, device = run.cfg, run.topology, run.device
         engine = build_rollout_engine(cfg, device, self.tokenizer, topology.num_engines)
         seed_everything(cfg.seed + run.launch.rank, cfg.full_determinism)  # again: vLLM re-seeds globally
-        steps = total_steps(cfg, self.sampler)
+        steps = total_steps(cfg.schedule, cfg.batch, self.sampler)
         roles = build_roles(cfg, topology, device, steps, self.reward_source, self.tokenizer)
         trainer = self.make_trainer(run, roles, engine, steps)
         periods = [e.period for e in trainer.evaluators]

@@ -19,7 +19,7 @@ import torch
 
 from rlhf.agents import Agent, TurnLimits, run_episodes
 from rlhf.algorithms.shaping import group_filter
-from rlhf.config.ppo_config import TrainPPOConfig
+from rlhf.config.ppo_config import BatchConfig, Schedule, TrainPPOConfig
 from rlhf.core.metrics import Reduce, add_update, per_update_means, reduce_metrics
 from rlhf.core.state import CheckpointedState
 from rlhf.core.throughput import count_generated, shape_of_pretrained
@@ -56,10 +56,10 @@ TRAIN_METRICS = {
 """How the actor's and critic's training metrics combine over their ranks (per-update means)."""
 
 
-def total_steps(cfg: TrainPPOConfig, sampler: PromptSampler) -> int:
+def total_steps(schedule: Schedule, batch: BatchConfig, sampler: PromptSampler) -> int:
     """RL steps of the run: episodes x steps per episode, at most --max_steps."""
-    steps = sampler.steps_per_episode * cfg.schedule.episodes
-    return min(steps, cfg.batch.max_steps) if cfg.batch.max_steps else steps
+    steps = sampler.steps_per_episode * schedule.episodes
+    return min(steps, batch.max_steps) if batch.max_steps else steps
 
 
 REFILL_STREAM = 30_000
@@ -101,7 +101,7 @@ class PPOTrainer:
         self.rm_max_len = rm_max_len
         self.steps_done = 0  # steps finished when `evaluate` runs
         self.agent = agent  # --agent_func_path: samples are multi-turn episodes
-        self.total_steps = total_steps(cfg, sampler)  # the last step evaluates every evaluator
+        self.total_steps = total_steps(cfg.schedule, cfg.batch, sampler)  # the last step evaluates every evaluator
         self.policy_shape = shape_of_pretrained(cfg.model.pretrain, cfg.model.trust_remote_code)  # for perf/*
 
     @property

@@ -11,7 +11,7 @@ from collections import defaultdict
 import torch
 
 from rlhf.config.errors import UsageError
-from rlhf.config.ppo_config import TrainPPOConfig
+from rlhf.config.ppo_config import RolloutConfig
 from rlhf.distributed.collectives import all_gather_rollout
 from rlhf.engines.rollout import SamplingSpec
 
@@ -42,11 +42,11 @@ def splittable(prompts: list, unit: int, what: str) -> list:
 class PromptEvaluator:
     """`period`: steps between evaluations (--eval_steps; -1: only before the first step and after the last)."""
 
-    def __init__(self, cfg: TrainPPOConfig, prompts: list, unit: int, period: int) -> None:
-        """`unit`: `prompt_unit` of the run's topology."""
-        self.cfg, self.period = cfg, period
-        self.prompts = splittable(prompts, unit, f"--eval_dataset {cfg.data.eval_dataset}")
-        r = cfg.rollout
+    def __init__(self, r: RolloutConfig, prompts: list, unit: int, period: int, source: str) -> None:
+        """`r`: the rollout flags (--eval_n_samples_per_prompt, --eval_temperature, ...); `unit`: `prompt_unit` of
+        the run's topology; `source`: where the prompts came from, for errors."""
+        self.period = period
+        self.prompts = splittable(prompts, unit, source)
         self.spec = SamplingSpec(n=r.eval_n_samples_per_prompt, temperature=r.eval_temperature, top_p=r.top_p,
                                  max_tokens=r.generate_max_len)
 

@@ -69,4 +69,5 @@ def test_saved_rm_loads_as_classifier_in_serve_rm_and_in_ppo_with_its_normalisat
     torch.testing.assert_close(normalized, (raw - mean) / std, rtol=1e-5, atol=1e-6)
     cfg = parse_config(TrainPPOConfig, [*CPU, "--pretrain", str(out), "--prompt_data", "x.jsonl", "--reward_pretrain",
                                         str(out), "--normalize_reward"])
-    assert stored_reward_norms(cfg) == [(mean, std)]  # the reward models normalise; no running statistics
+    # the reward models normalise; no running statistics
+    assert stored_reward_norms(cfg.reward, cfg.algo) == [(mean, std)]

@@ -25,4 +25,5 @@ def _config(*flags: str) -> TrainPPOConfig:
     (("--advantage_estimator", "gae", "--n_samples_per_prompt", "1", "--train_batch_size", "4"), True),
 ])
 def test_when_the_forward_is_skipped(flags, skippable):
-    assert actor_forward_skippable(_config(*ONE_UPDATE[:-1], *flags)) is skippable
+    cfg = _config(*ONE_UPDATE[:-1], *flags)
+    assert actor_forward_skippable(cfg.batch, cfg.algo, cfg.schedule) is skippable
