@@ -80,6 +80,15 @@ def simpo_losses_B(chosen_avg_B: torch.Tensor, rejected_avg_B: torch.Tensor, *, 
     return -F.logsigmoid(chosen_B - rejected_B - gamma), chosen_B.detach(), rejected_B.detach()
 
 
+def cpo_losses_B(chosen_B: torch.Tensor, rejected_B: torch.Tensor, *, beta: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss_B, chosen_reward_B, rejected_reward_B) per pair of CPO's preference term (Xu et al. 2024): -log
+    sigmoid(beta (chosen - rejected)), with the policy's sequence log-prob sums (no reference). Rewards are beta
+    x the sequence log-prob, detached."""
+    chosen_B, rejected_B = beta * chosen_B, beta * rejected_B
+    return -F.logsigmoid(chosen_B - rejected_B), chosen_B.detach(), rejected_B.detach()
+
+
 LOG_ODDS_MAX_AVG_LOGPROB = -1e-6
 """ORPO: average log-probs are clamped to at most this before log(1 - p): at 0 (p = 1 in float32) the odds are
 infinite. A response that certain contributes no odds-ratio gradient."""

@@ -73,6 +73,7 @@ JOB_CONFIGS = {
     "train_kto": ("rlhf.config.preference_config", "TrainKTOConfig"),
     "train_simpo": ("rlhf.config.preference_config", "TrainSimPOConfig"),
     "train_orpo": ("rlhf.config.preference_config", "TrainORPOConfig"),
+    "train_cpo": ("rlhf.config.preference_config", "TrainCPOConfig"),
     "batch_inference": ("rlhf.config.inference_config", "BatchInferenceConfig"),
 }
 """Job (`python -m rlhf.cli.<job>`) -> (module, name) of its config root, imported only to say which other jobs

@@ -142,7 +142,7 @@ def _no_margin_loss(cfg, job: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ReferenceFreePairConfig(PreferenceBaseConfig):
-    """What the reference-free pair roots (SimPO, ORPO) share: preference pairs and the embedded demo."""
+    """What the reference-free pair roots (SimPO, ORPO, CPO) share: preference pairs and the embedded demo."""
 
     data: PairDataConfig = field(default_factory=lambda: PairDataConfig(max_len=512, eval_split="test"))
 
@@ -217,3 +217,21 @@ class TrainKTOConfig(PreferenceJobConfig):
 
     def with_demo_defaults(self) -> TrainKTOConfig:
         return _with_demo(self, EMBEDDED_PAIRS, EMBEDDED_PAIRS_EVAL, input_key="prompt", eval_split="train")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainCPOConfig(ReferenceFreePairConfig):
+    """Everything `train_cpo` needs (defaults: TRL's CPOTrainer, beta 0.1 and alpha 1.0)."""
+
+    logging: LoggingConfig = field(default_factory=lambda: LoggingConfig(wandb_project="train_cpo"))
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(
+        ckpt_path="./ckpt/checkpoints_cpo"))
+    beta: float = opt(0.1, "scale of the implicit reward, beta x the response's log-prob")
+    cpo_alpha: float = opt(1.0, "weight of the chosen responses' NLL: the loss is -log sigmoid(beta (chosen - "
+                           "rejected log-prob)) + alpha x NLL(chosen)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.beta > 0, "--beta must be positive")
+        require(self.cpo_alpha >= 0, "--cpo_alpha must be >= 0")
+        _no_margin_loss(self, "train_cpo")

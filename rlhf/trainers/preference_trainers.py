@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.algorithms.preference_losses import (
+    cpo_losses_B,
     dpo_losses_B,
     kto_losses_B,
     kto_reference_point,
@@ -90,6 +91,7 @@ def pair_metrics(*terms: str) -> dict[str, Reduce]:
 DPO_METRICS = pair_metrics("nll_loss")
 SIMPO_METRICS = pair_metrics()
 ORPO_METRICS = pair_metrics("nll_loss", "or_loss", "log_odds_ratio")
+CPO_METRICS = pair_metrics("nll_loss")
 
 
 class PairTrainer(PreferenceTrainer):
@@ -217,6 +219,24 @@ class ORPOTrainer(PairTrainer):
         rewards_2B = self.orpo_lambda * avg_2B.detach()
         return PairTerms(loss_B, rewards_2B[:B], rewards_2B[B:],
                          {"loss": loss_B, "nll_loss": nll_B, "or_loss": or_loss_B, "log_odds_ratio": log_odds_B})
+
+
+class CPOTrainer(PairTrainer):
+    """CPO (reference-free): the preference term -log sigmoid(beta (chosen - rejected sequence log-prob)) plus
+    `cpo_alpha` x the chosen responses' per-token NLL (each pair's token mean, averaged over pairs, as ORPO's)."""
+
+    metrics = CPO_METRICS
+
+    def __init__(self, *args, beta: float, cpo_alpha: float) -> None:
+        super().__init__(*args)
+        self.beta, self.cpo_alpha = beta, cpo_alpha
+
+    def pair_terms(self, batch: PairBatch, ref_2B: None) -> PairTerms:
+        B = batch.num_samples
+        logps_2B, counts_2B = self.policy_logps(batch)
+        loss_B, chosen_B, rejected_B = cpo_losses_B(logps_2B[:B], logps_2B[B:], beta=self.beta)
+        nll_B = -logps_2B[:B] / counts_2B[:B].clamp(min=1)
+        return PairTerms(loss_B + self.cpo_alpha * nll_B, chosen_B, rejected_B, {"loss": loss_B, "nll_loss": nll_B})
 
 
 class KTOTrainer(PreferenceTrainer):

@@ -3,8 +3,9 @@ before the first step and after the last on 9 held-out pairs (2 micro-batches on
 before any step the policy is its reference, so the DPO loss is log 2 and KTO's 0.5; DP=2 == DP=1 x
 accumulation 2 (each held-out pair counted once); ZeRO-3 with packing and the reference offloaded == ZeRO-2
 padded (at ZeRO-3 rank 1 runs a discarded copy of rank 0's extra evaluation forward, or the gather hangs);
-a reference on its own rank == colocated; KTO packed == padded; the reference-free SimPO and ORPO: DP=2 == DP=1
-and packed == padded. (Learning is shown by the DPO, KTO, SimPO and ORPO examples, tests/examples.)"""
+a reference on its own rank == colocated; KTO packed == padded; the reference-free SimPO, ORPO and CPO: DP=2 ==
+DP=1 and packed == padded. (Learning is shown by the DPO, KTO, SimPO and ORPO examples, tests/examples; CPO's
+terms by tests/unit/test_preference_losses.py.)"""
 
 from __future__ import annotations
 
@@ -39,12 +40,15 @@ def runs(tmp_path_factory) -> dict:
     kto = [*base, "--desirable_loss_weight", "1.5"]
     simpo = [*base, "--beta", "2.5", "--simpo_gamma", "0.5"]
     orpo = [*base, "--orpo_lambda", "0.5"]
+    cpo = [*base, "--beta", "0.5", "--cpo_alpha", "0.5"]
     two = {"dpo": ("train_dpo", dpo), "kto": ("train_kto", kto),
            "kto_packed": ("train_kto", [*kto, "--packing_samples", "--ref_offload"]),
            "simpo": ("train_simpo", simpo), "simpo_packed": ("train_simpo", [*simpo, "--packing_samples"]),
            "orpo": ("train_orpo", orpo), "orpo_packed": ("train_orpo", [*orpo, "--packing_samples"]),
+           "cpo": ("train_cpo", cpo), "cpo_packed": ("train_cpo", [*cpo, "--packing_samples"]),
            "dpo_zero3_packed": ("train_dpo", [*dpo, "--zero_stage", "3", "--packing_samples", "--ref_offload"])}
-    one = {"dpo_dp1": ("train_dpo", dpo), "simpo_dp1": ("train_simpo", simpo), "orpo_dp1": ("train_orpo", orpo)}
+    one = {"dpo_dp1": ("train_dpo", dpo), "simpo_dp1": ("train_simpo", simpo), "orpo_dp1": ("train_orpo", orpo),
+           "cpo_dp1": ("train_cpo", cpo)}
     for nproc, runs in ((2, two), (1, one)):
         out.update(zip(runs, run_jobs(nproc, [(module, tmp / name, args) for name, (module, args) in runs.items()],
                                       tmp)))
@@ -74,12 +78,12 @@ def test_kto_packing_gives_the_same_steps(runs):
     assert_same_steps(ref, runs["kto_packed"], KTO_COMPARED, rel=1e-5, abs_=1e-6, what="packed")
 
 
-@pytest.mark.parametrize("job", ["simpo", "orpo"])
+@pytest.mark.parametrize("job", ["simpo", "orpo", "cpo"])
 def test_reference_free_pairs_split_and_packing_give_the_same_steps(runs, job):
     ref = runs[job]
     assert f"{job}: 128 samples" in ref[2] and "ref on ranks" not in ref[2]
     assert [r["step"] for r in ref[0]] == [0, 1, 2, 3]
-    compared = ORPO_COMPARED if job == "orpo" else PAIR_COMPARED
+    compared = {"orpo": ORPO_COMPARED, "cpo": (*PAIR_COMPARED, "nll_loss")}.get(job, PAIR_COMPARED)
     for row in ref[0][1:]:
         assert row["margin"] == pytest.approx(row["chosen_reward"] - row["reject_reward"], abs=1e-6)
         if job == "orpo":  # the logged terms are global means of per-pair terms, so the loss is their sum

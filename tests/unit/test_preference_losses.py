@@ -141,10 +141,13 @@ def test_reference_free_jobs_defaults_and_no_reference_flags(capsys):
 def test_pair_trainers_terms_by_hand():
     """The pair trainers' per-pair terms from sequence log-prob sums and token counts: DPO's NLL term is each
     chosen response's mean token log-prob, negated (OpenRLHF; rejected rows do not count); SimPO and ORPO use
-    the average log-probs (sum / count)."""
+    the average log-probs (sum / count); CPO the sums, with ORPO's NLL term. CPO's defaults are TRL's."""
     from types import SimpleNamespace
 
-    from rlhf.trainers.preference_trainers import DPOTrainer, ORPOTrainer, SimPOTrainer
+    from rlhf.config.errors import UsageError
+    from rlhf.config.flags import parse_config
+    from rlhf.config.preference_config import TrainCPOConfig
+    from rlhf.trainers.preference_trainers import CPOTrainer, DPOTrainer, ORPOTrainer, SimPOTrainer
 
     # two pairs: chosen sums -6 over 3 tokens and -2 over 4; rejected -9 over 3 and -5 over 5
     logps = lambda batch: (torch.tensor([-6.0, -2.0, -9.0, -5.0]), torch.tensor([3.0, 4.0, 3.0, 5.0]))  # noqa: E731
@@ -175,3 +178,14 @@ def test_pair_trainers_terms_by_hand():
     assert t.logged_B["nll_loss"].tolist() == [2.0, 0.5]
     assert t.objective_B.tolist() == pytest.approx([nll - 0.25 * math.log(sig(r)) for nll, r in zip((2.0, 0.5), ratio)])
     assert t.chosen_B.tolist() == [-0.5, -0.125] and t.rejected_B.tolist() == [-0.75, -0.25]
+
+    cpo = object.__new__(CPOTrainer)
+    cpo.beta, cpo.cpo_alpha, cpo.policy_logps = 0.5, 2.0, logps
+    t = cpo.pair_terms(batch, None)  # sums: chosen -6, -2; rejected -9, -5 (CPO's term reads sums, not averages)
+    assert t.chosen_B.tolist() == [-3.0, -1.0] and t.rejected_B.tolist() == [-4.5, -2.5]
+    assert t.logged_B["loss"].tolist() == pytest.approx([-math.log(sig(1.5)), -math.log(sig(1.5))])
+    assert t.logged_B["nll_loss"].tolist() == [2.0, 0.5]
+    assert t.objective_B.tolist() == pytest.approx([-math.log(sig(1.5)) + 4.0, -math.log(sig(1.5)) + 1.0])
+    assert parse_config(TrainCPOConfig, []).beta == 0.1 and parse_config(TrainCPOConfig, []).cpo_alpha == 1.0
+    with pytest.raises(UsageError, match="--cpo_alpha must be >= 0"):
+        parse_config(TrainCPOConfig, ["--cpo_alpha", "-1"])

@@ -1,0 +1,19 @@
+"""Entry point of CPO (contrastive preference optimisation, Xu et al. 2024), a reference-free preference loss:
+`torchrun ... -m rlhf.cli.train_cpo --pretrain ... --dataset ...` (or srun), with train_dpo's data, batch and
+engine flags, --beta and --cpo_alpha. The loss is -log sigmoid(beta (chosen - rejected log-prob)) + alpha x the
+chosen responses' NLL: no reference model is loaded. Without --pretrain: the embedded tiny model learns to prefer
+the embedded pairs' chosen answers. The policy is written in HF format to --save_path.
+"""
+
+from __future__ import annotations
+
+from rlhf.cli.entry_point import deferred, main_for
+from rlhf.config.preference_config import TrainCPOConfig
+
+
+def main(argv: list[str] | None = None) -> None:
+    main_for(TrainCPOConfig, deferred("rlhf.jobs.cpo"), "python -m rlhf.cli.train_cpo", argv)
+
+
+if __name__ == "__main__":
+    main()
