@@ -24,7 +24,9 @@ run() {  # run NAME SEED EPISODES FLAGS...
   local name=$1 seed=$2 episodes=$3 port
   shift 3
   port=$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  python -m rlhf.cli.launch --nproc_per_node 1 --master_addr 127.0.0.1 --master_port "$port" -m rlhf.cli.train_repulse \
+  local launcher=("${launch[@]}")
+  launcher[${#launcher[@]}-1]=$port  # two runs at a time: a port each
+  "${launcher[@]}" --nproc_per_node 1 -m rlhf.cli.train_repulse \
     --pretrain "$tiny/policy" --remote_rm_url "$toy/reward.py" \
     --new_custom_single_prompt --custom_prompt "copy :" --input_template "{} " \
     --do_harmlessness_training --duplicate_rollout_batch_by 8 --n_samples_per_prompt 1 \
