@@ -316,8 +316,27 @@ def test_goal_files_and_checkpoint_paths_are_checked(tmp_path):
 
 # --- end to end -----------------------------------------------------------------------------------
 
-def test_cli_on_the_embedded_defaults_writes_a_consistent_result(tmp_path, capsys):
-    main(["--save_path", str(tmp_path), *SMALL, "--gcg_steps", "2", "--samples_per_goal", "4"])
+def gcg_main(argv: list[str]) -> str:
+    """`evaluate_gcg` with `argv` in this process; its standard output."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(argv)
+    return out.getvalue()
+
+
+def run_gcg_cli(argv: list[str]) -> str:
+    """`evaluate_gcg` with `argv` in a forked rank (a run starts a process group and console routing, which must
+    not outlive it in the test process); its standard output."""
+    from tests.distributed import run_on_ranks
+
+    return run_on_ranks(1, gcg_main, argv, init_group=False)[0]
+
+
+def test_cli_on_the_embedded_defaults_writes_a_consistent_result(tmp_path):
+    stdout = run_gcg_cli(["--save_path", str(tmp_path), *SMALL, "--gcg_steps", "2", "--samples_per_goal", "4"])
     result = json.loads((tmp_path / "gcg.json").read_text())
     goals = result["goals"]
     assert result["num_goals"] == len(goals) == 2 and 0.0 <= result["attack_success_rate"] <= 1.0
@@ -326,7 +345,7 @@ def test_cli_on_the_embedded_defaults_writes_a_consistent_result(tmp_path, capsy
         assert len(g["rewards"]) == 4 and len(g["suffix_ids"]) == 6 and g["final_loss"] > 0
         assert g["attacked"] == any(r < 0.25 for r in g["rewards"])  # the demo's --reward_threshold
     assert [g["goal"] for g in goals] == ["q copy 5 :", "b i copy 3 :"]
-    assert "attack success rate" in capsys.readouterr().out
+    assert "attack success rate" in stdout
 
 
 REWARD_FUNC = """
@@ -347,7 +366,8 @@ def test_reward_func_rewards_decide_the_attack_success_rate(tmp_path, body, excl
     func = tmp_path / "reward.py"
     func.write_text(REWARD_FUNC.format(body=body))
     out = tmp_path / "res" / "gcg.json"
-    main([*SMALL, "--remote_rm_url", str(func), "--output_path", str(out), *(["--rm_exclude_adv_suffix"] * exclude)])
+    run_gcg_cli([*SMALL, "--remote_rm_url", str(func), "--output_path", str(out),
+                 *(["--rm_exclude_adv_suffix"] * exclude)])
     result = json.loads(out.read_text())
     assert result["attack_success_rate"] == rate and result["reward_threshold"] == -5.0
     assert all(len(g["rewards"]) == 3 for g in result["goals"])

@@ -98,8 +98,8 @@ def test_a_flag_of_another_job_names_that_job_not_a_look_alike():
     of the same meaning where it has one (KTO reads its prompts with --input_key)."""
     kto = [s.flag for s in flag_specs(TrainKTOConfig)]
     assert _explain_unknown(["--prompt_key"], kto, TrainKTOConfig, "train_kto") == [
-        "unknown flag --prompt_key: train_kto has no such flag (train_rm, train_dpo, train_simpo, train_orpo have "
-        "it); did you mean --input_key?"]
+        "unknown flag --prompt_key: train_kto has no such flag (train_rm, train_dpo, train_simpo, train_orpo, "
+        "train_cpo have it); did you mean --input_key?"]
     sft = [s.flag for s in flag_specs(TrainSFTConfig)]
     assert _explain_unknown(["--ema_beta", "--lora_path"], sft, TrainSFTConfig, "train_sft") == [
         "unknown flag --ema_beta: train_sft has no such flag (train_ppo has it); see --help",

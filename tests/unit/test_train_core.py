@@ -164,4 +164,4 @@ def test_an_evaluation_whose_sums_differ_from_its_declaration_fails_and_every_tr
     trainers = {t.__name__: t.eval_sums for t in _supervised_trainers()}
     assert trainers == {"SFTTrainer": (2,), "RewardModelTrainer": (5,), "ProcessRewardTrainer": (3,),
                         "DistillationTrainer": (3,), "DPOTrainer": (6,), "SimPOTrainer": (6,),
-                        "ORPOTrainer": (6,), "KTOTrainer": (2, 8)}
+                        "ORPOTrainer": (6,), "CPOTrainer": (6,), "KTOTrainer": (2, 8)}
