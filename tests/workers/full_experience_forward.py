@@ -8,7 +8,7 @@ compared against.
 import rlhf.trainers.ppo_build
 from rlhf.cli.train_ppo import main
 
-rlhf.trainers.ppo_build.actor_forward_skippable = lambda cfg: False
+rlhf.trainers.ppo_build.actor_forward_skippable = lambda batch, algo, schedule: False
 
 if __name__ == "__main__":
     main()
