@@ -244,8 +244,8 @@ class ForkEngineFlags:
                                        ("--adam_offload", self.adam_offload),
                                        ("--local_rank", self.local_rank != -1)) if on]
         if given:
-            warnings.warn(f"{', '.join(given)}: no effect: evaluate_gcg runs one process without DeepSpeed",
-                          stacklevel=3)
+            warnings.warn(f"{', '.join(given)}: no effect: evaluate_gcg runs the policy whole on each rank, "
+                          "without DeepSpeed", stacklevel=3)
         if self.actor_modulates_base:
             warnings.warn("--actor_modulates_base: no effect (the fork's evaluate_gcg does not use it either)",
                           stacklevel=3)
