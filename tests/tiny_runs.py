@@ -110,3 +110,24 @@ def assert_adam_weights_close(ref: dict, other: dict, lr: float, steps: int, wha
     assert far <= share * total, (f"{what}: {far} of {total} weights differ by more than {agree} lr (worst {worst:.3g} "
                                   f"in {worst_name}): more than near-zero gradients can explain")
     assert worst <= 2 * lr * steps * (1 + 1e-6), f"{what}: {worst_name} differs by {worst:.3g} > 2 lr x {steps} steps"
+
+
+def gcg_main(argv: list[str]) -> str:
+    """`evaluate_gcg` with `argv` in this process; its standard output."""
+    import contextlib
+    import io
+
+    from rlhf.cli.evaluate_gcg import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(argv)
+    return out.getvalue()
+
+
+def run_gcg_cli(argv: list[str]) -> str:
+    """`evaluate_gcg` with `argv` in a forked rank (a run starts a process group and console routing, which must
+    not outlive it in the test process); its standard output."""
+    from tests.distributed import run_on_ranks
+
+    return run_on_ranks(1, gcg_main, argv, init_group=False)[0]

@@ -118,7 +118,7 @@ def test_toy_command_trains_on_the_embedded_toy(index, replays):
 def test_gcg_goals_split_over_ranks_give_the_one_process_result(tmp_path):
     """`torchrun --nproc_per_node 2 -m rlhf.cli.evaluate_gcg_sz` (the fork's module name; the fork launches it with
     deepspeed on every GPU): the ranks split the goals and rank 0 writes the file one process writes."""
-    from tests.unit.test_gcg import run_gcg_cli
+    from tests.tiny_runs import run_gcg_cli
 
     small = ["--max_targets", "3", "--gcg_steps", "1", "--gcg_search_width", "8", "--gcg_suffix_len", "6",
              "--samples_per_goal", "3", "--max_new_tokens", "6"]

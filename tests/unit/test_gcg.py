@@ -33,6 +33,7 @@ from rlhf.repulse.gcg import (
 )
 from rlhf.repulse.gcg_config import EMBEDDED_GCG_GOALS, EvaluateGCGConfig, GCGDataConfig, GCGSearchConfig
 from rlhf.repulse.gcg_run import load_goals, policy_weights_dir
+from tests.tiny_runs import run_gcg_cli
 
 SMALL = ["--max_targets", "2", "--gcg_steps", "1", "--gcg_search_width", "8", "--gcg_suffix_len", "6",
          "--samples_per_goal", "3", "--max_new_tokens", "6"]
@@ -315,25 +316,6 @@ def test_goal_files_and_checkpoint_paths_are_checked(tmp_path):
 
 
 # --- end to end -----------------------------------------------------------------------------------
-
-def gcg_main(argv: list[str]) -> str:
-    """`evaluate_gcg` with `argv` in this process; its standard output."""
-    import contextlib
-    import io
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        main(argv)
-    return out.getvalue()
-
-
-def run_gcg_cli(argv: list[str]) -> str:
-    """`evaluate_gcg` with `argv` in a forked rank (a run starts a process group and console routing, which must
-    not outlive it in the test process); its standard output."""
-    from tests.distributed import run_on_ranks
-
-    return run_on_ranks(1, gcg_main, argv, init_group=False)[0]
-
 
 def test_cli_on_the_embedded_defaults_writes_a_consistent_result(tmp_path):
     stdout = run_gcg_cli(["--save_path", str(tmp_path), *SMALL, "--gcg_steps", "2", "--samples_per_goal", "4"])
