@@ -1,19 +1,19 @@
-"""A launcher for the tests of the multi-stage example scripts that starts ranks as forks of a preloaded interpreter.
+"""A launcher for the tests of the example scripts that starts ranks as forks of a preloaded interpreter.
 
-The pipelines of launch/examples (rejection sampling, conditional SFT, the InstructGPT pipeline) run 3 to 10
-stages, each a launch of a short job; the launcher (`rlhf.cli.launch`, torchrun) starts fresh interpreters that
-import torch, transformers, DeepSpeed and vLLM again, 10-25 CPU-seconds per stage on 2 CPU cores, most of a tiny
-stage. Within `serving()` (tests/examples/test_pipeline_examples.py), RLHF_TEST_LAUNCH_SOCKET is set and
-`launch/examples/common.sh` sends each stage to this server instead (`python -m tests.launch_server --client ...`,
-which imports nothing heavy): the server, which imported `tests.distributed.PRELOAD` once, forks the stage's ranks
-with the environment a launcher gives them (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT, and LD_PRELOAD as `rlhf.cli.launch` sets it, loaded since the server's start), the server's CPU
-affinity (a fork of a process with Intel OpenMP loaded keeps only one CPU), the client's working directory,
-environment and standard streams, and returns the worst exit code. Like torchrun, a rank that fails ends the
-others. The single-launch examples and the quickstart keep the real launcher (a forked rank's steps measured about
-10% slower than a launched one's, which a long run would pay for more than the start-up saved), and so do the e2e
-tests of the launcher itself (signals, grace periods, restarts: tests/e2e/test_preemption.py,
-test_hangs_launcher.py, test_slurm.py).
+The launcher (`rlhf.cli.launch`, torchrun) starts fresh interpreters that import torch, transformers, DeepSpeed and
+vLLM again, 10-25 CPU-seconds per rank on 2 CPU cores: a third of a 4-rank example's two minutes, and most of each
+short stage of the pipelines (rejection sampling, conditional SFT, the InstructGPT pipeline: 3 to 10 launches).
+Within `serving()` (tests/examples/conftest.py), RLHF_TEST_LAUNCH_SOCKET is set and `launch/examples/common.sh`
+sends each launch to this server instead (`python -m tests.launch_server --client ...`, which imports nothing
+heavy): the server, which imported `tests.distributed.PRELOAD` once, forks the launch's ranks with the environment
+a launcher gives them (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and LD_PRELOAD as
+`rlhf.cli.launch` sets it, loaded since the server's start), the server's CPU affinity (a fork of a process with
+Intel OpenMP loaded keeps only one CPU), the client's working directory, environment and standard streams, and
+OMP_NUM_THREADS applied to torch (its thread pool was sized at the server's start: a server started with two
+threads gave every rank two, and the 4-rank PPO example's steps took 0.94 s instead of 0.53 s), and returns the
+worst exit code. Like torchrun, a rank that fails ends the others. The quickstart (the README's first command, its
+own launch line) keeps the real launcher, and so do the e2e tests of the launcher itself (signals, grace periods,
+restarts: tests/e2e/test_preemption.py, test_hangs_launcher.py, test_slurm.py).
 
     python -m tests.launch_server SOCKET              # serve (until killed)
     python -m tests.launch_server --client [launcher flags] -m MODULE [args...]   # one stage, as rlhf.cli.launch
@@ -72,6 +72,10 @@ def _rank(fds: list[int], request: dict, rank: int) -> None:
     os.environ.update(request["env"])
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
                       MASTER_ADDR=addr, MASTER_PORT=str(port), LD_PRELOAD=request["ld_preload"])
+    if os.environ.get("OMP_NUM_THREADS"):  # the OpenMP pool was sized at the server's start, from its environment
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     sys.argv = [module, *args]
     code = 0
     try:
@@ -181,8 +185,10 @@ def serving() -> Iterator[str]:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "launch.sock")
+        # one OpenMP thread per rank, as the scripts and torchrun give several ranks on one machine
         server = subprocess.Popen([sys.executable, "-m", "tests.launch_server", path], cwd=ROOT, text=True,
-                                  stdout=subprocess.PIPE, env={**preload_env(), "PYTHONPATH": ROOT})
+                                  stdout=subprocess.PIPE,
+                                  env={"OMP_NUM_THREADS": "1", **preload_env(), "PYTHONPATH": ROOT})
         try:
             assert server.stdout.readline().strip() == "ready", "tests.launch_server did not start"
             os.environ[ENV_SOCKET] = path

@@ -6,9 +6,10 @@ import os
 CPU = ["--param_dtype", "fp32", "--attn_implementation", "sdpa"]
 """What the tests run in (the defaults are OpenRLHF's: bf16 and flash-attn)."""
 EAGER = ["--enforce_eager"]
-"""vLLM without torch.compile in the e2e runs: each runs a few steps, and the compile costs 5-25 s per launch (its
-cache does not reload here); the compiled default runs in tests/examples (every learning run) and in the e2e runs
-of OpenRLHF's own commands (tests/e2e/test_openrlhf_command_run.py)."""
+"""vLLM without torch.compile in the e2e runs: each runs a few steps, and loading the compiled model from vLLM's
+cache still costs a few CPU-seconds per rank (the first compile on a machine 15-20 s); the compiled default runs in
+tests/examples (every learning run) and in the e2e runs of OpenRLHF's own commands
+(tests/e2e/test_openrlhf_command_run.py)."""
 SMALL = [*CPU, *EAGER, "--init_kl_coef", "0", "--advantage_estimator", "group_norm",
          "--rollout_batch_size", "4", "--n_samples_per_prompt", "4", "--train_batch_size", "8",
          "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "4", "--generate_max_len", "6",

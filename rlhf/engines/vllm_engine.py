@@ -243,6 +243,11 @@ class VLLMEngine:
         """sequences_per_call: how many sequences one generate call of this engine samples (0: unknown); on CPU,
         a KV cache (kv_cache_bytes) too small to hold them all at max_model_len tokens is warned about."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if not torch.cuda.is_available():
+            # vLLM 0.32's CPU build saves its AOT-compiled model but cannot load it back ("'function' object has no
+            # attribute 'finalize_loading'"): every engine start compiled the model again (about 10 CPU-seconds).
+            # Its older compile cache loads; a user's own setting wins.
+            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         _quiet_vllm_logs()
         from vllm import LLM
 

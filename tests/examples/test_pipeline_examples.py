@@ -19,7 +19,6 @@ import shutil
 import pytest
 
 from tests.examples.scripts import before_after, metric_rows, run_script
-from tests.launch_server import serving
 
 PPO_MIN_GAIN = 0.5
 """reward_mean (reward-model score normalised by its held-out mean/std) of the pipeline's PPO stage, last fifth
@@ -40,13 +39,6 @@ over seeds 1, 2, 3: 0.232, 0.470, 0.389; about half the smallest."""
 
 RERUN_MAX_S = 60
 """A rerun of a finished script runs no stage, only the summary (a few seconds)."""
-
-
-@pytest.fixture(scope="module", autouse=True)
-def launch_server():
-    """Every stage of these scripts starts its ranks as forks of one preloaded server (tests/launch_server.py)."""
-    with serving() as path:
-        yield path
 
 
 @pytest.fixture(scope="module")
