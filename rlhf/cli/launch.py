@@ -17,11 +17,16 @@ into the workers' LD_PRELOAD, where installed (tcmalloc: the OS package libtcmal
 its first line; `--no_preload` keeps LD_PRELOAD as it is. `benchmarks/cpu_preload.py` measures the step time
 with and without each.
 
+When a worker fails, torchrun stops the others and raises with a traceback and a table; this launcher prints one
+line instead, naming the first rank that failed and how (its exit code, or the signal that killed it), and exits
+with that code (128 + the signal's number for a signal, as a shell reports it).
+
 It knows nothing about training: it only relays signals, times the grace period and sets the environment.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -145,6 +150,37 @@ class SignalRelay:
                 f"{time.monotonic() - self.started:.0f} s after the signal")
 
 
+def failure_line(failures: dict[int, tuple[int, int, float]]) -> tuple[str, int]:
+    """(the launcher's line for a failed run, its exit status) from torchrun's {global rank: (exit code, pid, time of
+    failure)}, exit codes negative for a signal. The first rank to fail is the cause; torchrun then stops the rest
+    with SIGTERM (recorded as failures too: not repeated). The status is the first rank's code, or 128 + its signal
+    as a shell reports it."""
+
+    def how(code: int) -> str:
+        if code >= 0:
+            return f"exited with code {code}"
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+
+    first = min(failures, key=lambda rank: failures[rank][2])
+    code, pid, _ = failures[first]
+    also = [f"rank {rank} (pid {p}) {how(c)}" for rank, (c, p, _) in sorted(failures.items())
+            if rank != first and c != -signal.SIGTERM]
+    then = f"; then {'; '.join(also)}" if also else ""
+    line = (f"the run failed: rank {first} (pid {pid}) {how(code)} first{then}; the other ranks were stopped (a "
+            "rank's own error is above, or in SAVE_PATH/logs/rank<N>.log for a training job)")
+    return line, (128 - code if code < 0 else code or 1)
+
+
+class _DropFailureRecord(logging.Filter):
+    """torchrun's `failed (exitcode: N) local_rank: ...` record: `failure_line` says it, with every failed rank."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("failed (exitcode:")
+
+
 def _say(message: str) -> None:
     print(f"[rlhf.cli.launch] {message}", file=sys.stderr, flush=True)
 
@@ -159,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     import torch
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if not no_preload and not torch.cuda.is_available():
         preload, added = cpu_preload(os.environ.get("LD_PRELOAD", ""), (os.path.join(sys.prefix, "lib"), *LIBRARY_DIRS))
@@ -168,7 +205,13 @@ def main(argv: list[str] | None = None) -> None:
                  "to keep LD_PRELOAD as it is)")
 
     relay = SignalRelay(grace)
-    torchrun.main([f"--signals_to_handle={TORCHRUN_SIGNALS}", *torchrun_args])
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropFailureRecord())
+    try:
+        torchrun.main([f"--signals_to_handle={TORCHRUN_SIGNALS}", *torchrun_args])
+    except ChildFailedError as err:  # torchrun's traceback and table say less than one line (the error is above)
+        line, code = failure_line({rank: (f.exitcode, f.pid, f.timestamp) for rank, f in err.failures.items()})
+        _say(line)
+        raise SystemExit(code) from None
     summary = relay.summary()
     if summary:
         _say(summary)

@@ -108,3 +108,31 @@ def test_launcher_stops_workers_that_outlast_the_grace_period(tmp_path):
     assert "did not exit within the grace period (2 s, --grace_period)" in err, err[-3000:]
     assert not any((tmp_path / f"{name}{r}").exists() for name in ("SIGTERM", "SIGUSR1") for r in range(2))
     assert 2 <= seconds < 15, seconds
+
+
+FAILING_WORKER = """
+import os, signal, sys, time
+if os.environ["RANK"] == "1":
+    time.sleep(0.5)
+    if sys.argv[1] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(3)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("how,line,status", [("exit", "exited with code 3", 3),
+                                             ("kill", "was killed by SIGKILL", 128 + signal.SIGKILL)])
+def test_a_failed_rank_is_one_line_naming_it_not_torchruns_traceback(tmp_path, how, line, status):
+    script = tmp_path / "worker.py"
+    script.write_text(FAILING_WORKER)
+    cmd = [sys.executable, "-m", "rlhf.cli.launch", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(script), how]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == status, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("[rlhf.cli.launch] the run failed: ")]
+    assert len(lines) == 1 and "rank 1 (pid " in lines[0], lines
+    assert lines[0].split(") ", 1)[1].startswith(f"{line} first;"), lines
+    assert "rank 0" not in lines[0]  # stopped by torchrun (SIGTERM), not a failure of its own
+    assert "Traceback" not in proc.stderr and "failed (exitcode" not in proc.stderr, proc.stderr[-3000:]
