@@ -41,6 +41,7 @@ from rlhf.distributed.launch_env import LaunchEnv, finish_distributed, init_dist
 from rlhf.distributed.topology import Role, Topology
 from rlhf.engines.deepspeed_compat import install_subgroup_patches
 from rlhf.models.loading import resolve_attention
+from rlhf.utils import watchdog
 from rlhf.utils.checkpoint_files import check_resumable, check_resume_path
 from rlhf.utils.console import route_library_output
 from rlhf.utils.curves import plot_runs
@@ -297,7 +298,8 @@ def run_job(parts: JobParts, cfg: Any, parse_warnings: Sequence[warnings.Warning
         install_subgroup_patches()
     seed_everything(cfg.seed + launch.rank, cfg.full_determinism)
     memory = MemoryPeaks(run.device, planned_stage_bytes(cfg, run.topology.plan, launch))
-    job = parts.build(run)
+    with watchdog.stage("build"):  # models, engines and data: a watchdog line during a slow start names it
+        job = parts.build(run)
     peak, source = device_peak_tflops(run.device, cfg.logging.peak_tflops)
     if run.is_writer:
         print("throughput: perf/tokens_per_s, perf/tflops per rank, " + (f"perf/mfu against {peak:g} TFLOP/s "
@@ -308,8 +310,9 @@ def run_job(parts: JobParts, cfg: Any, parse_warnings: Sequence[warnings.Warning
     throughput = Throughput(peak, memory)
     loop = Loop(job.steps, cfg.logging.logging_steps, job.save_steps, job.eval_every, logger, checkpointer,
                 launch.rank, throughput)
-    begin_step = loop.resume(job.trainer)
-    job.after_resume()
+    with watchdog.stage("resume"):
+        begin_step = loop.resume(job.trainer)
+        job.after_resume()
     try:
         if loop.fit(job.trainer, begin_step, run.preemption):
             job.save()

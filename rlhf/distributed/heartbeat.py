@@ -1,18 +1,19 @@
 """Ends a run whose peer stopped: each rank's daemon thread writes a heartbeat (a counter and the stage it is in)
-to the rendezvous store every `period_s` and reads the next rank's (rank r watches r + 1 mod the world: every
-rank is watched, and the store sees two operations per rank and tick). A peer whose counter has not moved for
-`--dist_timeout` less two periods (so this fires before a collective's own timeout, which names nobody) is
-stopped (SIGSTOP, a frozen host, a rank hung holding the GIL): the thread
-prints one line naming the silent rank, the stage it was last in and the stage this rank waits in, then ends
-this process with exit status 1, upon which the launcher (torchrun, `srun --kill-on-bad-exit`) stops the
-rest. A collective in DeepSpeed's or NCCL's hands may wait past the group's timeout; this does not. A store
-that stops answering for `timeout_s` (its host is gone) ends the rank the same way. Ranks that finished
-(`stop()`) are not waited for. Counters, not clocks: hosts' clocks may disagree.
+to the rendezvous store every `period_s`, and soon after each stage change, and reads the next rank's (rank r
+watches r + 1 mod the world: every rank is watched, and the store sees two operations per rank and tick). A peer
+whose counter has not moved for `--dist_timeout` less two periods (so this fires before a collective's own timeout,
+which names nobody) is stopped (SIGSTOP, a frozen host, a rank hung holding the GIL): the thread prints one line
+naming the silent rank, the stage it was in at its last heartbeat and the stage this rank waits in, then ends this
+process with exit status 1, upon which the launcher (torchrun, `srun --kill-on-bad-exit`) stops the rest. A
+collective in DeepSpeed's or NCCL's hands may wait past the group's timeout; this does not. A store that stops
+answering for `timeout_s` (its host is gone) ends the rank the same way. Ranks that finished (`stop()`) are not
+waited for. Counters, not clocks: hosts' clocks may disagree.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -27,6 +28,9 @@ from rlhf.utils import watchdog
 EXIT_STATUS = 1
 JOIN_TIMEOUT_S = 30.0  # a store call in flight at exit ends within the store's own timeout, or this
 DONE = "done"
+MIN_BEAT_S = 1.0
+"""The shortest time between two heartbeats (one store write and one read per rank: a beat on every stage change
+of a fast step would load the store of a large world)."""
 
 
 class Heartbeat:
@@ -47,6 +51,7 @@ class Heartbeat:
         self._seen: dict[int, tuple[str | None, float]] = {r: (None, start) for r in watched}
         self._store_ok_at = start
         self._stop = threading.Event()
+        self._changed = threading.Event()  # set by the watchdog when this rank enters or leaves a stage
 
     def _key(self, rank: int) -> str:
         return f"heartbeat/{rank}"
@@ -91,6 +96,7 @@ class Heartbeat:
 
     def start(self) -> Heartbeat:
         self.beat()  # at once: a peer that starts its watch first finds this rank's key
+        watchdog.on_change(self._changed.set)
         self._thread = threading.Thread(target=self._run, name="rlhf-heartbeat", daemon=True)
         self._thread.start()
         atexit.register(self.join)
@@ -102,7 +108,10 @@ class Heartbeat:
         back, and that unwinds through C++ frames that may not be unwound: `terminate called without an active
         exception`, exit -6, after a run that succeeded."""
         self._stop.set()
+        self._changed.set()
         self._thread.join(timeout=JOIN_TIMEOUT_S)
+        with contextlib.suppress(ValueError):  # joined twice: at the end of the run and at exit
+            watchdog.off_change(self._changed.set)
 
     def stop(self) -> None:
         """This rank is done: peers stop waiting for its heartbeat."""
@@ -113,5 +122,10 @@ class Heartbeat:
             pass
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
-            self.check()
+        """A tick every `period_s`, and soon after this rank enters or leaves a stage (at most one a
+        MIN_BEAT_S): a peer that names this rank's stage names the one it was in, not one a period old."""
+        while not self._stop.wait(MIN_BEAT_S):
+            self._changed.wait(self.period_s)
+            self._changed.clear()
+            if not self._stop.is_set():
+                self.check()

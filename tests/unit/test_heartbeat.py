@@ -89,3 +89,22 @@ def test_a_process_exits_cleanly_while_its_heartbeat_thread_is_in_a_store_call()
         proc = subprocess.run([sys.executable, "-c", EXIT_WHILE_BEATING], capture_output=True, text=True, cwd=ROOT,
                               env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_stage_change_is_in_the_heartbeat_within_a_second_not_a_period():
+    """The heartbeat names the stage a rank entered since its last periodic tick (here 60 s away): a peer that
+    names a stopped rank's stage names the one it was in, not the one of a period before."""
+    import time
+
+    from rlhf.distributed import heartbeat
+
+    store = dist.HashStore()
+    beat = Heartbeat(store, 0, 1, timeout_s=600, period_s=60, exit=lambda status: None).start()
+    try:
+        assert "in stage 'step/train'" not in store.get("heartbeat/0").decode()
+        with watchdog.stage("step"), watchdog.stage("train"):
+            time.sleep(heartbeat.MIN_BEAT_S + 1.0)
+            assert store.get("heartbeat/0").decode().split("|", 1)[1].startswith("in stage 'step/train' since ")
+    finally:
+        beat.join()
+    assert beat._changed.set not in watchdog._LISTENERS
