@@ -17,9 +17,10 @@ into the workers' LD_PRELOAD, where installed (tcmalloc: the OS package libtcmal
 its first line; `--no_preload` keeps LD_PRELOAD as it is. `benchmarks/cpu_preload.py` measures the step time
 with and without each.
 
-When a worker fails, torchrun stops the others and raises with a traceback and a table; this launcher prints one
-line instead, naming the first rank that failed and how (its exit code, or the signal that killed it), and exits
-with that code (128 + the signal's number for a signal, as a shell reports it).
+A --master_port in use is one line naming it. When a worker fails, torchrun stops the others and raises with a
+traceback and a table; this launcher prints one line instead, naming the first rank that failed and how (its exit
+code, or the signal that killed it), and exits with that code (128 + the signal's number for a signal, as a shell
+reports it).
 
 It knows nothing about training: it only relays signals, times the grace period and sets the environment.
 """
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     import torch
+    from torch.distributed import DistNetworkError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -212,6 +214,15 @@ def main(argv: list[str] | None = None) -> None:
         line, code = failure_line({rank: (f.exitcode, f.pid, f.timestamp) for rank, f in err.failures.items()})
         _say(line)
         raise SystemExit(code) from None
+    except DistNetworkError as err:
+        if "EADDRINUSE" not in str(err):
+            raise
+        port = next((a.split("=", 1)[1] for a in torchrun_args if a.startswith(("--master_port=", "--master-port="))),
+                    None) or next((b for a, b in zip(torchrun_args, torchrun_args[1:])
+                                   if a in ("--master_port", "--master-port")), "29500 (torchrun's default)")
+        _say(f"--master_port {port} is already in use on this machine (another run, or one still ending): pass "
+             "another --master_port")
+        raise SystemExit(1) from None
     summary = relay.summary()
     if summary:
         _say(summary)

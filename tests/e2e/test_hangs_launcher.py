@@ -3,6 +3,7 @@ workers (as SIGUSR1) and waits for them, and stops workers that outlast the grac
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -136,3 +137,18 @@ def test_a_failed_rank_is_one_line_naming_it_not_torchruns_traceback(tmp_path, h
     assert lines[0].split(") ", 1)[1].startswith(f"{line} first;"), lines
     assert "rank 0" not in lines[0]  # stopped by torchrun (SIGTERM), not a failure of its own
     assert "Traceback" not in proc.stderr and "failed (exitcode" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_master_port_in_use_is_one_line_naming_it(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text("print('never run')\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "rlhf.cli.launch", "--nproc_per_node=2",
+                               "--master_addr=127.0.0.1", f"--master_port={port}", str(script)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 1 and "never run" not in proc.stdout
+    assert f"[rlhf.cli.launch] --master_port {port} is already in use on this machine" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
