@@ -87,3 +87,37 @@ def test_finish_ends_the_heartbeat_thread_and_exit_destroys_the_groups():
     assert run_on_ranks(2, _finish_after_a_collective, free_port()) == [
         {"total": 2.0, "after_finish": {"initialized": True, "heartbeat_alive": False},
          "initialized_at_exit": False, "engine_closed_with_groups_alive": [True]}] * 2
+
+
+def _a_peer_closes_during_a_collective() -> tuple[int | None, str]:
+    """Rank 1 leaves the group (its connections close, as when a rank is killed); rank 0's next all_reduce inside
+    `peer_lost_exit` ends with one line naming its stage. (exit status, stderr) of rank 0; (None, "") of rank 1."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    from rlhf.distributed.peer_lost import peer_lost_exit
+
+    dist.barrier()
+    if dist.get_rank() == 1:
+        dist.destroy_process_group()
+        return None, ""
+    time.sleep(1)
+    err, status = io.StringIO(), None
+    with contextlib.redirect_stderr(err), watchdog.stage("step"), watchdog.stage("train"):
+        try:
+            with peer_lost_exit():
+                dist.all_reduce(torch.ones(4))
+        except SystemExit as stop:
+            status = stop.code
+    return status, err.getvalue()
+
+
+def test_a_peer_that_died_during_a_collective_is_one_line_naming_the_stage():
+    (status, err), _ = run_on_ranks(2, _a_peer_closes_during_a_collective)
+    assert status == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "[rank 0] a peer rank's connection closed while this rank was in stage 'step/train' since "), err
+    assert "that rank died (killed, or out of memory; the launcher's line names it)" in lines[0]
+    assert "Connection closed by peer" in lines[0] and "Traceback" not in err
