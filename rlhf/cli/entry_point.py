@@ -34,11 +34,17 @@ def main_for(config_cls: type, run: Callable[[Any, Sequence[warnings.WarningMess
             cfg = parse_config(config_cls, argv, prog=prog)
         run(cfg, parse_warnings)
     if argv is None:
-        end_program()
+        end_program(exit_status())
 
 
-def end_program() -> NoReturn:
-    """End a program whose job returned, with exit status 0, without the interpreter's finalization: on a
+def exit_status() -> int:
+    """130 after a run a Ctrl-C ended (with its checkpoint), else 0 (`rlhf.utils.preemption.exit_status`)."""
+    preemption = sys.modules.get("rlhf.utils.preemption")
+    return preemption.exit_status() if preemption is not None else 0
+
+
+def end_program(status: int = 0) -> NoReturn:
+    """End a program whose job returned, with exit status `status`, without the interpreter's finalization: on a
     process that has loaded torch, transformers, DeepSpeed and vLLM it spends seconds freeing millions of
     objects one by one (4-5 s per rank on a 2-core machine, more than a tiny job's training steps). What
     finalization does that matters is done first and in its order: the threads are joined as at shutdown, the
@@ -51,7 +57,7 @@ def end_program() -> NoReturn:
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         if stream is not None:
             stream.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 def distributed_started() -> bool:

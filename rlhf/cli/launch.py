@@ -3,13 +3,15 @@
     python -m rlhf.cli.launch [--grace_period S] [torchrun flags] -m rlhf.cli.train_ppo [train flags]
 
 Plain torchrun handles SIGTERM by forwarding it to the workers and killing them 30 s later (then exits
-1), and dies at once on SIGUSR1, leaving its workers running. This launcher runs torchrun in-process
-with SIGTERM and SIGUSR1 taken out of torchrun's hands: on either, it sends SIGUSR1 to the workers
-(each checkpoints at the end of its current step and exits 0, see `rlhf.utils.preemption`; SIGUSR1, not
-SIGTERM, which would make them abandon the step: the grace period gives the step time to end), waits up
-to `--grace_period` seconds for them, and exits 0 when they did. If they have not finished by then it
-stops them through torchrun's own shutdown (as for SIGINT) and exits non-zero. SIGINT (Ctrl-C), SIGHUP
-and SIGQUIT keep torchrun's handling: the workers are stopped without a checkpoint.
+1), dies at once on SIGUSR1, leaving its workers running, and on Ctrl-C stops the workers without a checkpoint.
+This launcher runs torchrun in-process with SIGTERM, SIGUSR1 and SIGINT taken out of torchrun's hands: on SIGTERM
+or SIGUSR1 it sends SIGUSR1 to the workers (each checkpoints at the end of its current step and exits 0, see
+`rlhf.utils.preemption`; SIGUSR1, not SIGTERM, which would make them abandon the step: the grace period gives the
+step time to end), waits up to `--grace_period` seconds for them, and exits 0 when they did. Ctrl-C (SIGINT) is
+passed on as itself: the workers drop a step that has not trained yet, checkpoint and exit 130, and so does the
+launcher (a script's next stage must not start on an interrupted run); a second Ctrl-C stops them at once. If the
+workers have not finished within the grace period it stops them through torchrun's own shutdown and exits
+non-zero. SIGHUP and SIGQUIT keep torchrun's handling: the workers are stopped without a checkpoint.
 
 On a machine without CUDA it also puts the memory allocator and OpenMP runtime that vLLM's CPU backend asks for
 into the workers' LD_PRELOAD, where installed (tcmalloc: the OS package libtcmalloc-minimal4, which
@@ -37,8 +39,10 @@ from collections.abc import Sequence
 
 from rlhf.cli.entry_point import end_program
 
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"  # torchrun keeps these; ours are PREEMPT_SIGNALS
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"  # torchrun keeps these; ours are PREEMPT_SIGNALS
+SECOND_PRESS_S = 1.0  # a Ctrl-C this long after the first is a second press (the workers count alike)
+INTERRUPTED_STATUS = 130  # a shell's status for a program ended by Ctrl-C
 DEFAULT_GRACE_S = 600.0
 
 
@@ -121,34 +125,54 @@ class SignalRelay:
         self.grace_s = grace_s
         self.received: signal.Signals | None = None
         self.started = 0.0
+        self.stopped = False  # the workers were stopped without a checkpoint
         for sig in PREEMPT_SIGNALS:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
         sig = signal.Signals(signum)
+        if sig == signal.SIGINT and self.received == signal.SIGINT:
+            if time.monotonic() - self.started > SECOND_PRESS_S:
+                self.stop("Ctrl-C again: stopping the workers without a checkpoint")
+            return
         workers = child_pids(os.getpid())
-        for pid in workers:
+        for pid in workers:  # Ctrl-C as Ctrl-C (the workers drop a step that has not trained), else SIGUSR1
             try:
-                os.kill(pid, signal.SIGUSR1)
+                os.kill(pid, signal.SIGINT if sig == signal.SIGINT else signal.SIGUSR1)
             except ProcessLookupError:
                 pass
         if self.received is None:
             self.received, self.started = sig, time.monotonic()
-            _say(f"got {sig.name}: asked {len(workers)} worker(s) to checkpoint and exit (grace period "
-                 f"{self.grace_s:g} s)")
+            what = "Ctrl-C (SIGINT)" if sig == signal.SIGINT else sig.name
+            again = "; Ctrl-C again to stop them at once" if sig == signal.SIGINT else ""
+            _say(f"got {what}: asked {len(workers)} worker(s) to checkpoint and exit (grace period "
+                 f"{self.grace_s:g} s{again})")
             threading.Thread(target=self._deadline, name="grace-period", daemon=True).start()
 
     def _deadline(self) -> None:
         time.sleep(self.grace_s)
-        _say(f"the workers did not exit within the grace period ({self.grace_s:g} s, --grace_period): "
-             "stopping them without a checkpoint")
-        os.kill(os.getpid(), signal.SIGINT)  # torchrun's own shutdown path
+        self.stop(f"the workers did not exit within the grace period ({self.grace_s:g} s, --grace_period): "
+                  "stopping them without a checkpoint")
+
+    def stop(self, why: str) -> None:
+        """Stop the workers through torchrun's own shutdown (a signal it handles: it sends it on to them)."""
+        _say(why)
+        self.stopped = True
+        os.kill(os.getpid(), signal.SIGHUP)
+
+    def status(self) -> int:
+        """The launcher's exit status after a signal: 130 after Ctrl-C (the run did not finish: a script's next
+        stage must not start), 128 + the signal when the workers were stopped, else 0."""
+        if self.received == signal.SIGINT:
+            return INTERRUPTED_STATUS
+        return 128 + self.received if self.stopped and self.received else 0
 
     def summary(self) -> str | None:
-        if self.received is None:
+        if self.received is None or self.stopped:
             return None
-        return (f"preempted by {self.received.name}: the workers checkpointed and exited "
-                f"{time.monotonic() - self.started:.0f} s after the signal")
+        how = "interrupted by Ctrl-C" if self.received == signal.SIGINT else f"preempted by {self.received.name}"
+        return (f"{how}: the workers checkpointed and exited {time.monotonic() - self.started:.0f} s after the "
+                "signal")
 
 
 def failure_line(failures: dict[int, tuple[int, int, float]]) -> tuple[str, int]:
@@ -197,6 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from torch.distributed import DistNetworkError
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if not no_preload and not torch.cuda.is_available():
@@ -210,8 +235,15 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropFailureRecord())
     try:
         torchrun.main([f"--signals_to_handle={TORCHRUN_SIGNALS}", *torchrun_args])
+    except SignalException:  # torchrun's shutdown, started by `SignalRelay.stop` (which said why) or a SIGHUP/SIGQUIT
+        raise SystemExit(relay.status() or 1) from None
     except ChildFailedError as err:  # torchrun's traceback and table say less than one line (the error is above)
-        line, code = failure_line({rank: (f.exitcode, f.pid, f.timestamp) for rank, f in err.failures.items()})
+        failures = {rank: (f.exitcode, f.pid, f.timestamp) for rank, f in err.failures.items()}
+        first = failures[min(failures, key=lambda rank: failures[rank][2])][0]
+        if relay.received == signal.SIGINT and first == INTERRUPTED_STATUS and not relay.stopped:
+            _say(relay.summary())  # the workers' own status after a Ctrl-C's checkpoint
+            raise SystemExit(INTERRUPTED_STATUS) from None
+        line, code = failure_line(failures)
         _say(line)
         raise SystemExit(code) from None
     except DistNetworkError as err:
@@ -227,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     if summary:
         _say(summary)
     if argv is None:
-        end_program()
+        end_program(relay.status())
 
 
 if __name__ == "__main__":

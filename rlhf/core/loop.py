@@ -69,7 +69,7 @@ class Loop:
                         raise NonFiniteError(f"training step {done}, {err}") from None
             except StepAbandoned:  # the job has rolled the step back
                 job.timer.pop()
-                self._abandoned(job, step, saved_at)
+                self._abandoned(job, step, saved_at, preemption.cause() if preemption else "preempted")
                 return False
             metrics.update(job.timer.pop())
             if self.throughput is not None:
@@ -87,19 +87,19 @@ class Loop:
                 if saved_at != done:
                     self.save(job, done)
                 if self.rank == 0:
-                    print(f"preempted: checkpoint after step {done} written, exiting", flush=True)
+                    print(f"{preemption.cause()}: checkpoint after step {done} written, exiting", flush=True)
                 return False
         return True
 
-    def _abandoned(self, job: Job, step: int, saved_at: int) -> None:
-        """Step `step` was abandoned (SIGTERM) and rolled back: checkpoint the steps done, unless the newest
+    def _abandoned(self, job: Job, step: int, saved_at: int, cause: str) -> None:
+        """Step `step` was abandoned (SIGTERM, Ctrl-C) and rolled back: checkpoint the steps done, unless the newest
         checkpoint already holds them."""
         if step > saved_at:
             self.save(job, step)
         if self.rank == 0:
             kept = (f"checkpoint after step {step} written" if step > saved_at else
                     f"the checkpoint after step {step} holds every step done" if step else "no step was done")
-            print(f"preempted (SIGTERM) during step {step + 1}: its work dropped; {kept}, exiting", flush=True)
+            print(f"{cause} during step {step + 1}: its work dropped; {kept}, exiting", flush=True)
 
     def save(self, job: Job, done_steps: int) -> str:
         with watchdog.stage("checkpoint"):

@@ -1,6 +1,6 @@
-"""Graceful preemption: SIGTERM / SIGUSR1 (SLURM's warning signals) ask the job to stop after writing a
-checkpoint. Ranks may receive the signal at different times, so every decision to stop is agreed with an
-all-reduce at a point all ranks pass.
+"""Graceful preemption: SIGTERM / SIGUSR1 (SLURM's warning signals) and Ctrl-C ask the job to stop after writing a
+checkpoint (Ctrl-C as SIGTERM, then exit status 130; a second Ctrl-C stops at once, without one). Ranks may receive
+the signal at different times, so every decision to stop is agreed with an all-reduce at a point all ranks pass.
 
 SIGUSR1 comes with time to spare (`#SBATCH --signal=USR1@120`; `rlhf.cli.launch` relays either signal as
 SIGUSR1 and waits its --grace_period): the current step ends, then the checkpoint. SIGTERM is usually followed
@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -28,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 PARENT_POLL_S = 1.0
+SECOND_PRESS_S = 1.0
+INTERRUPTED_STATUS = 130  # a shell's status for a program ended by Ctrl-C (128 + SIGINT)
 
 
 class StepAbandoned(Exception):
@@ -39,12 +42,14 @@ class PreemptionWatch:
     becomes the process's active watch (`abandon_point`, `cut_short`); `should_stop()` is collective over the
     world."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self, watch_parent: bool | None = None) -> None:
         global _ACTIVE
         self.requested = False  # stop after a checkpoint
-        self.hurry = False  # SIGTERM: abandon the step at its next abandon point if it can be
+        self.hurry = False  # SIGTERM or Ctrl-C: abandon the step at its next abandon point if it can be
+        self.first: signal.Signals | None = None  # the first signal received
+        self._interrupted_at: float | None = None  # the first Ctrl-C
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
         if watch_parent if watch_parent is not None else "TORCHELASTIC_RUN_ID" in os.environ:
@@ -60,8 +65,37 @@ class PreemptionWatch:
         self._thread.join(timeout=5)
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            self._ctrl_c()
+        self.first = self.first or signal.Signals(signum)
         self.requested = True
-        self.hurry = self.hurry or signum == signal.SIGTERM
+        self.hurry = self.hurry or signum in (signal.SIGTERM, signal.SIGINT)
+
+    def _ctrl_c(self) -> None:
+        """Ctrl-C reaches every rank (and the launcher: one press can arrive twice, the terminal's and the
+        launcher's), so a second one counts after SECOND_PRESS_S: it ends the process at once, exit 130. Lines
+        written with os.write: a print from a signal handler can re-enter a print the main thread was in."""
+        now, rank = time.monotonic(), os.environ.get("RANK", "0")
+        if self._interrupted_at is None:
+            self._interrupted_at = now
+            if rank == "0":
+                os.write(2, b"\n[rank 0] Ctrl-C: ending this step (dropping it if it has not trained yet), then a "
+                            b"checkpoint and exit; Ctrl-C again to stop at once, without a checkpoint\n")
+        elif now - self._interrupted_at > SECOND_PRESS_S:
+            os.write(2, f"\n[rank {rank}] Ctrl-C again: stopping now, without a checkpoint\n".encode())
+            os._exit(INTERRUPTED_STATUS)
+
+    @property
+    def interrupted(self) -> bool:
+        """Ctrl-C (SIGINT) asked for the stop: the process exits INTERRUPTED_STATUS, not 0, after the checkpoint
+        (a script's next stage must not start on an interrupted run's model)."""
+        return self.first == signal.SIGINT
+
+    def cause(self) -> str:
+        """How the stop was asked for, for the line that reports it."""
+        if self.interrupted:
+            return "interrupted (Ctrl-C)"
+        return f"preempted ({self.first.name})" if self.first else "preempted (the launcher is gone)"
 
     def _watch_parent(self) -> None:
         while os.getppid() == self._parent:
@@ -77,6 +111,11 @@ class PreemptionWatch:
 
 
 _ACTIVE: PreemptionWatch | None = None
+
+
+def exit_status() -> int:
+    """The status a job that returned ends with: INTERRUPTED_STATUS after a Ctrl-C, else 0."""
+    return INTERRUPTED_STATUS if _ACTIVE is not None and _ACTIVE.interrupted else 0
 _IN_WINDOW = False
 
 

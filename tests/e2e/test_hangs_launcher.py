@@ -152,3 +152,53 @@ def test_a_master_port_in_use_is_one_line_naming_it(tmp_path):
     assert proc.returncode == 1 and "never run" not in proc.stdout
     assert f"[rlhf.cli.launch] --master_port {port} is already in use on this machine" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+CTRL_C_WORKER = """
+import os, sys, time
+from rlhf.utils import preemption
+watch = preemption.PreemptionWatch(watch_parent=False)
+open(os.path.join(sys.argv[1], "ready" + os.environ["RANK"]), "w").close()
+while not watch.requested:
+    time.sleep(0.05)
+time.sleep(float(sys.argv[2]))  # "the step's end and the checkpoint"
+open(os.path.join(sys.argv[1], ("hurry" if watch.hurry else "calm") + os.environ["RANK"]), "w").close()
+sys.stdout.flush()
+os._exit(preemption.exit_status())
+"""
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_checkpoints_and_exits_130_and_a_second_press_stops_at_once(tmp_path, presses):
+    """Ctrl-C reaches the launcher's whole process group, as a terminal sends it: the workers (the product's
+    `PreemptionWatch`) drop the step, "checkpoint" (2 s) and exit 130, and so does the launcher, in one line each
+    and no traceback. A second press 1.5 s later stops them at once, before their checkpoint."""
+    script = tmp_path / "worker.py"
+    script.write_text(CTRL_C_WORKER)
+    cmd = [sys.executable, "-m", "rlhf.cli.launch", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(script), str(tmp_path), "2" if presses == 1 else "60"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT}, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    sent = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    if presses == 2:
+        time.sleep(1.5)
+        os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    seconds = time.monotonic() - sent
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert "[rlhf.cli.launch] got Ctrl-C (SIGINT): asked 2 worker(s) to checkpoint and exit" in err
+    assert err.count("[rank 0] Ctrl-C: ending this step") == 1, err  # the terminal's and the launcher's: one press
+    if presses == 1:
+        assert all((tmp_path / f"hurry{r}").exists() for r in range(2))  # Ctrl-C drops a step, as SIGTERM
+        assert "[rlhf.cli.launch] interrupted by Ctrl-C: the workers checkpointed and exited" in err, err[-3000:]
+        assert 2 <= seconds < 15, seconds
+    else:
+        assert not any((tmp_path / f"{name}{r}").exists() for name in ("hurry", "calm") for r in range(2))
+        assert "[rlhf.cli.launch] Ctrl-C again: stopping the workers without a checkpoint" in err, err[-3000:]
+        assert seconds < 15, seconds

@@ -47,12 +47,15 @@ class FakeCheckpointer:
 
 
 class StopAfter:
-    def __init__(self, calls: int) -> None:
-        self.calls = calls
+    def __init__(self, calls: int, cause: str = "preempted (SIGTERM)") -> None:
+        self.calls, self._cause = calls, cause
 
     def should_stop(self) -> bool:
         self.calls -= 1
         return self.calls == 0
+
+    def cause(self) -> str:
+        return self._cause
 
 
 def _loop(tmp_path, total=7, logging_steps=2, save_steps=3, eval_every=3):
