@@ -7,6 +7,7 @@ Owns the KL controller and the reward normaliser (their state goes into checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,9 +35,10 @@ from rlhf.data.records import Experience, Rollout
 from rlhf.distributed.collectives import assemble, broadcast_keys, shard
 from rlhf.distributed.topology import Role, Topology
 from rlhf.models.micro_batches import MicroBatcher
-from rlhf.rewards.base import RewardInputs, RewardSource
+from rlhf.rewards.base import RewardInputs, RewardResult, RewardSource
 from rlhf.trainers.actor import Actor, batched_logprobs
 from rlhf.trainers.critic import Critic
+from rlhf.utils.preemption import CutShort, interruptible
 
 
 def actor_forward_skippable(b: BatchConfig, algo: AlgoConfig, schedule: Schedule) -> bool:
@@ -109,18 +111,27 @@ class ExperienceMaker:
         queries = [p + r for p, r in zip(batch.prompts, batch.responses)]
         results: dict[str, torch.Tensor] = {}
 
+        collective = getattr(self.reward, "collective", False)
+
         def score(where: slice) -> torch.Tensor:
-            out = self.reward.score(RewardInputs(queries[where], batch.prompts[where], batch.labels[where],
-                                                 batch.sequences_BT[where], batch.attention_mask_BT[where]))
+            inputs = RewardInputs(queries[where], batch.prompts[where], batch.labels[where],
+                                  batch.sequences_BT[where], batch.attention_mask_BT[where])
+            try:  # a reward function or server call (not a model's collective forward) ends on SIGTERM or Ctrl-C
+                with interruptible() if not collective else contextlib.nullcontext():
+                    out = self.reward.score(inputs)
+            except CutShort:  # stand-in rewards: the step is dropped at the abandon point after the experience
+                zeros = torch.zeros(len(inputs.queries))
+                out = RewardResult(zeros, zeros.clone())
             results["extra"], results["per_call"] = out.extra_logs, out.per_call
             return torch.stack([out.rewards_B, out.scores_B], dim=1)
 
-        collective = getattr(self.reward, "collective", False)
         both = self._by_role(Role.REWARD, score, (B, 2), collective)
         src, group = self.topology.ranks(Role.REWARD)[0], self.topology.trainer_group
         keys = broadcast_keys(sorted(results.get("extra", {})), src=src, group=group)
         per_call = broadcast_keys(sorted(results.get("per_call", ())), src=src, group=group) if keys else []
-        extra = {k: self._by_role(Role.REWARD, lambda w, k=k: results["extra"][k], (B,), collective) for k in keys}
+        extra = {k: self._by_role(Role.REWARD, lambda w, k=k: results["extra"].get(k, torch.zeros(len(range(B)[w]))),
+                                  (B,), collective)  # zeros: a stand-in result (`CutShort`) has no extra logs
+                 for k in keys}
         return Scored(both[:, 0], both[:, 1], extra, frozenset(per_call))
 
     def _shape_rewards(self, rewards_B: torch.Tensor, batch: Rollout) -> torch.Tensor:

@@ -42,7 +42,7 @@ from rlhf.trainers.critic import Critic
 from rlhf.trainers.experience import ExperienceMaker, Scored
 from rlhf.trainers.run_records import RunRecords
 from rlhf.utils.checkpoint_files import rng_state, set_rng_state
-from rlhf.utils.preemption import abandon_point, abandonable
+from rlhf.utils.preemption import abandon_point, abandonable, hurry_agreed
 from rlhf.utils.timers import StageTimer
 
 TRAIN_METRICS = {
@@ -153,7 +153,7 @@ class PPOTrainer:
                                                                                    all_gather_rollout(local, pad))
             self.engine.sleep()  # vLLM frees its memory until the next weight push
         abandon_point(rollback)
-        with self.timer.stage("experience"):
+        with self.timer.stage("experience"), abandonable():  # a reward function's or server's call may be cut short
             if batch is None:
                 batch = all_gather_rollout(local, pad)
                 generated = batch.num_samples
@@ -231,7 +231,7 @@ class PPOTrainer:
             for g in range(groups):
                 members = list(range(g * n, (g + 1) * n))
                 (kept if keep[g] else rejected).append((select_rollout(batch, members), scored.select(members)))
-            if len(kept) >= want or rounds >= a.dynamic_filtering_max_rounds:
+            if len(kept) >= want or rounds >= a.dynamic_filtering_max_rounds or hurry_agreed():
                 break
             count = -(-(want - len(kept)) // engines) * engines
             prompts = self.sampler.refill(step, rounds, count)

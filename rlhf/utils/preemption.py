@@ -37,6 +37,12 @@ class StepAbandoned(Exception):
     """Raised on every rank at an abandon point once any rank got SIGTERM: the step's work is dropped."""
 
 
+class CutShort(BaseException):
+    """Raised inside `interruptible()` by SIGTERM or Ctrl-C: the blocking call it interrupts (a reward function, a
+    reward server's answer) is not needed, since the step is dropped at the next abandon point. A BaseException,
+    as KeyboardInterrupt: a reward function's own `except Exception` does not swallow it."""
+
+
 class PreemptionWatch:
     """Installs the handlers on construction (and, under torchrun, a daemon thread watching the launcher) and
     becomes the process's active watch (`abandon_point`, `cut_short`); `should_stop()` is collective over the
@@ -70,6 +76,8 @@ class PreemptionWatch:
         self.first = self.first or signal.Signals(signum)
         self.requested = True
         self.hurry = self.hurry or signum in (signal.SIGTERM, signal.SIGINT)
+        if self.hurry and _INTERRUPTIBLE and self is _ACTIVE:
+            raise CutShort
 
     def _ctrl_c(self) -> None:
         """Ctrl-C reaches every rank (and the launcher: one press can arrive twice, the terminal's and the
@@ -111,12 +119,13 @@ class PreemptionWatch:
 
 
 _ACTIVE: PreemptionWatch | None = None
+_IN_WINDOW = False
+_INTERRUPTIBLE = False  # inside `interruptible()`: the signal handler raises CutShort
 
 
 def exit_status() -> int:
     """The status a job that returned ends with: INTERRUPTED_STATUS after a Ctrl-C, else 0."""
     return INTERRUPTED_STATUS if _ACTIVE is not None and _ACTIVE.interrupted else 0
-_IN_WINDOW = False
 
 
 def _any_rank(flag: bool) -> bool:
@@ -149,3 +158,29 @@ def abandonable() -> Iterator[None]:
 def cut_short() -> bool:
     """True inside `abandonable()` once this rank got SIGTERM: a long local loop may return early."""
     return _IN_WINDOW and _ACTIVE is not None and _ACTIVE.hurry
+
+
+@contextmanager
+def interruptible() -> Iterator[None]:
+    """Inside `abandonable()`: a blocking call here (Python code, sleeps, socket waits; not C code that never
+    returns to Python) is interrupted by SIGTERM or Ctrl-C with `CutShort`, raised at once if the signal came
+    before. Elsewhere (an evaluation, no run) nothing: a result outside a step's window is always used. The
+    caller catches `CutShort` and carries on with a stand-in result (the step will be dropped), so that every
+    rank still makes the same collectives up to the abandon point."""
+    global _INTERRUPTIBLE
+    if not _IN_WINDOW or _ACTIVE is None:
+        yield
+        return
+    if _ACTIVE.hurry:
+        raise CutShort
+    _INTERRUPTIBLE = True
+    try:
+        yield
+    finally:
+        _INTERRUPTIBLE = False
+
+
+def hurry_agreed() -> bool:
+    """Whether any rank got SIGTERM or Ctrl-C: for a loop of collective rounds inside a step (dynamic filtering's)
+    to end together. Collective (the world)."""
+    return _ACTIVE is not None and _any_rank(_ACTIVE.hurry)

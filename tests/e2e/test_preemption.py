@@ -141,7 +141,7 @@ def test_signal_to_the_launcher_checkpoints_and_exits_0(tmp_path):
 
 
 SIGTERM_REWARD = """
-import importlib.util, os, signal
+import importlib.util, os, signal, threading, time
 spec = importlib.util.spec_from_file_location("tiny_reward", {path!r})
 tiny = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tiny)
@@ -151,7 +151,12 @@ def reward_func(queries, prompts, labels):
     global calls
     calls += 1
     if os.environ.get("SIGTERM_AT_CALL") == str(calls) and os.environ["RANK"] == "0":
-        os.kill(os.getpid(), signal.SIGTERM)  # rank 0 only, in the middle of the step's experience
+        # rank 0 only, 1 s into a reward call that would take 10 minutes, in the middle of the step's experience
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        try:
+            time.sleep(600)
+        except Exception:  # a reward function's own handler does not swallow the interruption
+            pass
     return tiny.reward_func(queries, prompts, labels)
 """
 ABANDON = ["--rollout_engine", "hf", "--normalize_reward", "--init_kl_coef", "0.01", "--kl_target", "0.1",
@@ -160,9 +165,9 @@ COMPARED = ("reward_mean", "kl", "kl_coef", "policy_loss", "grad_norm", "lr")
 
 
 def test_sigterm_mid_step_abandons_it_and_the_resumed_run_equals_the_straight_one(tmp_path):
-    """SIGTERM (rank 0 only) while step 3 makes its experience: every rank drops the step, rolls back what it had
-    changed (RNG, reward statistics, KL controller), checkpoints step 2 and exits 0; resumed, steps 3-4 and the
-    weights equal a run never interrupted."""
+    """SIGTERM (rank 0 only) 1 s into a 10-minute reward call of step 3's experience: the call is interrupted, every
+    rank drops the step, rolls back what it had changed (RNG, reward statistics, KL controller), checkpoints step 2
+    and exits 0; resumed, steps 3-4 and the weights equal a run never interrupted."""
     from safetensors.torch import load_file
 
     reward = tmp_path / "reward.py"
