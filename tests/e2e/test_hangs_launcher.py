@@ -65,12 +65,13 @@ open(os.path.join(sys.argv[1], got[0] + os.environ["RANK"]), "w").close()
 """
 
 
-def _launch_worker(tmp_path, grace: str, checkpoint_s: str) -> subprocess.Popen:
+def _launch_worker(tmp_path, grace: str, checkpoint_s: str, worker: str = WORKER,
+                   launcher_flags: tuple[str, ...] = ("--shutdown_timeout=1",)) -> subprocess.Popen:
+    """Two ranks of `worker` under rlhf.cli.launch, once both are ready (each wrote tmp_path/readyR)."""
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    cmd = [sys.executable, "-m", "rlhf.cli.launch", "--grace_period", grace, "--nproc_per_node=2",
-           "--shutdown_timeout=1", "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script),
-           str(tmp_path), checkpoint_s]
+    script.write_text(worker)
+    cmd = [sys.executable, "-m", "rlhf.cli.launch", "--grace_period", grace, "--nproc_per_node=2", *launcher_flags,
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), str(tmp_path), checkpoint_s]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": ROOT}, start_new_session=True)
     deadline = time.monotonic() + 120
@@ -173,16 +174,7 @@ def test_ctrl_c_checkpoints_and_exits_130_and_a_second_press_stops_at_once(tmp_p
     """Ctrl-C reaches the launcher's whole process group, as a terminal sends it: the workers (the product's
     `PreemptionWatch`) drop the step, "checkpoint" (2 s) and exit 130, and so does the launcher, in one line each
     and no traceback. A second press 1.5 s later stops them at once, before their checkpoint."""
-    script = tmp_path / "worker.py"
-    script.write_text(CTRL_C_WORKER)
-    cmd = [sys.executable, "-m", "rlhf.cli.launch", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(script), str(tmp_path), "2" if presses == 1 else "60"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": ROOT}, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.1)
+    proc = _launch_worker(tmp_path, "600", "2" if presses == 1 else "60", CTRL_C_WORKER, launcher_flags=())
     sent = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)
     if presses == 2:
