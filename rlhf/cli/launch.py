@@ -41,7 +41,8 @@ from rlhf.cli.entry_point import end_program
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"  # torchrun keeps these; ours are PREEMPT_SIGNALS
-SECOND_PRESS_S = 1.0  # a Ctrl-C this long after the first is a second press (the workers count alike)
+# as the workers' (rlhf.utils.preemption, not imported here: it loads torch, and a refused command must not)
+SECOND_PRESS_S = 1.0  # a Ctrl-C this long after the first is a second press
 INTERRUPTED_STATUS = 130  # a shell's status for a program ended by Ctrl-C
 DEFAULT_GRACE_S = 600.0
 
@@ -175,6 +176,11 @@ class SignalRelay:
                 "signal")
 
 
+def first_failed(failures: dict[int, tuple[int, int, float]]) -> int:
+    """The rank that failed first (torchrun's {rank: (exit code, pid, time of failure)}): the cause."""
+    return min(failures, key=lambda rank: failures[rank][2])
+
+
 def failure_line(failures: dict[int, tuple[int, int, float]]) -> tuple[str, int]:
     """(the launcher's line for a failed run, its exit status) from torchrun's {global rank: (exit code, pid, time of
     failure)}, exit codes negative for a signal. The first rank to fail is the cause; torchrun then stops the rest
@@ -189,7 +195,7 @@ def failure_line(failures: dict[int, tuple[int, int, float]]) -> tuple[str, int]
         except ValueError:
             return f"was killed by signal {-code}"
 
-    first = min(failures, key=lambda rank: failures[rank][2])
+    first = first_failed(failures)
     code, pid, _ = failures[first]
     also = [f"rank {rank} (pid {p}) {how(c)}" for rank, (c, p, _) in sorted(failures.items())
             if rank != first and c != -signal.SIGTERM]
@@ -239,8 +245,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(relay.status() or 1) from None
     except ChildFailedError as err:  # torchrun's traceback and table say less than one line (the error is above)
         failures = {rank: (f.exitcode, f.pid, f.timestamp) for rank, f in err.failures.items()}
-        first = failures[min(failures, key=lambda rank: failures[rank][2])][0]
-        if relay.received == signal.SIGINT and first == INTERRUPTED_STATUS and not relay.stopped:
+        if (relay.received == signal.SIGINT and failures[first_failed(failures)][0] == INTERRUPTED_STATUS
+                and not relay.stopped):
             _say(relay.summary())  # the workers' own status after a Ctrl-C's checkpoint
             raise SystemExit(INTERRUPTED_STATUS) from None
         line, code = failure_line(failures)

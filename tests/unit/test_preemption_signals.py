@@ -72,3 +72,10 @@ def test_ctrl_c_hurries_exits_130_and_a_second_press_ends_at_once(presses):
     assert proc.stderr.count("[rank 0] Ctrl-C: ending this step") == 1
     assert ("Ctrl-C again: stopping now, without a checkpoint" in proc.stderr) == (presses == "twice")
     assert "Traceback" not in proc.stderr and time.monotonic() - start < 30
+
+
+def test_the_launcher_counts_presses_and_statuses_as_the_workers_do():
+    from rlhf.cli import launch
+
+    assert (launch.SECOND_PRESS_S, launch.INTERRUPTED_STATUS) == (preemption.SECOND_PRESS_S,
+                                                                 preemption.INTERRUPTED_STATUS)
