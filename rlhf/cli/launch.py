@@ -24,6 +24,9 @@ traceback and a table; this launcher prints one line instead, naming the first r
 code, or the signal that killed it), and exits with that code (128 + the signal's number for a signal, as a shell
 reports it).
 
+Across nodes, the agents' barrier at the end of a successful run is `rlhf.cli.exit_barrier`'s: torchrun's own
+could lose the last node's connection to the store as node 0 left, and print a traceback after a run that succeeded.
+
 It knows nothing about training: it only relays signals, times the grace period and sets the environment.
 """
 
@@ -37,6 +40,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from rlhf.cli import exit_barrier
 from rlhf.cli.entry_point import end_program
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -237,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
             _say(f"LD_PRELOAD for the workers: {', '.join(added)} (vLLM's CPU backend asks for them; --no_preload "
                  "to keep LD_PRELOAD as it is)")
 
+    exit_barrier.install()
     relay = SignalRelay(grace)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropFailureRecord())
     try:
