@@ -34,7 +34,7 @@ class Checkpointer:
 
     def __init__(self, cfg: CheckpointConfig, *, default_ckpt_path: str, rank: int, world_size: int,
                  logger: MetricsLogger, identity: dict | None = None) -> None:
-        """`identity`: what the run is (job, --pretrain and its weights' fingerprint), recorded in every checkpoint
+        """`identity`: what the run is (`rlhf.core.run.run_identity`), recorded in every checkpoint
         and checked before a resume (`rlhf.utils.checkpoint_files.identity_mismatch`)."""
         self.cfg, self.rank, self.world_size, self.logger = cfg, rank, world_size, logger
         self.identity = identity

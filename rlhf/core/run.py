@@ -86,19 +86,57 @@ def for_this_machine(cfg: C) -> C:
     return replace_quietly(cfg, model=replace_quietly(m, attn_implementation=attn, flash_attn=False))
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model")
+"""The files a model directory's tokenizer is read from (whichever it has)."""
+
+
+def tokenizer_fingerprint(path: str) -> dict[str, str]:
+    """sha256 of each tokenizer file in model directory `path` (`TOKENIZER_FILES`), by file name."""
+    import hashlib
+
+    prints = {}
+    for name in TOKENIZER_FILES:
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file, "rb") as f:
+                prints[name] = hashlib.sha256(f.read()).hexdigest()
+    return prints
+
+
+def state_flags(cfg: Any) -> dict[str, Any]:
+    """The flags whose change makes a checkpoint's engine states mean something else (their sharding, dtype or
+    which weights train): a resume must keep them."""
+    flags = {}
+    engine, model = getattr(cfg, "engine", None), getattr(cfg, "model", None)
+    if engine is not None:
+        flags["--zero_stage"] = engine.zero_stage
+    if model is not None:
+        flags["--param_dtype"] = model.param_dtype
+        lora = model.lora
+        flags["--lora_rank"] = lora.lora_rank
+        if lora.lora_rank:
+            flags.update({"--lora_alpha": lora.lora_alpha, "--target_modules": " ".join(lora.target_modules)})
+    return flags
+
+
 def run_identity(cfg: Any) -> dict:
     """What a training run is, recorded in its checkpoints: the job (`python -m rlhf.cli.<job>`, from the config
-    root) and --pretrain with its weights' fingerprint (`rlhf.models.lora.weights_fingerprint`: a few rows a
-    tensor, so a model of the same shapes with other weights differs). A reward model, reference or data may
-    change between a run and its resume."""
+    root), --pretrain with its weights' fingerprint (`rlhf.models.lora.weights_fingerprint`: a few rows a
+    tensor, so a model of the same shapes with other weights differs) and its tokenizer files'
+    (`tokenizer_fingerprint`), and the flags that shape the engine states (`state_flags`). A reward model,
+    reference or data may change between a run and its resume."""
     from rlhf.config.flags import JOB_CONFIGS
     from rlhf.models.lora import weights_fingerprint
 
     roots = {root: job for job, (_, root) in JOB_CONFIGS.items()}
     job = roots.get(type(cfg).__name__, type(cfg).__name__)
     pretrain = cfg.model.pretrain
+    local = bool(pretrain) and os.path.isdir(pretrain)
     return {"job": job, "pretrain": pretrain,
-            "pretrain_fingerprint": weights_fingerprint(pretrain) if pretrain and os.path.isdir(pretrain) else None}
+            "pretrain_fingerprint": weights_fingerprint(pretrain) if local else None,
+            "tokenizer_fingerprint": tokenizer_fingerprint(pretrain) if local else None,
+            "state_flags": state_flags(cfg)}
 
 
 def check_outputs(logging: LoggingConfig, checkpoint: CheckpointConfig, default_ckpt_path: str,

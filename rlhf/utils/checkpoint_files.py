@@ -182,8 +182,9 @@ def check_resume_path(ckpt_path: str, *, explicit_path: bool, restarted: bool) -
 
 def identity_mismatch(path: str, saved: dict | None, identity: dict | None, why: str) -> str | None:
     """What makes the checkpoint at `path` (whose trainer state recorded `saved`) another run's than the one
-    described by `identity` ({"job", "pretrain", "pretrain_fingerprint"}), as one line with the fix; None when it
-    is this run's (or either side recorded nothing: a checkpoint of an older version)."""
+    described by `identity` (`rlhf.core.run.run_identity`: the job, --pretrain's weights and tokenizer files, the
+    flags that shape the engine states), as one line with the fix; None when it is this run's (or either side
+    recorded nothing: a checkpoint of an older version)."""
     if not saved or not identity:
         return None
     if saved.get("job") != identity.get("job"):
@@ -194,6 +195,19 @@ def identity_mismatch(path: str, saved: dict | None, identity: dict | None, why:
         return (f"{why}: checkpoint {path} continues a run of --pretrain {saved.get('pretrain')} and this run's "
                 f"--pretrain {identity.get('pretrain')} holds other weights (fingerprint {got[:12]}, the run's "
                 f"{want[:12]}): pass the run's --pretrain, or start a new --ckpt_path")
+    want, got = saved.get("tokenizer_fingerprint"), identity.get("tokenizer_fingerprint")
+    if want is not None and got is not None and want != got:
+        differ = sorted(name for name in set(want) | set(got) if want.get(name) != got.get(name))
+        return (f"{why}: checkpoint {path} continues a run of --pretrain {saved.get('pretrain')} and this run's "
+                f"--pretrain {identity.get('pretrain')} has another tokenizer ({', '.join(differ)} "
+                "differ: its token ids mean other text): pass the run's --pretrain, or start a new --ckpt_path")
+    want, got = saved.get("state_flags") or {}, identity.get("state_flags") or {}
+    changed = [flag for flag in want if flag in got and want[flag] != got[flag]]
+    if changed:
+        was = ", ".join(f"{flag} {want[flag]}" for flag in changed)
+        now = ", ".join(f"{flag} {got[flag]}" for flag in changed)
+        return (f"{why}: checkpoint {path} was written with {was} and this run has {now} (its engine states are "
+                f"sharded, typed and chosen by them): resume with {was}, or start a new --ckpt_path")
     return None
 
 

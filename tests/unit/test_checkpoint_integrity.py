@@ -234,30 +234,53 @@ def test_a_checkpoint_that_cannot_be_resumed_is_refused_before_any_engine(tmp_pa
     assert (tmp_path / "global_step2").is_dir()  # read only: nothing removed
 
 
-def test_a_resume_of_another_job_or_model_is_refused_before_any_engine(tmp_path):
-    """The checkpoint records its job and --pretrain's weights fingerprint (`rlhf.core.run.run_identity`): a resume
-    by another job, or from a model of the same shapes with other weights, is one line naming both and the fix
+def test_a_resume_of_another_job_model_tokenizer_or_layout_is_refused_before_any_engine(tmp_path):
+    """The checkpoint records its job, --pretrain's weights and tokenizer files, and the flags that shape its engine
+    states (`rlhf.core.run.run_identity`): a resume by another job, from a model of the same shapes with other
+    weights or another tokenizer, or with another --zero_stage, dtype or LoRA is one line naming both and the fix
     (they used to train on silently, or fail 74 s in with DeepSpeed's AssertionError)."""
-    from types import SimpleNamespace
+    import shutil
 
     from rlhf.assets import EMBEDDED_MODEL_DIR, EMBEDDED_REWARD_MODEL_DIR
+    from rlhf.config.shared_config import EngineConfig, LoRAConfig
     from rlhf.core.run import run_identity
     from rlhf.utils.checkpoint_files import check_resumable
 
-    def ppo_config(pretrain):  # what run_identity reads of a train_ppo config root
-        return type("TrainPPOConfig", (), {"model": SimpleNamespace(pretrain=pretrain)})()
+    def ppo_config(pretrain, zero_stage=2, param_dtype="fp32", lora_rank=0):  # what run_identity reads of a root
+        model = SimpleNamespace(pretrain=pretrain, param_dtype=param_dtype, lora=LoRAConfig(lora_rank=lora_rank))
+        return type("TrainPPOConfig", (), {"model": model, "engine": EngineConfig(zero_stage=zero_stage)})()
 
     ppo = run_identity(ppo_config(EMBEDDED_MODEL_DIR))
     assert ppo["job"] == "train_ppo" and len(ppo["pretrain_fingerprint"]) == 64
-    fake_checkpoint(tmp_path, 4, world_size=1, identity=ppo)
-    check_resumable(str(tmp_path), 1, why="--load_checkpoint", identity=ppo)  # the same run: resumes
-    check_resumable(str(tmp_path), 1, why="--load_checkpoint", identity=None)  # a caller that records nothing
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(ppo["tokenizer_fingerprint"])
+    assert ppo["state_flags"] == {"--zero_stage": 2, "--param_dtype": "fp32", "--lora_rank": 0}
+    ckpt = tmp_path / "ckpt"
+    fake_checkpoint(ckpt, 4, world_size=1, identity=ppo)
+    check_resumable(str(ckpt), 1, why="--load_checkpoint", identity=ppo)  # the same run: resumes
+    check_resumable(str(ckpt), 1, why="--load_checkpoint", identity=None)  # a caller that records nothing
+    old = {key: value for key, value in ppo.items() if key in ("job", "pretrain", "pretrain_fingerprint")}
+    fake_checkpoint(tmp_path / "older", 4, world_size=1, identity=old)  # an older version's record: resumes
+    check_resumable(str(tmp_path / "older"), 1, why="--load_checkpoint", identity=ppo)
     with pytest.raises(UsageError, match=r"^--load_checkpoint: checkpoint .*global_step4 was written by the "
                                          r"'train_ppo' job and this is the 'train_sft' job: resume it with the job "
                                          r"that wrote it"):
-        check_resumable(str(tmp_path), 1, why="--load_checkpoint", identity={**ppo, "job": "train_sft"})
+        check_resumable(str(ckpt), 1, why="--load_checkpoint", identity={**ppo, "job": "train_sft"})
     other = run_identity(ppo_config(EMBEDDED_REWARD_MODEL_DIR))  # same architecture, other weights
     with pytest.raises(UsageError, match=rf"continues a run of --pretrain {EMBEDDED_MODEL_DIR} and this run's "
                                          rf"--pretrain {EMBEDDED_REWARD_MODEL_DIR} holds other weights .*pass the "
                                          "run's --pretrain, or start a new --ckpt_path"):
-        check_resumable(str(tmp_path), 1, why="--load_checkpoint", identity=other)
+        check_resumable(str(ckpt), 1, why="--load_checkpoint", identity=other)
+    retokenized = tmp_path / "retokenized"  # the same weights, one token added to the tokenizer's config
+    shutil.copytree(EMBEDDED_MODEL_DIR, retokenized)
+    config = json.loads((retokenized / "tokenizer_config.json").read_text())
+    config["additional_special_tokens"] = ["<tool>"]
+    (retokenized / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(UsageError, match=rf"this run's --pretrain {retokenized} has another tokenizer "
+                                         r"\(tokenizer_config.json differ: its token ids mean other text\): pass the "
+                                         "run's --pretrain"):
+        check_resumable(str(ckpt), 1, why="--load_checkpoint", identity=run_identity(ppo_config(str(retokenized))))
+    restaged = run_identity(ppo_config(EMBEDDED_MODEL_DIR, zero_stage=3, lora_rank=8))
+    with pytest.raises(UsageError, match=r"was written with --zero_stage 2, --lora_rank 0 and this run has "
+                                         r"--zero_stage 3, --lora_rank 8 \(its engine states .*\): resume with "
+                                         "--zero_stage 2, --lora_rank 0, or start a new --ckpt_path"):
+        check_resumable(str(ckpt), 1, why="--load_checkpoint", identity=restaged)
