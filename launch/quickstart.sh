@@ -25,7 +25,7 @@ exec python -m rlhf.cli.launch --grace_period "${GRACE_PERIOD:-600}" \
   --actor_learning_rate 3e-3 \
   --lr_warmup_ratio 0.05 \
   --num_episodes 8 \
-  --max_steps 200 \
+  --max_steps 120 \
   --zero_stage 2 \
   --save_path "$out" \
   --use_tensorboard "$out/tensorboard" \

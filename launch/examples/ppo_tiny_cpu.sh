@@ -23,6 +23,6 @@ exec "${launch[@]}" --nproc_per_node 4 -m rlhf.cli.train_ppo \
   --generate_max_len 8 --prompt_max_len 16 \
   --actor_learning_rate 2e-3 --critic_learning_rate 5e-3 --lr_warmup_ratio 0.05 \
   --value_clip 0.2 --eps_clip 0.2 --normalize_reward \
-  --zero_stage 2 --num_episodes 20 --max_steps 80 --seed 1 \
+  --zero_stage 2 --num_episodes 20 --max_steps 50 --seed 1 \
   --save_path "$out" --use_tensorboard "$out/tensorboard" \
   "$@"

@@ -17,6 +17,6 @@ exec "${launch[@]}" --nproc_per_node 4 -m rlhf.cli.train_ppo \
   --train_batch_size 64 --micro_train_batch_size 16 \
   --generate_max_len 8 --prompt_max_len 16 \
   --actor_learning_rate 3e-3 --lr_warmup_ratio 0.05 \
-  --zero_stage 2 --num_episodes 8 --max_steps 80 --seed 1 \
+  --zero_stage 2 --num_episodes 8 --max_steps 60 --seed 1 \
   --save_path "$out" --use_tensorboard "$out/tensorboard" \
   "$@"

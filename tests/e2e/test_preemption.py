@@ -16,7 +16,7 @@ import torch
 
 from rlhf.assets import TINY_DIR
 from rlhf.utils.checkpoint_files import complete_checkpoints, verify_checkpoint
-from tests.distributed import ROOT, assert_clean_output, free_port
+from tests.distributed import ROOT, assert_clean_output, free_port, run_job_variants
 from tests.tiny_runs import CPU, EAGER
 
 pytest.importorskip("vllm")
@@ -172,9 +172,12 @@ def test_sigterm_mid_step_abandons_it_and_the_resumed_run_equals_the_straight_on
 
     reward = tmp_path / "reward.py"
     reward.write_text(SIGTERM_REWARD.format(path=f"{TINY_DIR}/reward.py"))
-    runs = {}
-    for name, env in (("straight", {}), ("abandoned", {"SIGTERM_AT_CALL": "3"}), ("resumed", {})):
-        out, ckpt = tmp_path / ("straight" if name == "straight" else "run"), tmp_path / "ckpt"
+    straight = tmp_path / "straight"  # the reference, in forked ranks (one process start fewer than a launch)
+    argv = [*GRPO, *ABANDON, "--remote_rm_url", str(reward), "--save_path", str(straight),
+            "--ckpt_path", str(tmp_path / "straight_ckpt")]
+    runs = {"straight": (run_job_variants(2, [("train_ppo", argv)], tmp_path / "consoles", straight)[0], straight)}
+    for name, env in (("abandoned", {"SIGTERM_AT_CALL": "3"}), ("resumed", {})):
+        out, ckpt = tmp_path / "run", tmp_path / "ckpt"
         extra = ["--load_checkpoint"] if name == "resumed" else []
         proc = launch(out, ckpt, *ABANDON, "--remote_rm_url", str(reward), *extra, env=env)
         stdout, err = proc.communicate(timeout=300)

@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 MIN_GAIN = 0.3
-"""Last fifth minus first fifth of the steps' mean reward (the README's figures: gains of 0.56 to 0.96)."""
+"""Last fifth minus first fifth of the steps' mean reward (the README's figures: gains of 0.56 to 0.90)."""
 
 
 def _reward_by_fifths(cmd: list[str], out) -> tuple[float, float]:
