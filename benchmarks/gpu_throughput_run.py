@@ -145,7 +145,10 @@ def run_job(s: Settings, job: str, model: str, data: dict[str, str], out: str, t
                *(["--peak_tflops", str(s.peak_tflops)] if s.peak_tflops else [])]
     else:
         module, flags = job_flags(s, job, model, data)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
+        # the tests' preloaded launch server when they set one (tests/launch_server.py): the same rank, forked
+        launcher = ["tests.launch_server", "--client"] if os.environ.get("RLHF_TEST_LAUNCH_SOCKET") else \
+            ["torch.distributed.run"]
+        cmd = [sys.executable, "-m", *launcher, "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
                "--master_port", str(free_port()), "-m", f"rlhf.cli.{module}", *flags, "--save_path", out]
     start = time.perf_counter()
     for _ in range(3):  # a rendezvous port taken between free_port() and torchrun's bind: another port

@@ -35,3 +35,13 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(level)
         if level == "gpu" and skip_gpu is not None:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def launch_server():
+    """One preloaded launch server per test process (tests/launch_server.py), for the scripts that send their
+    launches to it (launch/examples/common.sh, benchmarks/gpu_throughput_run.py)."""
+    from tests.launch_server import serving
+
+    with serving() as path:
+        yield path

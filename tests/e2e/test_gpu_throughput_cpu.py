@@ -20,7 +20,8 @@ PROMPT, NEW, PROMPTS, SAMPLES = 16, 8, 4, 4
 
 
 @pytest.fixture(scope="module")
-def summary(tmp_path_factory) -> dict:
+def summary(tmp_path_factory, launch_server) -> dict:
+    """The benchmark's jobs fork their rank from the preloaded launch server (`launch_server`)."""
     out = tmp_path_factory.mktemp("gpu_throughput") / "summary.json"
     env = {**os.environ, "DEVICE": "cpu", "SHAPES": "tiny", "JOBS": "sft floor dpo grpo", "ROW_TOKENS": str(ROW),
            "PROMPT_TOKENS": str(PROMPT), "STEPS": str(STEPS), "TRAIN_BATCH_SIZE": str(BATCH), "NEW_TOKENS": str(NEW),
