@@ -1,0 +1,258 @@
+"""Chaos: a PPO run that faults keep hitting ends on the weights and metrics of the run nothing hit.
+
+    python benchmarks/chaos.py [--faults 20] [--steps 30] [--seed 0] [--kinds kill9,sigstop,...] [--out DIR]
+
+PPO with a critic (GAE, the embedded tiny policy and reward model, ZeRO-2, 2 CPU ranks, a checkpoint after every
+step, `--load_checkpoint`) runs twice through `rlhf.cli.launch`: once straight, once while a random schedule of
+faults hits it. The chaos run is relaunched whenever a fault ends it, as a scheduler requeues a job. The faults,
+each once the run has logged a step since the last one, a random 0-3 s later:
+
+    kill9     SIGKILL of a random rank: torchrun restarts the workers (--max-restarts), which resume
+    sigstop   SIGSTOP of a random rank: the other rank's heartbeat names it and ends the run within
+              --dist_timeout (0.5 min here), torchrun restarts the workers
+    sigterm   SIGTERM to the launcher: the workers checkpoint and exit 0; relaunched
+    sigusr1   SIGUSR1 to the launcher (SLURM's warning signal): the same
+    sigint    Ctrl-C to the launcher: the step's work is dropped, a checkpoint written, exit 130; relaunched
+    truncate  after a launcher stop, the newest checkpoint's largest file is cut in half before the relaunch:
+              the resume names it and falls back to the newest intact checkpoint
+
+Reported: the faults and how each ended, the steps done twice (the steps a fault's restart had to redo), the
+time lost against the straight run, and whether the final weights (every tensor, bit for bit) and every step's
+metrics equal the straight run's. Not in the schedule (each proved by its own test): a killed reward server
+(tests/unit/test_rewards.py: the client's retries), a full disk (tests/unit/test_checkpoint_integrity.py).
+Each relaunch pays the job's start (imports, engines: 15-30 s on 2 CPU cores), so 20 faults take about 15 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+KINDS = ("kill9", "sigstop", "sigterm", "sigusr1", "sigint", "truncate")
+LAUNCHER_SIGNALS = {"sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1, "sigint": signal.SIGINT}
+
+
+def ppo_flags(tiny: str, steps: int) -> list[str]:
+    return ["--pretrain", f"{tiny}/policy", "--reward_pretrain", f"{tiny}/reward_model",
+            "--prompt_data", f"{tiny}/prompts.jsonl", "--input_key", "input",
+            "--param_dtype", "fp32", "--attn_implementation", "sdpa", "--enforce_eager",
+            "--advantage_estimator", "gae", "--init_kl_coef", "0.001", "--normalize_reward",
+            "--n_samples_per_prompt", "1", "--rollout_batch_size", "16", "--micro_rollout_batch_size", "16",
+            "--train_batch_size", "16", "--micro_train_batch_size", "8", "--generate_max_len", "8",
+            "--prompt_max_len", "16", "--actor_learning_rate", "2e-3", "--critic_learning_rate", "5e-3",
+            "--zero_stage", "2", "--max_steps", str(steps), "--num_episodes", "100", "--seed", "1",
+            "--save_steps", "1", "--max_ckpt_num", "3", "--dist_timeout", "0.5"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(flags: list[str], out: str, restarts: int, log, resume: bool = False) -> subprocess.Popen:
+    """The job into `out` (checkpoints in out/ckpt); `resume`: with --load_checkpoint (a relaunch)."""
+    cmd = [sys.executable, "-m", "rlhf.cli.launch", "--grace_period", "120", f"--max-restarts={restarts}",
+           "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+           "-m", "rlhf.cli.train_ppo", *flags, "--save_path", out, "--ckpt_path", os.path.join(out, "ckpt"),
+           *(["--load_checkpoint"] if resume else [])]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
+
+
+def logged_steps(out: str) -> list[int]:
+    try:
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            return [json.loads(line)["step"] for line in f if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def workers(launcher: subprocess.Popen) -> list[int]:
+    """The launcher's train_ppo ranks (torchrun runs in the launcher's process: the ranks are its children)."""
+    pids = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+    ranks = []
+    for pid in map(int, pids):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"rlhf.cli.train_ppo" in f.read():
+                    ranks.append(pid)
+        except OSError:
+            pass
+    return ranks
+
+
+def truncate_newest(ckpt: str) -> str | None:
+    """Cut the newest complete checkpoint's largest file in half; its path, or None when there is none."""
+    steps = sorted((int(m.group(1)), name) for name in os.listdir(ckpt) if (m := re.fullmatch(r"global_step(\d+)",
+                                                                                                 name)))
+    if not steps:
+        return None
+    newest = os.path.join(ckpt, steps[-1][1])
+    files = [os.path.join(d, n) for d, _, names in os.walk(newest) for n in names]
+    target = max(files, key=os.path.getsize)
+    with open(target, "r+b") as f:
+        f.truncate(os.path.getsize(target) // 2)
+    return target
+
+
+class Chaos:
+    """Runs the job under faults until it has done `steps` steps; `events` lists what happened."""
+
+    def __init__(self, flags: list[str], out: str, steps: int, faults: int, kinds: list[str], seed: int) -> None:
+        self.flags, self.out, self.steps, self.faults, self.kinds = flags, out, steps, faults, kinds
+        self.rng = random.Random(seed)
+        self.events: list[dict] = []
+        self.redone = 0
+        self.launches = 0
+        self.resumes: list[int] = []
+
+    def run(self) -> float:
+        start = time.monotonic()
+        log = open(os.path.join(os.path.dirname(self.out), "chaos_console.log"), "w")
+        pending_truncate = False
+        while True:
+            if pending_truncate:
+                cut = truncate_newest(os.path.join(self.out, "ckpt"))
+                self.events[-1]["then"] = f"truncated {os.path.relpath(cut, self.out) if cut else 'nothing'}"
+                pending_truncate = False
+            log.write(f"=== launch {self.launches}\n")
+            log.flush()
+            proc = launch(self.flags, self.out, restarts=self.faults + 1, log=log, resume=self.launches > 0)
+            self.launches += 1
+            ended_by = self._inject_until_exit(proc)
+            done = logged_steps(self.out)
+            if done and done[-1] >= self.steps and proc.returncode == 0 and ended_by is None:
+                break
+            if ended_by is None:
+                raise SystemExit(f"the chaos run ended with exit {proc.returncode} without a fault to blame: see "
+                                 f"{log.name}")
+            pending_truncate = ended_by == "truncate"
+        log.close()
+        self._count_redone(os.path.join(os.path.dirname(self.out), "chaos_console.log"))
+        return time.monotonic() - start
+
+    def _inject_until_exit(self, proc: subprocess.Popen) -> str | None:
+        """Faults into this launch until it exits; the launcher-level fault that ended it, if any."""
+        while proc.poll() is None:
+            if len(self.events) >= self.faults:
+                proc.wait()
+                return None
+            seen = logged_steps(self.out)
+            last = seen[-1] if seen else 0
+            if not self._wait_for_step(proc, last + 1):
+                return None
+            if logged_steps(self.out)[-1] >= self.steps - 1:  # too late in the run for another fault
+                proc.wait()
+                return None
+            time.sleep(self.rng.uniform(0, 3))
+            kind = self.rng.choice(self.kinds)
+            event = {"fault": kind, "at_step": logged_steps(self.out)[-1], "t": round(time.monotonic(), 1)}
+            if kind in ("kill9", "sigstop"):
+                ranks = workers(proc)
+                if not ranks:
+                    continue
+                victim = self.rng.randrange(len(ranks))
+                os.kill(ranks[victim], signal.SIGKILL if kind == "kill9" else signal.SIGSTOP)
+                event["rank_pid"] = ranks[victim]
+                self.events.append(event)
+                continue  # torchrun restarts the workers within this launch
+            os.kill(proc.pid, LAUNCHER_SIGNALS.get(kind, signal.SIGTERM))
+            proc.wait()
+            event["exit"] = proc.returncode
+            self.events.append(event)
+            return kind
+        return None
+
+    def _wait_for_step(self, proc: subprocess.Popen, step: int) -> bool:
+        while proc.poll() is None:
+            seen = logged_steps(self.out)
+            if seen and seen[-1] >= step:
+                return True
+            time.sleep(0.2)
+        return False
+
+    def _count_redone(self, console: str) -> None:
+        """Steps done twice: each fault's resume (in order) restarts after a checkpoint at or before the last step
+        logged when the fault hit; the steps in between are done again."""
+        with open(console, errors="replace") as f:
+            self.resumes = [int(m) for m in re.findall(r"resumed from \S*global_step(\d+)", f.read())]
+        self.redone = sum(max(0, event["at_step"] - resumed) for event, resumed in zip(self.events, self.resumes))
+
+
+def weights(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model", "model.safetensors"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--faults", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--out", default=None, help="work directory (default: a new temporary one)")
+    args = parser.parse_args()
+    import tempfile
+
+    import torch
+
+    from rlhf.assets import TINY_DIR
+
+    work = args.out or tempfile.mkdtemp(prefix="chaos_")
+    os.makedirs(work, exist_ok=True)
+    kinds = [k for k in args.kinds.split(",") if k]
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise SystemExit(f"--kinds: {', '.join(unknown)} unknown; choose from {', '.join(KINDS)}")
+    flags = ppo_flags(TINY_DIR, args.steps)
+    straight = os.path.join(work, "straight")
+    began = time.monotonic()
+    with open(os.path.join(work, "straight_console.log"), "w") as log:
+        code = launch(flags, straight, restarts=0, log=log).wait()
+    straight_s = time.monotonic() - began
+    if code != 0:
+        raise SystemExit(f"the straight run failed (exit {code}): see {work}/straight_console.log")
+    chaos = Chaos(flags, os.path.join(work, "chaos"), args.steps, args.faults, kinds, args.seed)
+    chaos_s = chaos.run()
+    a, b = weights(straight), weights(chaos.out)
+    same_weights = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = [[json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))] for d in (straight, chaos.out)]
+    compared = ("step", "reward_mean", "policy_loss", "critic_loss", "kl", "grad_norm")
+    same_metrics = [{k: r.get(k) for k in compared} for r in rows[0]] == \
+        [{k: r.get(k) for k in compared} for r in rows[1]]
+    by_kind = {k: sum(e["fault"] == k for e in chaos.events) for k in kinds}
+    report = {"faults": len(chaos.events), "by_kind": by_kind, "launches": chaos.launches,
+              "steps_redone": chaos.redone,
+              "torchrun_restarts": sum(e["fault"] in ("kill9", "sigstop") for e in chaos.events),
+              "resumes": len(chaos.resumes), "steps": args.steps, "straight_s": round(straight_s, 1),
+              "chaos_s": round(chaos_s, 1), "time_lost_s": round(chaos_s - straight_s, 1),
+              "time_lost_per_fault_s": round((chaos_s - straight_s) / max(1, len(chaos.events)), 1),
+              "identical_weights": same_weights, "identical_metrics": same_metrics, "work": work}
+    print(f"chaos: {report['faults']} faults ({', '.join(f'{k} {n}' for k, n in by_kind.items())}) over "
+          f"{args.steps} PPO steps: {chaos.launches} launches, {report['torchrun_restarts']} torchrun restarts, "
+          f"{report['resumes']} resumes, {chaos.redone} steps done twice; {report['time_lost_s']} s lost against "
+          f"the straight run's "
+          f"{report['straight_s']} s ({report['time_lost_per_fault_s']} s a fault); final weights "
+          f"{'identical' if same_weights else 'DIFFERENT'}, every step's metrics "
+          f"{'identical' if same_metrics else 'DIFFERENT'}")
+    print(json.dumps(report))
+    if len(chaos.resumes) != len(chaos.events):
+        print(f"chaos: {len(chaos.events)} faults but {len(chaos.resumes)} resumes (see {work}/chaos_console.log)")
+    if not (same_weights and same_metrics):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
