@@ -1,11 +1,11 @@
 """Chaos: a PPO run that faults keep hitting ends on the weights and metrics of the run nothing hit.
 
-    python benchmarks/chaos.py [--faults 20] [--steps 30] [--seed 0] [--kinds kill9,sigstop,...] [--out DIR]
+    python benchmarks/chaos.py [--faults 20] [--steps 60] [--seed 0] [--kinds kill9,sigstop,...] [--out DIR]
 
 PPO with a critic (GAE, the embedded tiny policy and reward model, ZeRO-2, 2 CPU ranks, a checkpoint after every
 step, `--load_checkpoint`) runs twice through `rlhf.cli.launch`: once straight, once while a random schedule of
 faults hits it. The chaos run is relaunched whenever a fault ends it, as a scheduler requeues a job. The faults,
-each once the run has logged a step since the last one, a random 0-3 s later:
+each once the run has logged a step since the last one, a random 0-1 s later:
 
     kill9     SIGKILL of a random rank: torchrun restarts the workers (--max-restarts), which resume
     sigstop   SIGSTOP of a random rank: the other rank's heartbeat names it and ends the run within
@@ -155,7 +155,7 @@ class Chaos:
             if logged_steps(self.out)[-1] >= self.steps - 1:  # too late in the run for another fault
                 proc.wait()
                 return None
-            time.sleep(self.rng.uniform(0, 3))
+            time.sleep(self.rng.uniform(0, 1))
             kind = self.rng.choice(self.kinds)
             event = {"fault": kind, "at_step": logged_steps(self.out)[-1], "t": round(time.monotonic(), 1)}
             if kind in ("kill9", "sigstop"):
@@ -199,7 +199,7 @@ def weights(path: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--faults", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--out", default=None, help="work directory (default: a new temporary one)")

@@ -19,10 +19,11 @@ into the workers' LD_PRELOAD, where installed (tcmalloc: the OS package libtcmal
 its first line; `--no_preload` keeps LD_PRELOAD as it is. `benchmarks/cpu_preload.py` measures the step time
 with and without each.
 
-A --master_port in use is one line naming it. When a worker fails, torchrun stops the others and raises with a
-traceback and a table; this launcher prints one line instead, naming the first rank that failed and how (its exit
-code, or the signal that killed it), and exits with that code (128 + the signal's number for a signal, as a shell
-reports it).
+With torchrun's --max-restarts, failed workers are started again, but not once a signal has asked them to stop:
+their exit ends the run. A --master_port in use is one line naming it. When a worker fails, torchrun stops the
+others and raises with a traceback and a table; this launcher prints one line instead, naming the first rank that
+failed and how (its exit code, or the signal that killed it), and exits with that code (128 + the signal's number
+for a signal, as a shell reports it).
 
 Across nodes, the agents' barrier at the end of a successful run is `rlhf.cli.exit_barrier`'s: torchrun's own
 could lose the last node's connection to the store as node 0 left, and print a traceback after a run that succeeded.
@@ -131,6 +132,7 @@ class SignalRelay:
         self.received: signal.Signals | None = None
         self.started = 0.0
         self.stopped = False  # the workers were stopped without a checkpoint
+        self.on_first_signal: list = []  # called once, at the first signal
         for sig in PREEMPT_SIGNALS:
             signal.signal(sig, self._handle)
 
@@ -148,6 +150,8 @@ class SignalRelay:
                 pass
         if self.received is None:
             self.received, self.started = sig, time.monotonic()
+            for call in self.on_first_signal:
+                call()
             what = "Ctrl-C (SIGINT)" if sig == signal.SIGINT else sig.name
             again = "; Ctrl-C again to stop them at once" if sig == signal.SIGINT else ""
             _say(f"got {what}: asked {len(workers)} worker(s) to checkpoint and exit (grace period "
@@ -216,6 +220,21 @@ class _DropFailureRecord(logging.Filter):
         return not record.getMessage().startswith("failed (exitcode:")
 
 
+def no_restarts_once_signalled(relay: SignalRelay) -> None:
+    """torchrun's --max-restarts is for failures: once a signal has asked the workers to stop, their exit (130
+    after Ctrl-C, or any other) ends the run instead of starting them again. Every torchrun agent of this process
+    has its remaining restarts set to 0 at the relay's first signal."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    invoke_run = SimpleElasticAgent._invoke_run
+
+    def _invoke_run(agent, *args, **kwargs):
+        relay.on_first_signal.append(lambda: setattr(agent, "_remaining_restarts", 0))
+        return invoke_run(agent, *args, **kwargs)
+
+    SimpleElasticAgent._invoke_run = _invoke_run
+
+
 def _say(message: str) -> None:
     print(f"[rlhf.cli.launch] {message}", file=sys.stderr, flush=True)
 
@@ -243,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
 
     exit_barrier.install()
     relay = SignalRelay(grace)
+    no_restarts_once_signalled(relay)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropFailureRecord())
     try:
         torchrun.main([f"--signals_to_handle={TORCHRUN_SIGNALS}", *torchrun_args])

@@ -159,6 +159,8 @@ CTRL_C_WORKER = """
 import os, sys, time
 from rlhf.utils import preemption
 watch = preemption.PreemptionWatch(watch_parent=False)
+with open(os.path.join(sys.argv[1], "starts"), "a") as f:
+    f.write(os.environ["RANK"] + " ")
 open(os.path.join(sys.argv[1], "ready" + os.environ["RANK"]), "w").close()
 while not watch.requested:
     time.sleep(0.05)
@@ -173,8 +175,10 @@ os._exit(preemption.exit_status())
 def test_ctrl_c_checkpoints_and_exits_130_and_a_second_press_stops_at_once(tmp_path, presses):
     """Ctrl-C reaches the launcher's whole process group, as a terminal sends it: the workers (the product's
     `PreemptionWatch`) drop the step, "checkpoint" (2 s) and exit 130, and so does the launcher, in one line each
-    and no traceback. A second press 1.5 s later stops them at once, before their checkpoint."""
-    proc = _launch_worker(tmp_path, "600", "2" if presses == 1 else "60", CTRL_C_WORKER, launcher_flags=())
+    and no traceback, with restarts allowed (torchrun restarted the workers after their 130 and the run went on).
+    A second press 1.5 s later stops them at once, before their checkpoint."""
+    proc = _launch_worker(tmp_path, "600", "2" if presses == 1 else "60", CTRL_C_WORKER,
+                          launcher_flags=("--max-restarts=2",))
     sent = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)
     if presses == 2:
@@ -183,6 +187,7 @@ def test_ctrl_c_checkpoints_and_exits_130_and_a_second_press_stops_at_once(tmp_p
     _, err = proc.communicate(timeout=60)
     seconds = time.monotonic() - sent
     assert proc.returncode == 130, err[-3000:]
+    assert sorted((tmp_path / "starts").read_text().split()) == ["0", "1"]  # started once: no restart
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert "[rlhf.cli.launch] got Ctrl-C (SIGINT): asked 2 worker(s) to checkpoint and exit" in err
     assert err.count("[rank 0] Ctrl-C: ending this step") == 1, err  # the terminal's and the launcher's: one press
