@@ -170,6 +170,7 @@ class Chaos:
             os.kill(proc.pid, LAUNCHER_SIGNALS.get(kind, signal.SIGTERM))
             proc.wait()
             event["exit"] = proc.returncode
+            event["at_step"] = logged_steps(self.out)[-1]  # the step in progress ends and is checkpointed
             self.events.append(event)
             return kind
         return None
@@ -184,7 +185,8 @@ class Chaos:
 
     def _count_redone(self, console: str) -> None:
         """Steps done twice: each fault's resume (in order) restarts after a checkpoint at or before the last step
-        logged when the fault hit; the steps in between are done again."""
+        logged before the fault ended the workers (a truncated newest checkpoint: one before it); the steps in
+        between are done again. The step in progress when a rank is killed or stopped is lost, not counted."""
         with open(console, errors="replace") as f:
             self.resumes = [int(m) for m in re.findall(r"resumed from \S*global_step(\d+)", f.read())]
         self.redone = sum(max(0, event["at_step"] - resumed) for event, resumed in zip(self.events, self.resumes))
