@@ -36,6 +36,8 @@ import subprocess
 import sys
 import time
 
+from rlhf.cli.launch import child_pids
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 KINDS = ("kill9", "sigstop", "sigterm", "sigusr1", "sigint", "truncate")
@@ -78,28 +80,14 @@ def logged_steps(out: str) -> list[int]:
         return []
 
 
-def workers(launcher: subprocess.Popen) -> list[int]:
-    """The launcher's train_ppo ranks (torchrun runs in the launcher's process: the ranks are its children)."""
-    pids = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
-    ranks = []
-    for pid in map(int, pids):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"rlhf.cli.train_ppo" in f.read():
-                    ranks.append(pid)
-        except OSError:
-            pass
-    return ranks
-
-
 def truncate_newest(ckpt: str) -> str | None:
     """Cut the newest complete checkpoint's largest file in half; its path, or None when there is none."""
-    steps = sorted((int(m.group(1)), name) for name in os.listdir(ckpt) if (m := re.fullmatch(r"global_step(\d+)",
-                                                                                                 name)))
-    if not steps:
+    from rlhf.utils.checkpoint_files import complete_checkpoints
+
+    found = complete_checkpoints(ckpt)
+    if not found:
         return None
-    newest = os.path.join(ckpt, steps[-1][1])
-    files = [os.path.join(d, n) for d, _, names in os.walk(newest) for n in names]
+    files = [os.path.join(d, n) for d, _, names in os.walk(found[-1][1]) for n in names]
     target = max(files, key=os.path.getsize)
     with open(target, "r+b") as f:
         f.truncate(os.path.getsize(target) // 2)
@@ -159,7 +147,7 @@ class Chaos:
             kind = self.rng.choice(self.kinds)
             event = {"fault": kind, "at_step": logged_steps(self.out)[-1], "t": round(time.monotonic(), 1)}
             if kind in ("kill9", "sigstop"):
-                ranks = workers(proc)
+                ranks = child_pids(proc.pid)  # the launcher runs torchrun: its children are the ranks
                 if not ranks:
                     continue
                 victim = self.rng.randrange(len(ranks))
