@@ -2,10 +2,10 @@
 
     python benchmarks/chaos.py [--faults 20] [--steps 60] [--seed 0] [--kinds kill9,sigstop,...] [--out DIR]
 
-PPO with a critic (GAE, the embedded tiny policy and reward model, ZeRO-2, 2 CPU ranks, a checkpoint after every
-step, `--load_checkpoint`) runs twice through `rlhf.cli.launch`: once straight, once while a random schedule of
-faults hits it. The chaos run is relaunched whenever a fault ends it, as a scheduler requeues a job. The faults,
-each once the run has logged a step since the last one, a random 0-1 s later:
+PPO with a critic (GAE, the embedded tiny policy, rewards from the embedded reward model behind `serve_rm`, ZeRO-2,
+2 CPU ranks, a checkpoint after every step, `--load_checkpoint`) runs twice through `rlhf.cli.launch`: once
+straight, once while a random schedule of faults hits it. The chaos run is relaunched whenever a fault ends it, as a
+scheduler requeues a job. The faults, each once the run has logged a step since the last one, a random 0-1 s later:
 
     kill9     SIGKILL of a random rank: torchrun restarts the workers (--max-restarts), which resume
     sigstop   SIGSTOP of a random rank: the other rank's heartbeat names it and ends the run within
@@ -15,12 +15,15 @@ each once the run has logged a step since the last one, a random 0-1 s later:
     sigint    Ctrl-C to the launcher: the step's work is dropped, a checkpoint written, exit 130; relaunched
     truncate  after a launcher stop, the newest checkpoint's largest file is cut in half before the relaunch:
               the resume names it and falls back to the newest intact checkpoint
+    rmkill    SIGKILL of the reward server, restarted 0-2 s later on its port: the trainer's client retries
+              (--remote_rm_retries 8) until it answers
+    diskfull  the checkpoints' filesystem (a tmpfs mounted for the run: needs root) filled until a save fails
+              ("no space left"), then freed: torchrun restarts the workers, which resume
 
 Reported: the faults and how each ended, the steps done twice (the steps a fault's restart had to redo), the
 time lost against the straight run, and whether the final weights (every tensor, bit for bit) and every step's
-metrics equal the straight run's. Not in the schedule (each proved by its own test): a killed reward server
-(tests/unit/test_rewards.py: the client's retries), a full disk (tests/unit/test_checkpoint_integrity.py).
-Each relaunch pays the job's start (imports, engines: 15-30 s on 2 CPU cores), so 20 faults take about 15 minutes.
+metrics equal the straight run's. Each relaunch or restart pays the job's start (imports, engines: 15-30 s on 2 CPU
+cores), so 20 faults take about 12 minutes. tests/e2e/test_chaos.py runs a handful of faults on the same job.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -40,12 +44,13 @@ from rlhf.cli.launch import child_pids
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-KINDS = ("kill9", "sigstop", "sigterm", "sigusr1", "sigint", "truncate")
+KINDS = ("kill9", "sigstop", "sigterm", "sigusr1", "sigint", "truncate", "rmkill", "diskfull")
 LAUNCHER_SIGNALS = {"sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1, "sigint": signal.SIGINT}
 
 
-def ppo_flags(tiny: str, steps: int) -> list[str]:
-    return ["--pretrain", f"{tiny}/policy", "--reward_pretrain", f"{tiny}/reward_model",
+def ppo_flags(tiny: str, steps: int, reward_url: str) -> list[str]:
+    return ["--pretrain", f"{tiny}/policy", "--remote_rm_url", reward_url, "--remote_rm_retries", "8",
+            "--critic_pretrain", f"{tiny}/reward_model",
             "--prompt_data", f"{tiny}/prompts.jsonl", "--input_key", "input",
             "--param_dtype", "fp32", "--attn_implementation", "sdpa", "--enforce_eager",
             "--advantage_estimator", "gae", "--init_kl_coef", "0.001", "--normalize_reward",
@@ -56,17 +61,77 @@ def ppo_flags(tiny: str, steps: int) -> list[str]:
             "--save_steps", "1", "--max_ckpt_num", "3", "--dist_timeout", "0.5"]
 
 
+class RewardServer:
+    """`serve_rm` with the embedded reward model on a fixed local port, in its own process; `restart` kills it
+    (SIGKILL) and starts it again on the same port."""
+
+    def __init__(self, tiny: str, log) -> None:
+        self.tiny, self.log, self.port = tiny, log, free_port()
+        self.url = f"http://127.0.0.1:{self.port}/get_reward"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "rlhf.cli.serve_rm", "--reward_pretrain", f"{self.tiny}/reward_model",
+               "--param_dtype", "fp32", "--attn_implementation", "sdpa", "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
+        deadline = time.monotonic() + 120
+        while True:  # listening: the model is loaded (serve_rm binds after loading it)
+            if self.proc.poll() is not None:
+                raise SystemExit(f"serve_rm exited {self.proc.returncode}: see {self.log.name}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"serve_rm did not listen within 120 s: see {self.log.name}") from None
+                time.sleep(0.2)
+
+    def restart(self, down_s: float) -> None:
+        self.stop()
+        time.sleep(down_s)
+        self.start()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def mount_tmpfs(path: str, size_mb: int) -> bool:
+    """A tmpfs of `size_mb` at `path` (for the diskfull fault); False where this process may not mount."""
+    os.makedirs(path, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", path],
+                          capture_output=True).returncode == 0
+
+
+def fill(path: str, leave: int = 16 << 10) -> str:
+    """A ballast file that leaves `leave` bytes free on `path`'s filesystem; its path."""
+    ballast = os.path.join(path, ".ballast")
+    free = shutil.disk_usage(path).free
+    with open(ballast, "wb") as f:
+        chunk = b"\0" * (1 << 20)
+        left = max(0, free - leave)
+        try:
+            while left > 0:
+                left -= f.write(chunk[:min(left, len(chunk))])
+        except OSError:  # full already
+            pass
+    return ballast
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def launch(flags: list[str], out: str, restarts: int, log, resume: bool = False) -> subprocess.Popen:
-    """The job into `out` (checkpoints in out/ckpt); `resume`: with --load_checkpoint (a relaunch)."""
+def launch(flags: list[str], out: str, restarts: int, log, resume: bool = False,
+           ckpt: str | None = None) -> subprocess.Popen:
+    """The job into `out` (checkpoints in `ckpt`, default out/ckpt); `resume`: with --load_checkpoint."""
     cmd = [sys.executable, "-m", "rlhf.cli.launch", "--grace_period", "120", f"--max-restarts={restarts}",
            "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-           "-m", "rlhf.cli.train_ppo", *flags, "--save_path", out, "--ckpt_path", os.path.join(out, "ckpt"),
+           "-m", "rlhf.cli.train_ppo", *flags, "--save_path", out, "--ckpt_path", ckpt or os.path.join(out, "ckpt"),
            *(["--load_checkpoint"] if resume else [])]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
@@ -94,29 +159,38 @@ def truncate_newest(ckpt: str) -> str | None:
     return target
 
 
-class Chaos:
-    """Runs the job under faults until it has done `steps` steps; `events` lists what happened."""
+RESTARTING = ("kill9", "sigstop", "diskfull")  # torchrun restarts the workers within the launch
+NO_RESUME = ("rmkill",)  # the run rides it out: nothing restarts
 
-    def __init__(self, flags: list[str], out: str, steps: int, faults: int, kinds: list[str], seed: int) -> None:
+
+class Chaos:
+    """Runs the job under faults until it has done `steps` steps; `events` lists what happened. `reward`: the
+    reward server the flags point at; `ckpt`: the checkpoints' directory (a tmpfs for diskfull)."""
+
+    def __init__(self, flags: list[str], out: str, steps: int, faults: int, kinds: list[str], seed: int,
+                 reward: RewardServer, ckpt: str) -> None:
         self.flags, self.out, self.steps, self.faults, self.kinds = flags, out, steps, faults, kinds
+        self.reward, self.ckpt = reward, ckpt
         self.rng = random.Random(seed)
         self.events: list[dict] = []
         self.redone = 0
         self.launches = 0
         self.resumes: list[int] = []
+        self.console = os.path.join(os.path.dirname(self.out), "chaos_console.log")
 
     def run(self) -> float:
         start = time.monotonic()
-        log = open(os.path.join(os.path.dirname(self.out), "chaos_console.log"), "w")
+        log = open(self.console, "w")
         pending_truncate = False
         while True:
             if pending_truncate:
-                cut = truncate_newest(os.path.join(self.out, "ckpt"))
-                self.events[-1]["then"] = f"truncated {os.path.relpath(cut, self.out) if cut else 'nothing'}"
+                cut = truncate_newest(self.ckpt)
+                self.events[-1]["then"] = f"truncated {os.path.relpath(cut, self.ckpt) if cut else 'nothing'}"
                 pending_truncate = False
             log.write(f"=== launch {self.launches}\n")
             log.flush()
-            proc = launch(self.flags, self.out, restarts=self.faults + 1, log=log, resume=self.launches > 0)
+            proc = launch(self.flags, self.out, restarts=self.faults + 1, log=log, resume=self.launches > 0,
+                          ckpt=self.ckpt)
             self.launches += 1
             ended_by = self._inject_until_exit(proc)
             done = logged_steps(self.out)
@@ -127,7 +201,7 @@ class Chaos:
                                  f"{log.name}")
             pending_truncate = ended_by == "truncate"
         log.close()
-        self._count_redone(os.path.join(os.path.dirname(self.out), "chaos_console.log"))
+        self._count_redone()
         return time.monotonic() - start
 
     def _inject_until_exit(self, proc: subprocess.Popen) -> str | None:
@@ -155,6 +229,15 @@ class Chaos:
                 event["rank_pid"] = ranks[victim]
                 self.events.append(event)
                 continue  # torchrun restarts the workers within this launch
+            if kind == "rmkill":
+                self.reward.restart(down_s=self.rng.uniform(0, 2))
+                self.events.append(event)
+                continue
+            if kind == "diskfull":
+                event["then"] = self._fill_until_a_save_fails(proc)
+                event["at_step"] = logged_steps(self.out)[-1]
+                self.events.append(event)
+                continue
             os.kill(proc.pid, LAUNCHER_SIGNALS.get(kind, signal.SIGTERM))
             proc.wait()
             event["exit"] = proc.returncode
@@ -162,6 +245,24 @@ class Chaos:
             self.events.append(event)
             return kind
         return None
+
+    def _fill_until_a_save_fails(self, proc: subprocess.Popen) -> str:
+        """Fills the checkpoints' filesystem until the run says 'no space left' (then frees it); what happened."""
+        said = self._console().count("no space left on")
+        ballast = fill(self.ckpt)
+        try:
+            deadline = time.monotonic() + 120
+            while self._console().count("no space left on") == said:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    return "no save failed"
+                time.sleep(0.2)
+            return "a save failed: no space left"
+        finally:
+            os.remove(ballast)
+
+    def _console(self) -> str:
+        with open(self.console, errors="replace") as f:
+            return f.read()
 
     def _wait_for_step(self, proc: subprocess.Popen, step: int) -> bool:
         while proc.poll() is None:
@@ -171,13 +272,14 @@ class Chaos:
             time.sleep(0.2)
         return False
 
-    def _count_redone(self, console: str) -> None:
-        """Steps done twice: each fault's resume (in order) restarts after a checkpoint at or before the last step
-        logged before the fault ended the workers (a truncated newest checkpoint: one before it); the steps in
-        between are done again. The step in progress when a rank is killed or stopped is lost, not counted."""
-        with open(console, errors="replace") as f:
-            self.resumes = [int(m) for m in re.findall(r"resumed from \S*global_step(\d+)", f.read())]
-        self.redone = sum(max(0, event["at_step"] - resumed) for event, resumed in zip(self.events, self.resumes))
+    def _count_redone(self) -> None:
+        """Steps done twice: each resume (in order of the faults that end the workers) restarts after a checkpoint
+        at or before the last step logged before the fault (a truncated newest checkpoint: one before it); the
+        steps in between are done again. The step in progress when a rank is killed or stopped is lost, not
+        counted."""
+        self.resumes = [int(m) for m in re.findall(r"resumed from \S*global_step(\d+)", self._console())]
+        ending = [event for event in self.events if event["fault"] not in NO_RESUME]
+        self.redone = sum(max(0, event["at_step"] - resumed) for event, resumed in zip(ending, self.resumes))
 
 
 def weights(path: str) -> dict:
@@ -206,16 +308,29 @@ def main() -> None:
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         raise SystemExit(f"--kinds: {', '.join(unknown)} unknown; choose from {', '.join(KINDS)}")
-    flags = ppo_flags(TINY_DIR, args.steps)
-    straight = os.path.join(work, "straight")
-    began = time.monotonic()
-    with open(os.path.join(work, "straight_console.log"), "w") as log:
-        code = launch(flags, straight, restarts=0, log=log).wait()
-    straight_s = time.monotonic() - began
-    if code != 0:
-        raise SystemExit(f"the straight run failed (exit {code}): see {work}/straight_console.log")
-    chaos = Chaos(flags, os.path.join(work, "chaos"), args.steps, args.faults, kinds, args.seed)
-    chaos_s = chaos.run()
+    ckpt = os.path.join(work, "chaos_ckpt")
+    mounted = "diskfull" in kinds and mount_tmpfs(ckpt, 256)
+    if "diskfull" in kinds and not mounted:
+        kinds.remove("diskfull")
+        print("chaos: diskfull left out: mounting a tmpfs for the checkpoints needs root (mount -t tmpfs)")
+    reward_log = open(os.path.join(work, "reward_server.log"), "w")
+    reward = RewardServer(TINY_DIR, reward_log)
+    try:
+        reward.start()
+        flags = ppo_flags(TINY_DIR, args.steps, reward.url)
+        straight = os.path.join(work, "straight")
+        began = time.monotonic()
+        with open(os.path.join(work, "straight_console.log"), "w") as log:
+            code = launch(flags, straight, restarts=0, log=log).wait()
+        straight_s = time.monotonic() - began
+        if code != 0:
+            raise SystemExit(f"the straight run failed (exit {code}): see {work}/straight_console.log")
+        chaos = Chaos(flags, os.path.join(work, "chaos"), args.steps, args.faults, kinds, args.seed, reward, ckpt)
+        chaos_s = chaos.run()
+    finally:
+        reward.stop()
+        if mounted:
+            subprocess.run(["umount", ckpt], check=False)
     a, b = weights(straight), weights(chaos.out)
     same_weights = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rows = [[json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))] for d in (straight, chaos.out)]
@@ -225,7 +340,7 @@ def main() -> None:
     by_kind = {k: sum(e["fault"] == k for e in chaos.events) for k in kinds}
     report = {"faults": len(chaos.events), "by_kind": by_kind, "launches": chaos.launches,
               "steps_redone": chaos.redone,
-              "torchrun_restarts": sum(e["fault"] in ("kill9", "sigstop") for e in chaos.events),
+              "torchrun_restarts": sum(e["fault"] in RESTARTING for e in chaos.events),
               "resumes": len(chaos.resumes), "steps": args.steps, "straight_s": round(straight_s, 1),
               "chaos_s": round(chaos_s, 1), "time_lost_s": round(chaos_s - straight_s, 1),
               "time_lost_per_fault_s": round((chaos_s - straight_s) / max(1, len(chaos.events)), 1),
@@ -238,8 +353,13 @@ def main() -> None:
           f"{'identical' if same_weights else 'DIFFERENT'}, every step's metrics "
           f"{'identical' if same_metrics else 'DIFFERENT'}")
     print(json.dumps(report))
-    if len(chaos.resumes) != len(chaos.events):
-        print(f"chaos: {len(chaos.events)} faults but {len(chaos.resumes)} resumes (see {work}/chaos_console.log)")
+    ending = sum(e["fault"] not in NO_RESUME for e in chaos.events)
+    if len(chaos.resumes) != ending:
+        print(f"chaos: {ending} faults that end the workers but {len(chaos.resumes)} resumes (see "
+              f"{work}/chaos_console.log)")
+    failed_to_fault = [e for e in chaos.events if e.get("then") == "no save failed"]
+    if failed_to_fault:
+        print(f"chaos: {len(failed_to_fault)} diskfull fault(s) met no save (the run ended first)")
     if not (same_weights and same_metrics):
         raise SystemExit(1)
 

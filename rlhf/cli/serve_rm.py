@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         limits = ServerLimits(max_request_mb=args.max_request_mb, request_timeout_s=args.request_timeout,
                               max_connections=args.max_connections, max_connections_per_ip=args.max_connections_per_ip,
-                              max_queries=args.max_queries, max_score_s=args.max_score_s)
+                              max_queries=args.max_queries, max_score_s=args.max_score_s,
+                              slow_client_s=args.slow_client_s)
     except ValueError as err:
         parser.error(str(err))
     try:
@@ -320,8 +321,12 @@ def add_limit_flags(parser: argparse.ArgumentParser) -> None:
                         help="concurrent connections (handler threads, default %(default)s); beyond them, when all "
                              "are trusted, HTTP 503")
     parser.add_argument("--max_connections_per_ip", type=int, default=d.max_connections_per_ip,
-                        help="pending connections (headers, or the bearer token, not yet received) kept per source "
-                             "IP (default %(default)s); one more closes that IP's oldest pending connection")
+                        help="pending connections (the bearer token, or without --api_key the whole request, not yet "
+                             "received) kept per source IP (default %(default)s); one more closes that IP's oldest "
+                             "slow one (--slow_client_s)")
+    parser.add_argument("--slow_client_s", type=float, default=d.slow_client_s,
+                        help="seconds (default %(default)s) a connection may stay pending before it counts as slow "
+                             "and may be closed to make room for a newcomer")
     parser.add_argument("--max_queries", type=int, default=d.max_queries,
                         help="queries per request (default %(default)s); more get HTTP 413")
     parser.add_argument("--max_score_s", type=float, default=d.max_score_s,

@@ -13,17 +13,20 @@ retry it, nor any 4xx but 408/429; it retries connection errors, timeouts, 502, 
 Slow clients. A connection must deliver its whole request, headers and body, within `--request_timeout` of
 being accepted: one deadline, not a timeout per read, so a byte every few seconds does not extend it (headers
 not in by then: closed without an answer). The bearer token is checked the moment its header line arrives: a
-wrong one is answered 401 at once; a right one makes the connection trusted. Until then (without `--api_key`:
-until its headers are complete) a connection is pending, and a slow-header attack is made of pending
-connections. So at most `--max_connections_per_ip` pending connections are kept per source IP: a connection
-from an IP at that cap, or one that finds every slot taken, closes the oldest pending connection (of that IP,
-else of all) to make room; trusted connections are never closed for room, and when all slots hold them a
-newcomer gets 503. Closing the oldest, not refusing the newest, is what keeps a keyed client served when the
-attacker shares its address (a NAT, or 127.0.0.1 in the tests): an honest client sends its headers with the
-connection and is trusted within milliseconds, long before enough newer connections from its IP make it the
-oldest; a slow one stays pending and is the first to go. Not covered: without `--api_key` every client is
-trusted once its headers are in, so slow bodies can hold slots until `--request_timeout`; and a flood of
-connections from one IP, faster than a client can send its headers, closes honest ones too (they are retried)."""
+wrong one is answered 401 at once; a right one makes the connection trusted. Without `--api_key` a connection
+is trusted once its whole request, body included, is in. Until then a connection is pending, and once it has
+been pending for `--slow_client_s` (0.25 s) it is slow: a slow-header or slow-body attack is made of slow
+connections. A slow connection may be closed to make room: a newcomer from an IP with
+`--max_connections_per_ip` pending connections closes that IP's oldest slow one, and a newcomer that finds every
+slot taken closes the oldest slow one of all; with none to close it is answered 503. Trusted connections, and
+pending ones not yet slow (a burst the handler threads have not reached), are never closed for room, so a burst
+of well-behaved clients gets answers (200 or 503, which the trainer's client retries), not closed connections.
+Closing the oldest slow one, not refusing the newest, is what keeps a well-behaved client served when the
+attacker shares its address (a NAT, or 127.0.0.1 in the tests): it sends its request with the connection and is
+trusted within milliseconds; a slow one is the first to go. A connection the client resets or leaves is one
+log line, not a traceback. Not covered: new connections from one IP at more than --max_connections per
+--slow_client_s (128 a second by default) hold every slot with connections not yet slow, and other clients get
+503s meanwhile (answered, and retried by the trainer's client)."""
 from __future__ import annotations
 
 import hmac
@@ -72,7 +75,10 @@ class ServerLimits:
     max_connections: int = 32
     """connections handled at once, one thread each (--max_connections); beyond that: 503"""
     max_connections_per_ip: int = 8
-    """pending connections (headers or token not yet in) kept per source IP (--max_connections_per_ip)"""
+    """pending connections (token, or without --api_key the whole request, not yet in) kept per source IP before
+    a newcomer from it closes its oldest slow one (--max_connections_per_ip)"""
+    slow_client_s: float = 0.25
+    """seconds a connection may stay pending before it is slow and may be closed to make room (--slow_client_s)"""
     max_queries: int = 16384
     """queries in one request (--max_queries); more are answered 413"""
     max_score_s: float = 60.0
@@ -85,15 +91,19 @@ class ServerLimits:
                             ("--max_score_s", self.max_score_s)):
             if not value > 0:
                 raise ValueError(f"{flag} must be > 0, got {value}")
+        if not self.slow_client_s >= 0:
+            raise ValueError(f"--slow_client_s must be >= 0, got {self.slow_client_s}")
 
 
 @dataclass(eq=False)
 class _Connection:
-    """An accepted connection and its handler thread. `deadline` (time.monotonic()) bounds every read of its
-    request; `pending`: not yet trusted, so it may be closed to make room; `evicted`: it was (no slot held)."""
+    """An accepted connection and its handler thread. `accepted` (time.monotonic()); `deadline` bounds every read
+    of its request; `pending`: not yet trusted, so once slow it may be closed to make room; `evicted`: it was
+    closed to make room (no slot held)."""
 
     sock: socket.socket
     ip: str
+    accepted: float
     deadline: float
     pending: bool = True
     evicted: bool = False
@@ -167,12 +177,13 @@ class RewardServer(ThreadingHTTPServer):
 
     @property
     def num_pending(self) -> int:
-        """Connections holding a slot whose headers (or token) are not yet in."""
+        """Connections holding a slot whose token (without --api_key: whole request) is not yet in."""
         with self._lock:
             return sum(c.pending and not c.evicted for c in self._connections.values())
 
     def process_request(self, request: socket.socket, client_address) -> None:
-        conn = _Connection(request, client_address[0], time.monotonic() + self.limits.request_timeout_s)
+        now = time.monotonic()
+        conn = _Connection(request, client_address[0], now, now + self.limits.request_timeout_s)
         admitted, victim = self._admit(conn)
         if victim is not None:
             try:  # wakes its handler's blocked read, which then raises _NoRequest
@@ -185,7 +196,7 @@ class RewardServer(ThreadingHTTPServer):
             except BaseException:
                 self._release(request)
                 raise
-        elif self._refusal_slots.acquire(blocking=False):
+        elif self._refusal_slots.acquire(timeout=_DRAIN_S):  # a burst waits (in the listen backlog) for one
             # answered on its own short-lived thread: a reply written before the request was read would be
             # lost to a connection reset, and the accept loop must not wait on a client
             try:
@@ -197,15 +208,16 @@ class RewardServer(ThreadingHTTPServer):
             self.shutdown_request(request)
 
     def _admit(self, conn: _Connection) -> tuple[bool, _Connection | None]:
-        """Whether `conn` gets a slot, and the pending connection to close for it: the oldest of its IP when
-        that IP is at the per-IP cap, else the oldest of all when every slot is taken (none: no slot, 503)."""
+        """Whether `conn` gets a slot, and the slow connection to close: the oldest slow one of its IP when that IP
+        is at the per-IP cap, else the oldest slow one of all when every slot is taken (none: no slot, 503)."""
         with self._lock:
             holders = [c for c in self._connections.values() if not c.evicted]
             pending = [c for c in holders if c.pending]
-            same_ip = [c for c in pending if c.ip == conn.ip]
+            slow = [c for c in pending if conn.accepted - c.accepted >= self.limits.slow_client_s]
+            same_ip = [c for c in slow if c.ip == conn.ip]
             full = len(holders) >= self.limits.max_connections
-            victim = (same_ip[0] if len(same_ip) >= self.limits.max_connections_per_ip
-                      else pending[0] if full and pending else None)
+            at_cap = sum(c.ip == conn.ip for c in pending) >= self.limits.max_connections_per_ip
+            victim = same_ip[0] if at_cap and same_ip else slow[0] if full and slow else None
             if victim is None and full:
                 return False, None
             if victim is not None:
@@ -241,6 +253,16 @@ class RewardServer(ThreadingHTTPServer):
             self.shutdown_request(request)
             self._refusal_slots.release()
 
+    def handle_error(self, request: socket.socket, client_address) -> None:
+        """A connection the client reset or left mid-request or mid-answer: one line (an attack of many must not
+        fill the log with tracebacks). Anything else is a fault of the server: its traceback."""
+        err = sys.exc_info()[1]
+        if not isinstance(err, OSError):
+            super().handle_error(request, client_address)
+            return
+        sys.stderr.write(f"serve_rm {client_address[0] if client_address else '?'}: connection ended before its "
+                         f"answer: {type(err).__name__}: {err}\n")
+
     def _release(self, request: socket.socket) -> None:
         with self._lock:
             del self._connections[request]
@@ -250,6 +272,7 @@ class RewardHandler(BaseHTTPRequestHandler):
     """One connection: check the token as it arrives, read a bounded body by the deadline, score, answer JSON."""
 
     server: RewardServer
+    default_request_version = "HTTP/1.0"  # a garbled request line still gets a status line (not a bare body)
     _body_unread = False  # an answer sent before the body was read must drain it (see `_drain`)
     _key_seen = _key_ok = False  # the Authorization header line has arrived; it held the server's token
 
@@ -323,14 +346,12 @@ class RewardHandler(BaseHTTPRequestHandler):
         self._reply(int(code), {"error": message or HTTPStatus(code).phrase})
 
     def _check_auth(self) -> None:
-        """After the headers: 401 unless the token's line was right (`_header_line`); without --api_key the
-        connection is trusted from here. Raises _NoRequest if it was closed for room before."""
+        """After the headers: 401 unless the token's line was right (`_header_line`). Without --api_key the
+        connection stays pending until its body is in too (`_read_json`): a slow body is a slow client."""
         if self.server.api_key is not None and not self._key_ok:
             self._body_unread = True
             raise RequestError(401, "missing or wrong 'Authorization: Bearer <key>' header (the server's "
                                     f"--api_key / {API_KEY_ENV}; the trainer sends {API_KEY_ENV})")
-        if not self.server.trust(self.conn):
-            raise _NoRequest
 
     def _read_json(self) -> dict:
         length = self._content_length()
@@ -341,6 +362,8 @@ class RewardHandler(BaseHTTPRequestHandler):
                 raise RequestError(400, f"body ended after {received} of {length} bytes (Content-Length)")
             chunks.append(chunk)
             received += len(chunk)
+        if not self.server.trust(self.conn):  # the whole request is in: never closed for room from here
+            raise _NoRequest
         try:
             request = json.loads(b"".join(chunks))
         except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
@@ -459,7 +482,8 @@ class BusyHandler(RewardHandler):
     """A connection with no slot: answers 503 to whatever request arrives within a second."""
 
     def _connection(self) -> _Connection:  # not in the server's table: it holds no slot and is never evicted
-        return _Connection(self.request, "", time.monotonic() + min(_DRAIN_S, self.server.limits.request_timeout_s))
+        now = time.monotonic()
+        return _Connection(self.request, "", now, now + min(_DRAIN_S, self.server.limits.request_timeout_s))
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
         self._body_unread = True

@@ -8,6 +8,7 @@ import argparse
 import json
 import select
 import socket
+import struct
 import threading
 import time
 import urllib.error
@@ -207,20 +208,23 @@ def test_a_trickled_body_cannot_outlive_the_timeout():
 
 
 def test_connections_beyond_the_cap_are_refused_at_once_and_served_later():
-    server = reward_server(max_connections=2, request_timeout_s=1.5)
+    server = reward_server(LengthReward(delay_s=1.0), max_connections=2)
     with serving(server) as url:
-        stalls = [stalled_upload(url) for _ in range(2)]  # headers in: trusted, not closed to make room
+        # two whole requests, scored one after the other for a second each: trusted, never closed to make room
+        busy = [threading.Thread(target=post, args=(url, GOOD)) for _ in range(2)]
+        for thread in busy:
+            thread.start()
         wait_for(lambda: server.num_connections == 2 and server.num_pending == 0,
-                 "the stalled uploads never reached the server")
+                 "the scored requests never reached the server")
         started = time.monotonic()
         code, answer = post(url, GOOD)
         assert code == 503 and "--max_connections" in answer["error"]
-        assert time.monotonic() - started < 1  # refused without waiting for the stalled uploads
-        # the client retries 503s; the stalled uploads are dropped after 1.5 s and the retry gets in
+        assert time.monotonic() - started < 1  # refused without waiting for the scoring
+        # the client retries 503s; the scored requests end within 2 s and the retry gets in
         out = RemoteRewardClient(url, timeout_s=5, retries=5, backoff_s=0.3).score(INPUTS)
         torch.testing.assert_close(out.rewards_B, torch.tensor([2.0, 4.0]))
-        for sock in stalls:
-            sock.close()
+        for thread in busy:
+            thread.join()
         deadline = time.monotonic() + 5  # the handler threads release their slots as they finish
         while server.num_connections:
             assert time.monotonic() < deadline, f"{server.num_connections} connection(s) never released"
@@ -277,7 +281,8 @@ def test_a_wrong_token_is_answered_401_as_soon_as_its_header_arrives():
 
 
 def test_pending_connections_per_ip_are_capped_by_closing_the_oldest():
-    server = reward_server(api_key="k", max_connections_per_ip=2, request_timeout_s=30)
+    # --slow_client_s 0: every pending connection may be closed for room at once
+    server = reward_server(api_key="k", max_connections_per_ip=2, request_timeout_s=30, slow_client_s=0)
     with serving(server) as url:
         # the right token, then the rest of the headers late: trusted from the token's line on
         keyed = partial_request(url, b"POST /get_reward HTTP/1.1\r\nAuthorization: Bearer k\r\n")
@@ -292,9 +297,9 @@ def test_pending_connections_per_ip_are_capped_by_closing_the_oldest():
             sock.close()
 
 
-def trickle_headers(port: int, interval_s: float, stop: threading.Event, connected: list) -> None:
-    """A slow-header client: a request line, then one header byte every `interval_s`; when the server closes
-    the connection it opens another (at most 20), until `stop`."""
+def trickle(port: int, first: bytes, interval_s: float, stop: threading.Event, connected: list) -> None:
+    """A slow client: sends `first`, then one byte every `interval_s`; when the server closes the connection it
+    opens another (at most 20), until `stop`."""
     for _ in range(20):
         try:
             sock = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -302,7 +307,7 @@ def trickle_headers(port: int, interval_s: float, stop: threading.Event, connect
             continue
         connected.append(sock)
         try:
-            sock.sendall(b"POST /get_reward HTTP/1.1\r\nX-Slow: ")
+            sock.sendall(first)
             while not stop.wait(interval_s):
                 sock.sendall(b"x")
                 if closed_by_server(sock, 0):
@@ -315,28 +320,42 @@ def trickle_headers(port: int, interval_s: float, stop: threading.Event, connect
             return
 
 
-def test_a_keyed_client_is_served_while_40_slow_clients_are_connected(capsys):
-    """The slow-header attack: 40 clients on the keyed client's own address, each sending a header byte every
-    0.5 s and reconnecting when closed. Default --max_connections (32) and --max_connections_per_ip (8); a 30 s
-    --request_timeout, so no slot is freed by the deadline while the test runs."""
-    key, stop, connected = "s3cret", threading.Event(), []
+SLOW_HEADERS = b"POST /get_reward HTTP/1.1\r\nX-Slow: "
+SLOW_BODY = b"POST /get_reward HTTP/1.1\r\nContent-Length: 1000\r\n\r\n{"
+
+
+@pytest.mark.parametrize("key, first", [("s3cret", SLOW_HEADERS), (None, SLOW_BODY)], ids=["keyed", "defaults"])
+def test_a_client_is_served_while_40_slow_clients_are_connected(capsys, key, first):
+    """The slow-header attack on a keyed server, and the slow-body attack on the default one (no key; a connection
+    was trusted once its headers were in, and the client got only 503s): 40 clients on the client's own address,
+    each sending a byte every 0.5 s and reconnecting when closed. Default --max_connections (32),
+    --max_connections_per_ip (8) and --slow_client_s (0.25); a 30 s --request_timeout, so no slot is freed by the
+    deadline while the test runs. benchmarks/reward_server_attacks.py measures the share served at the first try."""
+    stop, connected = threading.Event(), []
     server = reward_server(api_key=key, request_timeout_s=30)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     with serving(server) as url:
-        attackers = [threading.Thread(target=trickle_headers, args=(port_of(url), 0.5, stop, connected), daemon=True)
+        attackers = [threading.Thread(target=trickle, args=(port_of(url), first, 0.5, stop, connected), daemon=True)
                      for _ in range(40)]
         for thread in attackers:
             thread.start()
         try:
             # all 40 in, and 20 more since: the closed ones are coming back
-            wait_for(lambda: len(connected) >= 60 and server.num_evicted >= 52, "the attack did not start")
-            latencies_s = []
-            for _ in range(5):
+            wait_for(lambda: len(connected) >= 60 and server.num_evicted >= 20, "the attack did not start")
+            latencies_s, codes = [], []
+            for _ in range(5):  # one try each: answered (a 503 while every slot holds a connection not yet slow)
+                code, answer = post(url, GOOD, headers, timeout=10)
+                codes.append(code)
+                assert code == 503 or answer["rewards"] == [2.0, 4.0]
+            assert set(codes) <= {200, 503}, codes
+            for _ in range(5):  # the trainer's client, which retries a 503: served every time
                 started = time.monotonic()
-                answer = post(url, GOOD, {"Authorization": f"Bearer {key}"}, timeout=10)
+                out = RemoteRewardClient(url, timeout_s=10, api_key=key).score(INPUTS)
                 latencies_s.append(time.monotonic() - started)
-                assert answer[0] == 200 and answer[1]["rewards"] == [2.0, 4.0]
-            assert post(url, GOOD)[0] == 401  # and without the token: refused, not queued
-            assert server.num_pending <= 8 and server.num_connections <= 32
+                torch.testing.assert_close(out.rewards_B, torch.tensor([2.0, 4.0]))
+            if key:
+                assert post(url, GOOD)[0] == 401  # and without the token: refused, not queued
+            assert server.num_connections <= 32
             assert all(thread.is_alive() for thread in attackers)  # the attack ran throughout
         finally:
             stop.set()
@@ -344,8 +363,51 @@ def test_a_keyed_client_is_served_while_40_slow_clients_are_connected(capsys):
                 thread.join(timeout=10)
     assert max(latencies_s) < 5  # a bound for a loaded machine, not a performance goal
     with capsys.disabled():
-        print(f"\nkeyed client under 40 slow clients: latency {' '.join(f'{s * 1000:.0f}' for s in latencies_s)} ms, "
-              f"{len(connected)} slow connections, {server.num_evicted} closed to make room")
+        print(f"\n{'keyed' if key else 'default'} server, client under 40 slow clients: first tries {codes}, served "
+              f"with retries in {' '.join(f'{s * 1000:.0f}' for s in latencies_s)} ms, {len(connected)} slow "
+              f"connections, {server.num_evicted} closed to make room")
+
+
+def test_a_burst_of_100_clients_gets_answers_not_closed_connections():
+    """100 valid requests at once from one address, one try each: every one is answered, 200 or 503 (retried by
+    the trainer's client). Connections not yet read were closed to make room for newer ones (7-13 of 100 had no
+    answer)."""
+    server = reward_server(LengthReward(delay_s=0.005))
+    codes, barrier = [], threading.Barrier(100)
+
+    def one(url: str) -> None:
+        barrier.wait()
+        try:
+            codes.append(post(url, GOOD, timeout=30)[0])
+        except OSError as err:  # closed without an answer
+            codes.append(type(err).__name__)
+
+    with serving(server) as url:
+        burst = [threading.Thread(target=one, args=(url,)) for _ in range(100)]
+        for thread in burst:
+            thread.start()
+        for thread in burst:
+            thread.join()
+    assert len(codes) == 100 and set(codes) <= {200, 503}, (sorted(map(str, codes)), server.num_evicted)
+    assert codes.count(200) >= 10, codes.count(200)
+
+
+def test_resets_are_one_log_line_and_garbage_gets_a_status_line(capfd):
+    """A connection reset while its request is scored was a traceback in the log; a garbled request line was
+    answered with a bare JSON body (HTTP/0.9)."""
+    server = reward_server(LengthReward(delay_s=0.2))
+    with serving(server) as url:
+        sock = partial_request(url, b"POST /get_reward HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(GOOD) + GOOD)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        wait_for(lambda: server.num_connections == 1 and server.num_pending == 0, "the request was not read")
+        sock.close()  # RST while it is scored: the answer cannot be written
+        wait_for(lambda: server.num_connections == 0, "the reset connection was not released")
+        garbage = partial_request(url, b"\x16\x03\x01garbage\r\n\r\n")  # a TLS hello, say
+        assert read_all(garbage).startswith(b"HTTP/1.0 400 ")
+        garbage.close()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception occurred" not in err, err
+    assert err.count("connection ended before its answer: ConnectionResetError") == 1, err
 
 
 def test_other_methods_get_a_json_405_naming_post():
