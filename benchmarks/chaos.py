@@ -106,10 +106,11 @@ def mount_tmpfs(path: str, size_mb: int) -> bool:
 
 
 def fill(path: str, leave: int = 16 << 10) -> str:
-    """A ballast file that leaves `leave` bytes free on `path`'s filesystem; its path."""
+    """Grows a ballast file until `leave` bytes are free on `path`'s filesystem (again after the run freed some:
+    its rotation of old checkpoints); its path."""
     ballast = os.path.join(path, ".ballast")
     free = shutil.disk_usage(path).free
-    with open(ballast, "wb") as f:
+    with open(ballast, "ab") as f:
         chunk = b"\0" * (1 << 20)
         left = max(0, free - leave)
         try:
@@ -160,7 +161,12 @@ def truncate_newest(ckpt: str) -> str | None:
 
 
 RESTARTING = ("kill9", "sigstop", "diskfull")  # torchrun restarts the workers within the launch
-NO_RESUME = ("rmkill",)  # the run rides it out: nothing restarts
+
+
+def ends_workers(event: dict) -> bool:
+    """Whether the fault ended the workers (a resume follows): not a reward server restart (the client's retries
+    ride it out), nor a full disk that met no save."""
+    return event["fault"] != "rmkill" and event.get("then") != "no save failed"
 
 
 class Chaos:
@@ -168,8 +174,9 @@ class Chaos:
     reward server the flags point at; `ckpt`: the checkpoints' directory (a tmpfs for diskfull)."""
 
     def __init__(self, flags: list[str], out: str, steps: int, faults: int, kinds: list[str], seed: int,
-                 reward: RewardServer, ckpt: str) -> None:
+                 reward: RewardServer, ckpt: str, in_order: bool = False) -> None:
         self.flags, self.out, self.steps, self.faults, self.kinds = flags, out, steps, faults, kinds
+        self.in_order = in_order  # the faults are `kinds` in turn, not drawn at random
         self.reward, self.ckpt = reward, ckpt
         self.rng = random.Random(seed)
         self.events: list[dict] = []
@@ -218,7 +225,7 @@ class Chaos:
                 proc.wait()
                 return None
             time.sleep(self.rng.uniform(0, 1))
-            kind = self.rng.choice(self.kinds)
+            kind = self.kinds[len(self.events) % len(self.kinds)] if self.in_order else self.rng.choice(self.kinds)
             event = {"fault": kind, "at_step": logged_steps(self.out)[-1], "t": round(time.monotonic(), 1)}
             if kind in ("kill9", "sigstop"):
                 ranks = child_pids(proc.pid)  # the launcher runs torchrun: its children are the ranks
@@ -255,7 +262,8 @@ class Chaos:
             while self._console().count("no space left on") == said:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     return "no save failed"
-                time.sleep(0.2)
+                time.sleep(0.1)
+                fill(self.ckpt)
             return "a save failed: no space left"
         finally:
             os.remove(ballast)
@@ -278,7 +286,7 @@ class Chaos:
         steps in between are done again. The step in progress when a rank is killed or stopped is lost, not
         counted."""
         self.resumes = [int(m) for m in re.findall(r"resumed from \S*global_step(\d+)", self._console())]
-        ending = [event for event in self.events if event["fault"] not in NO_RESUME]
+        ending = [event for event in self.events if ends_workers(event)]
         self.redone = sum(max(0, event["at_step"] - resumed) for event, resumed in zip(ending, self.resumes))
 
 
@@ -340,7 +348,7 @@ def main() -> None:
     by_kind = {k: sum(e["fault"] == k for e in chaos.events) for k in kinds}
     report = {"faults": len(chaos.events), "by_kind": by_kind, "launches": chaos.launches,
               "steps_redone": chaos.redone,
-              "torchrun_restarts": sum(e["fault"] in RESTARTING for e in chaos.events),
+              "torchrun_restarts": sum(e["fault"] in RESTARTING and ends_workers(e) for e in chaos.events),
               "resumes": len(chaos.resumes), "steps": args.steps, "straight_s": round(straight_s, 1),
               "chaos_s": round(chaos_s, 1), "time_lost_s": round(chaos_s - straight_s, 1),
               "time_lost_per_fault_s": round((chaos_s - straight_s) / max(1, len(chaos.events)), 1),
@@ -353,7 +361,7 @@ def main() -> None:
           f"{'identical' if same_weights else 'DIFFERENT'}, every step's metrics "
           f"{'identical' if same_metrics else 'DIFFERENT'}")
     print(json.dumps(report))
-    ending = sum(e["fault"] not in NO_RESUME for e in chaos.events)
+    ending = sum(map(ends_workers, chaos.events))
     if len(chaos.resumes) != ending:
         print(f"chaos: {ending} faults that end the workers but {len(chaos.resumes)} resumes (see "
               f"{work}/chaos_console.log)")

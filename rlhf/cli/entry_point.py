@@ -18,17 +18,19 @@ from rlhf.config.errors import usage_errors_exit
 from rlhf.config.flags import parse_config
 from rlhf.distributed.peer_lost import peer_lost_exit
 from rlhf.utils.heap import freeze_heap
+from rlhf.utils.write_failure import write_failure_exit
 
 
 def main_for(config_cls: type, run: Callable[[Any, Sequence[warnings.WarningMessage]], None], prog: str,
              argv: list[str] | None = None) -> None:
     """Parse the flags of `config_cls` and run. Flag and input mistakes exit 2 with one `error:` line from
     rank 0 (see `rlhf.config.errors`); failures after torch.distributed is initialised keep their traceback,
-    except a collective broken by a peer that died: one line (`rlhf.distributed.peer_lost`).
+    except a collective broken by a peer that died (`rlhf.distributed.peer_lost`) and a checkpoint that could
+    not be written (`rlhf.utils.write_failure`): one line each.
 
     argv None means this call is the program (the flags are `sys.argv`): after the run returns, the process
     ends here (`end_program`). With an argv list it returns, for callers that run several jobs in one process."""
-    with usage_errors_exit(started=distributed_started), peer_lost_exit():
+    with usage_errors_exit(started=distributed_started), peer_lost_exit(), write_failure_exit():
         with warnings.catch_warnings(record=True) as parse_warnings:
             warnings.simplefilter("default")
             cfg = parse_config(config_cls, argv, prog=prog)

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.config.errors import UsageError
+from rlhf.utils.write_failure import CheckpointWriteError
 
 T = TypeVar("T")
 STEP_DIR = re.compile(r"^global_step(\d+)$")
@@ -288,27 +289,33 @@ def decided_by_rank0(decide: Callable[[], T], rank: int) -> T:
     return value
 
 
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written (full disk, quota, I/O error); the message names the directory."""
+FILE_WRITE_MARKERS = ("iostream error", "unexpected pos")
+"""In torch.save's errors for a failed file write, which carry no errno: `basic_ios::clear: iostream error`, and
+the zip writer's `[enforce fail at inline_container.cc] unexpected pos N vs M` raised while closing after it."""
 
 
 def describe_write_failure(directory: str, what: str, err: BaseException) -> str:
     """One line for a failed checkpoint write: 'no space left on DIR' when a file write failed on a (nearly) full
-    disk. torch.save reports a full disk as `RuntimeError: basic_ios::clear: iostream error`, without an errno,
-    so the free space is checked as well; an error that is not a file write (a collective whose peer died, e.g.
-    the rank that met the full disk) is reported as it is, even on a full disk."""
+    disk. torch.save reports a full disk without an errno (FILE_WRITE_MARKERS; the first error is often the
+    context of a second one raised while the zip file closes), so the whole chain of errors is read and the free
+    space checked as well; an error that is not a file write (a collective whose peer died, e.g. the rank that
+    met the full disk) is reported as it is, even on a full disk."""
     try:
         free = shutil.disk_usage(directory).free
     except OSError:
         free = None
-    file_write = isinstance(err, OSError) or "iostream error" in str(err)
+    chain, link = [], err
+    while link is not None and link not in chain:
+        chain.append(link)
+        link = link.__cause__ or link.__context__
+    writes = [e for e in chain if isinstance(e, OSError) or any(m in str(e) for m in FILE_WRITE_MARKERS)]
     low = free is not None and free < LOW_SPACE_BYTES
-    full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (file_write and low)
+    full = any(getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) for e in chain) or (bool(writes) and low)
     room = "unknown" if free is None else f"{free / (1 << 20):.0f} MiB"
     if full:
         return (f"no space left on {directory} ({room} free) while writing {what}; the checkpoint was not "
                 f"completed (its partial files are removed), earlier ones are intact; free space or pass another "
-                f"--ckpt_path ({err})")
+                f"--ckpt_path ({writes[-1] if writes else err})")
     return f"writing {what} into {directory} failed ({room} free): {err}"
 
 

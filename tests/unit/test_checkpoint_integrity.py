@@ -27,6 +27,7 @@ from rlhf.utils.checkpoint_files import (
     write_manifest,
 )
 from rlhf.utils.logging import MetricsLogger
+from rlhf.utils.write_failure import write_failure_exit
 
 
 def fake_checkpoint(root, step, world_size=2, manifest=True, identity=None):
@@ -126,13 +127,15 @@ def test_stale_temporary_directories_are_removed_at_start_and_prune(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["global_step2"]
 
 
-def test_full_disk_is_reported_as_no_space_left(tmp_path, monkeypatch):
+def test_full_disk_is_reported_as_no_space_left_in_one_line(tmp_path, monkeypatch, capsys):
     writer = CheckpointWriter(str(tmp_path), 2, is_writer=True)
     (tmp_path / ".tmp-global_step2" / "rng").mkdir(parents=True)  # what begin() makes
 
-    def full_disk(*args, **kwargs):  # what torch.save raises when the disk fills up
-        raise RuntimeError("[enforce fail at inline_container.cc:595] . unexpected pos 64 vs 0 "
-                           "basic_ios::clear: iostream error")
+    def full_disk(*args, **kwargs):  # what torch 2.13's torch.save raises when the disk fills up (seen on a tmpfs)
+        try:
+            raise RuntimeError("basic_ios::clear: iostream error")
+        except RuntimeError:  # the zip writer's close fails too, while the first is handled: its context
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 128 vs 0")  # noqa: B904
 
     monkeypatch.setattr(torch, "save", full_disk)
     monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: SimpleNamespace(free=4096))
@@ -141,6 +144,11 @@ def test_full_disk_is_reported_as_no_space_left(tmp_path, monkeypatch):
     assert str(err.value).startswith(f"no space left on {tmp_path}/.tmp-global_step2 (0 MiB free) while writing "
                                      "rng/rank1.pt; the checkpoint was not completed")
     assert "basic_ios::clear" in str(err.value) and "its partial files are removed" in str(err.value)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as ended, write_failure_exit():  # how the entry point ends the run
+        raise err.value
+    assert ended.value.code == 1
+    assert capsys.readouterr().err == f"\n[rank 1] error: {err.value}\n"
     assert complete_checkpoints(str(tmp_path)) == [] and os.listdir(tmp_path) == []  # the space is given back
     (tmp_path / ".tmp-global_step2" / "rng").mkdir(parents=True)
     monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: SimpleNamespace(free=10 << 30))
