@@ -1,6 +1,6 @@
 """Chaos: a PPO run that faults keep hitting ends on the weights and metrics of the run nothing hit.
 
-    python benchmarks/chaos.py [--faults 20] [--steps 60] [--seed 0] [--kinds kill9,sigstop,...] [--out DIR]
+    python benchmarks/chaos.py [--faults 20] [--steps 100] [--seed 0] [--kinds kill9,sigstop,...] [--out DIR]
 
 PPO with a critic (GAE, the embedded tiny policy, rewards from the embedded reward model behind `serve_rm`, ZeRO-2,
 2 CPU ranks, a checkpoint after every step, `--load_checkpoint`) runs twice through `rlhf.cli.launch`: once
@@ -299,7 +299,7 @@ def weights(path: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--faults", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--out", default=None, help="work directory (default: a new temporary one)")

@@ -79,15 +79,23 @@ def post_once(url: str, timeout_s: float = 10.0) -> tuple[str, float]:
     return outcome, time.monotonic() - started
 
 
-def trickler(port: int, first: bytes, stop: threading.Event, count: list) -> None:
-    """Sends `first`, then a byte every 0.5 s; reconnects when the server closes the connection."""
+def connections(port: int, stop: threading.Event, count: list):
+    """Yields (n, a new connection to the server) until `stop`, counting them in `count[0]`."""
+    n = 0
     while not stop.is_set():
         try:
             sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-        except OSError:
+        except OSError:  # not accepted in time: try again
             time.sleep(0.05)
             continue
         count[0] += 1
+        yield n, sock
+        n += 1
+
+
+def trickler(port: int, first: bytes, stop: threading.Event, count: list) -> None:
+    """Sends `first`, then a byte every 0.5 s; reconnects when the server closes the connection."""
+    for _, sock in connections(port, stop, count):
         try:
             sock.sendall(first)
             while not stop.wait(0.5):
@@ -101,15 +109,7 @@ def trickler(port: int, first: bytes, stop: threading.Event, count: list) -> Non
 def resetter(port: int, stop: threading.Event, count: list) -> None:
     """Half a request then RST; a whole request then RST before the answer; in turn."""
     whole = HEAD + b"Content-Length: %d\r\n\r\n" % len(GOOD) + GOOD
-    for n in range(10**9):
-        if stop.is_set():
-            return
-        try:
-            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-        except OSError:
-            time.sleep(0.05)
-            continue
-        count[0] += 1
+    for n, sock in connections(port, stop, count):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close() sends RST
         try:
             sock.sendall(whole[: len(whole) // 2] if n % 2 else whole)
@@ -121,15 +121,8 @@ def resetter(port: int, stop: threading.Event, count: list) -> None:
 
 
 def malformer(port: int, stop: threading.Event, count: list, unanswered: list) -> None:
-    for n in range(10**9):
-        if stop.is_set():
-            return
-        try:
-            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-        except OSError:
-            time.sleep(0.05)
-            continue
-        count[0] += 1
+    """MALFORMED's requests in turn, each answer read: one without an HTTP status line is counted."""
+    for n, sock in connections(port, stop, count):
         try:
             sock.sendall(MALFORMED[n % len(MALFORMED)])
             answer = sock.recv(12)

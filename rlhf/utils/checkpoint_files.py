@@ -294,12 +294,13 @@ FILE_WRITE_MARKERS = ("iostream error", "unexpected pos")
 the zip writer's `[enforce fail at inline_container.cc] unexpected pos N vs M` raised while closing after it."""
 
 
-def describe_write_failure(directory: str, what: str, err: BaseException) -> str:
+def describe_write_failure(directory: str, what: str, err: BaseException, removed: bool = False) -> str:
     """One line for a failed checkpoint write: 'no space left on DIR' when a file write failed on a (nearly) full
     disk. torch.save reports a full disk without an errno (FILE_WRITE_MARKERS; the first error is often the
     context of a second one raised while the zip file closes), so the whole chain of errors is read and the free
     space checked as well; an error that is not a file write (a collective whose peer died, e.g. the rank that
-    met the full disk) is reported as it is, even on a full disk."""
+    met the full disk) is reported as it is, even on a full disk. `removed`: the unfinished checkpoint's directory
+    is gone, removed by another rank whose own write failed first (its line says why)."""
     try:
         free = shutil.disk_usage(directory).free
     except OSError:
@@ -316,6 +317,10 @@ def describe_write_failure(directory: str, what: str, err: BaseException) -> str
         return (f"no space left on {directory} ({room} free) while writing {what}; the checkpoint was not "
                 f"completed (its partial files are removed), earlier ones are intact; free space or pass another "
                 f"--ckpt_path ({writes[-1] if writes else err})")
+    if removed:
+        return (f"writing {what} into {directory} failed: the unfinished checkpoint's directory was removed by "
+                f"another rank whose write failed first (its error line says why); earlier checkpoints are intact "
+                f"({room} free; {err})")
     return f"writing {what} into {directory} failed ({room} free): {err}"
 
 
@@ -349,8 +354,9 @@ class CheckpointWriter:
         except (OSError, RuntimeError) as err:
             if isinstance(err, CheckpointWriteError):
                 raise
-            where = self.tmp if os.path.isdir(self.tmp) else os.path.dirname(self.tmp)
-            message = describe_write_failure(where, what, err)
+            present = os.path.isdir(self.tmp)
+            removed = not present and what != "the checkpoint directory"  # `begin` failed: it was never made
+            message = describe_write_failure(self.tmp if present else os.path.dirname(self.tmp), what, err, removed)
             shutil.rmtree(self.tmp, ignore_errors=True)  # a full disk gets its space back; nothing loads a .tmp-*
             raise CheckpointWriteError(message) from err
 

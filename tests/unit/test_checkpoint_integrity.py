@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import random
+import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -153,6 +154,17 @@ def test_full_disk_is_reported_as_no_space_left_in_one_line(tmp_path, monkeypatc
     (tmp_path / ".tmp-global_step2" / "rng").mkdir(parents=True)
     monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: SimpleNamespace(free=10 << 30))
     with pytest.raises(CheckpointWriteError, match=r"writing rng/rank1.pt into .* failed \(10240 MiB free\)"):
+        writer.save_rank_state(1)
+    (tmp_path / ".tmp-global_step2" / "rng").mkdir(parents=True)
+
+    def parent_gone(*args, **kwargs):  # DeepSpeed's writer, after the rank that met the full disk removed the dir
+        raise RuntimeError(f"Parent directory {tmp_path}/.tmp-global_step2/actor/state does not exist.")
+
+    shutil.rmtree(tmp_path / ".tmp-global_step2")
+    monkeypatch.setattr(torch, "save", parent_gone)
+    with pytest.raises(CheckpointWriteError, match=r"^writing rng/rank1.pt into .* failed: the unfinished "
+                                                   "checkpoint's directory was removed by another rank whose write "
+                                                   r"failed first \(its error line says why\)"):
         writer.save_rank_state(1)
     (tmp_path / ".tmp-global_step2" / "rng").mkdir(parents=True)
 
