@@ -197,8 +197,9 @@ class RewardServer(ThreadingHTTPServer):
                 self._release(request)
                 raise
         elif self._refusal_slots.acquire(timeout=_DRAIN_S):  # a burst waits (in the listen backlog) for one
-            # answered on its own short-lived thread: a reply written before the request was read would be
-            # lost to a connection reset, and the accept loop must not wait on a client
+            # answered on its own short-lived thread (its reads and drain bounded by _DRAIN_S): a reply written
+            # before the request was read would be lost to a connection reset, and the accept loop must not wait
+            # on a client
             try:
                 Thread(target=self._refuse, args=(request, client_address), daemon=True).start()
             except BaseException:
