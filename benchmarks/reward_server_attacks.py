@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
 import io
 import json
 import socket
@@ -72,9 +73,7 @@ def post_once(url: str, timeout_s: float = 10.0) -> tuple[str, float]:
             outcome = str(response.status)
     except urllib.error.HTTPError as err:
         outcome = str(err.code)
-    except OSError as err:  # refused, reset, timed out, or closed before any answer (RemoteDisconnected)
-        outcome = f"dropped: {type(err).__name__}"
-    except Exception as err:  # noqa: BLE001 - http.client's other failures: a garbled or cut answer
+    except (OSError, http.client.HTTPException) as err:  # refused, reset, timed out, closed or cut short
         outcome = f"dropped: {type(err).__name__}"
     return outcome, time.monotonic() - started
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from rlhf.assets import TINY_DIR
+from rlhf.cli.launch import child_pids
 from rlhf.utils.checkpoint_files import complete_checkpoints, verify_checkpoint
 from tests.distributed import ROOT, assert_clean_output, free_port, run_job_variants
 from tests.tiny_runs import CPU, EAGER
@@ -29,18 +30,13 @@ GRPO = [*CPU, *EAGER, "--init_kl_coef", "0", "--advantage_estimator", "group_nor
         "--generate_max_len", "6", "--prompt_max_len", "16", "--actor_learning_rate", "1e-3", "--seed", "2"]
 
 
-def launch(out, ckpt, *extra, restarts=0, launcher=("torch.distributed.run",), env=None):
+def launch(out, ckpt, *extra, launcher=("torch.distributed.run",), env=None):
     """train_ppo under torchrun (or `launcher=("rlhf.cli.launch", ...flags)`); flags in `extra` come last."""
-    cmd = [sys.executable, "-m", *launcher, "--nproc_per_node=2", f"--max-restarts={restarts}",
+    cmd = [sys.executable, "-m", *launcher, "--nproc_per_node=2", "--max-restarts=0",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "rlhf.cli.train_ppo", *GRPO,
            "--save_path", str(out), "--ckpt_path", str(ckpt), *extra]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(env or {})})
-
-
-def workers(proc):
-    out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in out]
 
 
 def wait_for(condition, proc, timeout=300):
@@ -76,7 +72,7 @@ def test_usr1_to_plain_torchrun_leaves_workers_that_checkpoint_and_exit(tmp_path
     out, ckpt = tmp_path / "run", tmp_path / "ckpt"
     proc = launch(out, ckpt, "--max_steps", "200")
     wait_for(lambda: len(logged_steps(out)) >= 2, proc)
-    pids = workers(proc)
+    pids = child_pids(proc.pid)  # the workers
     os.kill(proc.pid, signal.SIGUSR1)
     _, err = proc.communicate(timeout=300)  # the pipes close once the workers, which hold them too, exit
     assert proc.returncode == -signal.SIGUSR1
