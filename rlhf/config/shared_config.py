@@ -22,11 +22,10 @@ PARAM_DTYPES = ("bf16", "fp16", "fp32")
 DEFAULT_MIN_LR_RATIO = 0.1
 """cosine_with_min_lr's floor as a fraction of the learning rate (OpenRLHF v0.9.5's, fixed but in train_dpo)."""
 
-DEEPSPEED_PENDING_FLAGS = tuple("ds_tensor_parallel_size deepcompile use_ds_universal_ckpt".split())
+DEEPSPEED_PENDING_FLAGS = tuple("ds_tensor_parallel_size deepcompile".split())
 """OpenRLHF's DeepSpeed flags that this build cannot honour, refused by every training job: AutoTP tensor
 parallelism (our roles are data-parallel over their ranks, with ring attention for long sequences), DeepCompile
-(a CUDA-only compiler pass over the engine), and loading universal checkpoints (our checkpoints resume on the
-world size that wrote them)."""
+(a CUDA-only compiler pass over the engine)."""
 
 
 def opt(default: Any, help: str, flag: str | None = None, nargs: str | int | None = None) -> Any:
@@ -284,6 +283,10 @@ class CheckpointConfig:
     max_ckpt_mem: float = opt(1e8, "keep checkpoints within this many GiB (the newest is always kept)")
     disable_ds_ckpt: bool = opt(False, "do not write optimizer states (the run then cannot resume exactly)")
     save_hf_ckpt: bool = opt(False, "also write the trained model in HF format into each checkpoint")
+    use_ds_universal_ckpt: bool = opt(False, "resume through DeepSpeed's universal checkpoint form (one file per "
+                                      "parameter, made from the checkpoint on first use and kept beside it) even "
+                                      "when the layout is unchanged; a resume at another world size, ZeRO stage or "
+                                      "placement uses it without this flag")
 
     def __post_init__(self) -> None:
         require(self.save_steps == -1 or self.save_steps >= 1, "--save_steps must be -1 or >= 1")

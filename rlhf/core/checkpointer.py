@@ -83,13 +83,13 @@ class Checkpointer:
         if path is None:
             return 0
         saved = load_trainer_state(path)
-        if saved["world_size"] != self.world_size or not saved["has_engine_states"]:
-            raise ValueError(f"checkpoint {path} cannot be resumed exactly: written by {saved['world_size']} ranks "
-                             f"(now {self.world_size}), engine states saved: {saved['has_engine_states']}")
+        if not saved["has_engine_states"]:
+            raise ValueError(f"checkpoint {path} cannot be resumed: it holds no engine states (--disable_ds_ckpt)")
+        moves = []
         for name, engine in state.engines.items():
             if engine is not None:
                 try:
-                    engine.load_state(os.path.join(path, name))
+                    moves.append(engine.load_state(os.path.join(path, name), universal=self.cfg.use_ds_universal_ckpt))
                 except (OSError, RuntimeError) as err:
                     raise ValueError(f"loading {os.path.join(path, name)} (the {name}'s DeepSpeed state) failed: "
                                      f"{err}") from err
@@ -100,7 +100,13 @@ class Checkpointer:
                 raise ValueError(f"checkpoint {path} holds no state for {name!r}: it was written by a run with other "
                                  "settings; resume with the same flags or start a new --ckpt_path")
             component.load_state_dict(saved[name])
-        load_rank_state(path, self.rank)
+        if saved["world_size"] == self.world_size:
+            load_rank_state(path, self.rank)
         if self.rank == 0:
+            for line in filter(None, moves):
+                print(line, flush=True)
+            if saved["world_size"] != self.world_size:
+                print(f"the run moved from {saved['world_size']} ranks to {self.world_size}: the ranks keep the "
+                      "random states they started with (sampling seeds are per prompt, not per rank)", flush=True)
             print(f"resumed from {path} after {done} steps", flush=True)
         return done

@@ -105,12 +105,11 @@ def tokenizer_fingerprint(path: str) -> dict[str, str]:
 
 
 def state_flags(cfg: Any) -> dict[str, Any]:
-    """The flags whose change makes a checkpoint's engine states mean something else (their sharding, dtype or
-    which weights train): a resume must keep them."""
+    """The flags whose change makes a checkpoint's engine states mean something else (their dtype or which
+    weights train): a resume must keep them. --zero_stage may change: the states move
+    (`rlhf.engines.portable_state`), as they do to another world size or placement."""
     flags = {}
-    engine, model = getattr(cfg, "engine", None), getattr(cfg, "model", None)
-    if engine is not None:
-        flags["--zero_stage"] = engine.zero_stage
+    model = getattr(cfg, "model", None)
     if model is not None:
         flags["--param_dtype"] = model.param_dtype
         lora = model.lora
@@ -140,9 +139,9 @@ def run_identity(cfg: Any) -> dict:
 
 
 def check_outputs(logging: LoggingConfig, checkpoint: CheckpointConfig, default_ckpt_path: str,
-                  world_size: int, identity: dict | None = None) -> None:
+                  identity: dict | None = None) -> None:
     """--save_path (and --ckpt_path when checkpoints are written) are writable; --load_checkpoint finds its
-    directory and an intact checkpoint that `world_size` ranks can resume (if any exist); a fresh run refuses a
+    directory and an intact checkpoint this run can resume (if any exist); a fresh run refuses a
     --save_path holding an earlier run's metrics; --use_wandb finds its package. Every rank calls it."""
     if logging.use_wandb and importlib.util.find_spec("wandb") is None:
         raise UsageError("--use_wandb needs the wandb package: pip install wandb (or log with --use_tensorboard DIR)")
@@ -154,7 +153,7 @@ def check_outputs(logging: LoggingConfig, checkpoint: CheckpointConfig, default_
     elif not restarted:
         check_no_earlier_run(logging.save_path)
     if checkpoint.load_checkpoint or restarted:  # what the resume will find, before any engine starts
-        check_resumable(checkpoint.ckpt_path, world_size, why="torchrun restart" if restarted else "--load_checkpoint",
+        check_resumable(checkpoint.ckpt_path, why="torchrun restart" if restarted else "--load_checkpoint",
                         identity=identity)
     if checkpoint.save_steps != -1:
         check_writable("--ckpt_path", checkpoint.ckpt_path)
@@ -270,7 +269,7 @@ def start(parts: RunParts, cfg: Any, parse_warnings: Sequence[warnings.WarningMe
     # first: an unwritable output or a missing resume path is the first line a user reads (a dry run writes none)
     identity = run_identity(cfg) if trains else None
     if trains and not cfg.dry_run:
-        check_outputs(cfg.logging, cfg.checkpoint, default_ckpt_path(cfg), launch.world_size, identity)
+        check_outputs(cfg.logging, cfg.checkpoint, default_ckpt_path(cfg), identity)
     show_parse_warnings(parse_warnings, launch.rank)
     cfg = for_this_machine(cfg)
     plan = parts.prepare(cfg, launch)

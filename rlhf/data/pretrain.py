@@ -47,10 +47,14 @@ class PtxData:
         return batch
 
     def state_dict(self) -> dict:
-        return {"position": self.position}
+        return {"position": self.position, "dp_size": self.dp_size}
 
     def load_state_dict(self, state: dict) -> None:
-        self.position = int(state["position"])
+        """Continue after the micro-batches drawn so far. Saved by another number of replicas (a resume at
+        another world size or placement): the replicas go on from the same global position, rounded down to a
+        whole draw of this run's replicas (at most `dp_size - 1` micro-batches are drawn again)."""
+        drawn = int(state["position"]) * int(state.get("dp_size", self.dp_size))
+        self.position = drawn // self.dp_size
 
 
 def tokenize_texts(texts: list[str], tokenizer, micro_batch_size: int, max_len: int,

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from rlhf.config.errors import UsageError
 from rlhf.config.shared_config import EngineConfig, OptimConfig
+from rlhf.engines import portable_state
 from rlhf.engines.deepspeed_compat import barriers_scoped_to, build_cpu_comm_op, hpz_scoped_to, zero3_construction
 from rlhf.engines.weight_ema import WeightEMA
 from rlhf.models import lora
@@ -493,10 +494,24 @@ class DeepSpeedModel:
                                         exclude_frozen_parameters=self.adapted)
         if self.ema is not None:  # this rank's averages (its partitions under ZeRO-3)
             torch.save(self.ema.state_dict(), self._ema_file(directory))
+        if dist.get_rank(self.dp_group) == 0:
+            portable_state.write_layout(directory, **self.layout)
 
-    def load_state(self, directory: str) -> None:
+    @property
+    def layout(self) -> dict:
+        """What shapes this engine's saved state: ZeRO stage, data-parallel size, dtype."""
+        dtype = "bf16" if self.config["bf16"]["enabled"] else "fp16" if self.config["fp16"]["enabled"] else "fp32"
+        return {"zero_stage": self.zero_stage, "dp_size": self.dp_size, "dtype": dtype}
+
+    def load_state(self, directory: str, universal: bool = False) -> str | None:
         """Restore what `save_state` wrote (with LoRA the frozen base weights stay as loaded). Collective over
-        the DP group."""
+        the DP group. A state saved by another layout (ZeRO stage, DP size: another world size or placement), or
+        any state with `universal` (--use_ds_universal_ckpt), loads through its universal form
+        (`rlhf.engines.portable_state`); returns a line saying so, else None."""
+        saved = portable_state.saved_layout(directory)
+        moved = saved is not None and (saved["zero_stage"], saved["dp_size"]) != (self.zero_stage, self.dp_size)
+        if universal or (moved and not saved["zero_stage"] == self.zero_stage == 0):  # stage 0 states are whole
+            return self._load_moved(directory, saved)
         with barriers_scoped_to(self.mpu_group):
             path, _ = self.engine.load_checkpoint(directory, tag="state", load_optimizer_states=True,
                                                   load_lr_scheduler_states=True, load_module_strict=not self.adapted)
@@ -508,6 +523,35 @@ class DeepSpeedModel:
                 raise ValueError(f"{file} is missing: the checkpoint was written without --enable_ema; resume with "
                                  "the flags of the run that wrote it")
             self.ema.load_state_dict(torch.load(file, weights_only=True))
+        return None
+
+    def _load_moved(self, directory: str, saved: dict | None) -> str:
+        was = f"ZeRO-{saved['zero_stage']} over {saved['dp_size']} ranks" if saved else "its saved layout"
+        now = f"ZeRO-{self.zero_stage} over {self.dp_size} ranks"
+        if self.ema is not None:
+            raise UsageError(f"{directory}: the {self.name}'s --enable_ema averages were saved by {was} and cannot "
+                             f"move to {now}: resume with that layout, or start a new --ckpt_path")
+        stages = {self.zero_stage} | ({saved["zero_stage"]} if saved else set())
+        if 0 in stages and len(stages) > 1 and self.layout["dtype"] != "fp32":
+            raise UsageError(f"{directory}: the {self.name}'s state cannot move between --zero_stage 0 and "
+                             f"--zero_stage {max(stages)} in {self.layout['dtype']} (DeepSpeed's stage-0 "
+                             f"{self.layout['dtype']} optimizer keeps its own master copies): resume at --zero_stage "
+                             f"{saved['zero_stage'] if saved else 0}, or start a new --ckpt_path")
+        params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        universal = os.path.join(directory, portable_state.UNIVERSAL)
+        problem = None
+        if dist.get_rank(self.dp_group) == 0:
+            try:
+                portable_state.to_universal(directory, [n for n, _ in params])
+            except (OSError, RuntimeError, ValueError, KeyError, AssertionError) as err:
+                problem = f"{type(err).__name__}: {err}"
+        problem = _broadcast_object(problem, self.dp_group)
+        if problem is not None:
+            raise ValueError(f"converting {directory} (the {self.name}'s DeepSpeed state) to its universal form "
+                             f"failed: {problem}")
+        portable_state.load_universal(self.engine, self.scheduler, universal,
+                                      zero_stage=self.zero_stage, params=params)
+        return f"the {self.name}'s state moved from {was} to {now} (through {universal})"
 
     def _ema_file(self, directory: str) -> str:
         return os.path.join(directory, f"ema_rank{dist.get_rank(self.dp_group)}.pt")
@@ -528,6 +572,13 @@ class DeepSpeedModel:
         if is_writer:
             save_pretrained_on_this_rank(self.module, path, state)
             tokenizer.save_pretrained(path)
+
+
+def _broadcast_object(value, group: dist.ProcessGroup | None):
+    """`value` of the group's first rank, on every rank of `group`."""
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]
 
 
 def save_pretrained_on_this_rank(module: torch.nn.Module, path: str, state: dict[str, torch.Tensor]) -> None:

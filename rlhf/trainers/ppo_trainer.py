@@ -304,17 +304,19 @@ class PPOTrainer:
 
     def _optimizer_batches(self, exp: Experience, role: Role, batcher: MicroBatcher, step: int,
                            epoch: int) -> list[list[Experience]]:
-        """This replica's shard, shuffled, cut into optimizer steps of micro-batches (the ranks of a ring
-        get the same ones: the shuffle seed is the data-parallel rank)."""
+        """This replica's share of each optimizer step, cut into micro-batches. The step's samples do not depend
+        on the data-parallel size: the whole experience is shuffled by (seed, step, epoch) alone and cut into
+        global optimizer steps of --train_batch_size, of which each replica takes its contiguous share (the ranks
+        of a ring take the same one). So a run resumed on another number of ranks or placement trains on the
+        samples the uninterrupted run would have, step for step."""
         dp, rank = self.topology.dp_size(role), self.topology.dp_rank(role)
-        mine = exp.select(shard(exp.num_samples, dp, rank))
-        order = list(range(mine.num_samples))
-        random.Random(((self.cfg.seed * 100_003 + step) * 101 + epoch) * 4099 + rank).shuffle(order)
-        mine = mine.select(torch.tensor(order))
-        per_step = self.cfg.batch.train_batch_size // dp
-        steps = [mine.slice(start, start + per_step) for start in range(0, mine.num_samples, per_step)]
+        order = list(range(exp.num_samples))
+        random.Random(((self.cfg.seed * 100_003 + step) * 101 + epoch) * 4099).shuffle(order)
+        per_step = self.cfg.batch.train_batch_size
+        steps = [order[start:start + per_step] for start in range(0, len(order), per_step)]
+        mine = [exp.select(torch.tensor(rows[shard(len(rows), dp, rank)])) for rows in steps]
         return [[part.select(torch.tensor(rows)).trimmed() for rows in batcher.split(part.attention_mask_BT)]
-                for part in steps]
+                for part in mine]
 
     def train(self, exp: Experience, step: int, train_actor: bool) -> dict[str, float]:
         """max_epochs passes; actor and critic each on their own ranks. Metrics are global per-update means."""

@@ -208,16 +208,17 @@ def identity_mismatch(path: str, saved: dict | None, identity: dict | None, why:
         was = ", ".join(f"{flag} {want[flag]}" for flag in changed)
         now = ", ".join(f"{flag} {got[flag]}" for flag in changed)
         return (f"{why}: checkpoint {path} was written with {was} and this run has {now} (its engine states are "
-                f"sharded, typed and chosen by them): resume with {was}, or start a new --ckpt_path")
+                f"typed and chosen by them): resume with {was}, or start a new --ckpt_path")
     return None
 
 
-def check_resumable(ckpt_path: str, world_size: int, *, why: str, identity: dict | None = None) -> None:
+def check_resumable(ckpt_path: str, *, why: str, identity: dict | None = None) -> None:
     """Before any engine starts: the newest intact checkpoint under `ckpt_path` (if any exist) can be resumed
-    by `world_size` ranks, the checks `pick_checkpoint` and the resume make later, read only (nothing is
-    removed). `UsageError` when checkpoints exist but none is intact, or the one to resume was written by
-    another job, from another --pretrain (`identity`, see `identity_mismatch`), by another number of ranks or
-    without engine states. `why`: what asks for the resume. Any rank."""
+    by this run, the checks `pick_checkpoint` and the resume make later, read only (nothing is removed).
+    `UsageError` when checkpoints exist but none is intact, or the one to resume was written by another job,
+    from another --pretrain (`identity`, see `identity_mismatch`) or without engine states. Another world size,
+    ZeRO stage or placement is no reason: the engine states move on load. `why`: what asks for the resume.
+    Any rank."""
     problems = []
     for _, path in reversed(complete_checkpoints(ckpt_path)):
         problem = verify_checkpoint(path)
@@ -228,10 +229,6 @@ def check_resumable(ckpt_path: str, world_size: int, *, why: str, identity: dict
         mismatch = identity_mismatch(path, saved.get("identity"), identity, why)
         if mismatch:
             raise UsageError(mismatch)
-        if saved["world_size"] != world_size:
-            raise UsageError(f"{why}: checkpoint {path} was written by {saved['world_size']} ranks and this run has "
-                             f"{world_size}: resume with {saved['world_size']} ranks (its exact optimizer and RNG "
-                             "states are per rank), or start a new --ckpt_path")
         if not saved.get("has_engine_states", True):
             raise UsageError(f"{why}: checkpoint {path} holds no DeepSpeed states (written with --disable_ds_ckpt) "
                              "and cannot be resumed exactly; start a new --ckpt_path (its HF weights can be "

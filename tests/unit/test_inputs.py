@@ -166,7 +166,7 @@ def _demo_cfg(*argv):
 
 def _check_outputs(cfg):
     """What every training job checks of its outputs before any engine (`rlhf.core.run.start`)."""
-    check_outputs(cfg.logging, cfg.checkpoint, default_ckpt_path(cfg), world_size=1)
+    check_outputs(cfg.logging, cfg.checkpoint, default_ckpt_path(cfg))
 
 
 def test_unwritable_output_directories_fail_before_engines(tmp_path):
