@@ -9,6 +9,9 @@ terms by tests/unit/test_preference_losses.py.)"""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 
 from tests.tiny_runs import CPU, assert_same_steps, run_job, run_jobs
@@ -41,17 +44,21 @@ def runs(tmp_path_factory) -> dict:
     simpo = [*base, "--beta", "2.5", "--simpo_gamma", "0.5"]
     orpo = [*base, "--orpo_lambda", "0.5"]
     cpo = [*base, "--beta", "0.5", "--cpo_alpha", "0.5"]
-    two = {"dpo": ("train_dpo", dpo), "kto": ("train_kto", kto),
+    ckpt = str(tmp / "dpo_ckpt")  # the straight DPO run also checkpoints: saving changes nothing it computes
+    two = {"dpo": ("train_dpo", [*dpo, "--save_steps", "1", "--ckpt_path", ckpt]), "kto": ("train_kto", kto),
            "kto_packed": ("train_kto", [*kto, "--packing_samples", "--ref_offload"]),
            "simpo": ("train_simpo", simpo), "simpo_packed": ("train_simpo", [*simpo, "--packing_samples"]),
            "orpo": ("train_orpo", orpo), "orpo_packed": ("train_orpo", [*orpo, "--packing_samples"]),
            "cpo": ("train_cpo", cpo), "cpo_packed": ("train_cpo", [*cpo, "--packing_samples"]),
            "dpo_zero3_packed": ("train_dpo", [*dpo, "--zero_stage", "3", "--packing_samples", "--ref_offload"])}
+    # resumed from the 2-rank ZeRO-2 run's step 2 on 1 rank at ZeRO-3 (last: ZeRO-3 runs end a launch)
     one = {"dpo_dp1": ("train_dpo", dpo), "simpo_dp1": ("train_simpo", simpo), "orpo_dp1": ("train_orpo", orpo),
-           "cpo_dp1": ("train_cpo", cpo)}
+           "cpo_dp1": ("train_cpo", cpo),
+           "dpo_moved": ("train_dpo", [*dpo, "--load_checkpoint", "--ckpt_path", ckpt, "--zero_stage", "3"])}
     for nproc, runs in ((2, two), (1, one)):
         out.update(zip(runs, run_jobs(nproc, [(module, tmp / name, args) for name, (module, args) in runs.items()],
                                       tmp)))
+        shutil.rmtree(os.path.join(ckpt, "global_step3"), ignore_errors=True)  # the move resumes after step 2
     out["dpo_own_ref"] = run_job(3, "train_dpo", tmp / "dpo_own_ref", *dpo, "--ref_num_gpus_per_node", "1")
     return out
 
@@ -67,6 +74,16 @@ def test_dpo_layouts_splits_and_placements_take_the_same_steps(runs):
     assert_same_steps(ref, runs["dpo_zero3_packed"], DPO_COMPARED, rel=1e-4, abs_=1e-6, what="zero3 packed")
     assert "ref on ranks 2-2" in runs["dpo_own_ref"][2]
     assert_same_steps(ref, runs["dpo_own_ref"], DPO_COMPARED, rel=1e-5, abs_=1e-6, what="own reference rank")
+
+
+def test_dpo_resumed_on_one_rank_at_zero3_continues_the_two_rank_zero2_run(runs):
+    """The 2-rank ZeRO-2 run's checkpoint after step 2, resumed on 1 rank at ZeRO-3: its step 3 and final evaluation
+    are the straight run's (rounding aside), with no conversion step by the user."""
+    ref, moved = runs["dpo"], runs["dpo_moved"]
+    assert "the actor's state moved from ZeRO-2 over 2 ranks to ZeRO-3 over 1 ranks" in moved[2]
+    assert "resumed from" in moved[2] and "after 2 steps" in moved[2]
+    assert [r["step"] for r in moved[0]] == [3]
+    assert_same_steps((ref[0][3:], ref[1]), moved, DPO_COMPARED, rel=1e-4, abs_=1e-6, what="moved")
 
 
 def test_kto_packing_gives_the_same_steps(runs):

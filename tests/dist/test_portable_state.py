@@ -1,0 +1,122 @@
+"""A trained model's state moves between layouts bit for bit (`rlhf.engines.portable_state` through
+`DeepSpeedModel.load_state`): saved after two AdamW steps on 2 ranks at ZeRO-0 (fp32), ZeRO-2 and ZeRO-3, loaded
+on 1 rank at ZeRO-0, -1 and -3 (ZeRO-0 to ZeRO-0 by DeepSpeed's own loader: its state is whole), and with
+--use_ds_universal_ckpt on 2 ranks at the saved stage, every fp32 master
+weight, both Adam moments, the Adam step and the LR schedule equal the saved ones exactly; the next step equals the
+unmoved run's next step to float rounding. A move out of ZeRO-0 in bf16 and one with an EMA are refused by name."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.distributed import run_variants_on_ranks
+
+SAVED = (0, 2, 3)
+LOADED = (0, 1, 3)
+
+
+def tiny_model(zero_stage: int, dp_group=None, bf16: bool = False, ema: float | None = None):
+    import torch.distributed as dist
+
+    from rlhf.config.shared_config import EngineConfig, OptimConfig
+    from rlhf.engines.deepspeed_engine import DeepSpeedModel
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)  # 93 weights: the 3-element bias pads ZeRO-3's 2-rank partitions
+        return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+
+    return DeepSpeedModel(build, EngineConfig(zero_stage=zero_stage), OptimConfig(lr_warmup_ratio=0.5),
+                          learning_rate=1e-2, bf16=bf16, micro_batch_size=4 // dist.get_world_size(),
+                          grad_accum_steps=1, num_optimizer_steps=4, device=torch.device("cpu"),
+                          dp_group=dp_group or dist.group.WORLD, ema_beta=ema)
+
+
+def train_steps(model, steps: int, first: int = 0) -> None:
+    import torch.distributed as dist
+
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    for step in range(first, first + steps):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        out = model.engine(x[rank * 4 // dp:(rank + 1) * 4 // dp].to(next(model.module.parameters()).dtype))
+        model.backward(out.float().pow(2).sum() / 12, last_micro_batch=True)
+        model.step()
+
+
+def full_state(model) -> dict:
+    """Every trainable parameter's whole fp32 master and moments, the Adam step and the learning rate."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    from rlhf.engines.portable_state import _stepped
+
+    wrapped = hasattr(model.engine.optimizer, "optimizer")
+    out = {}
+    for name, p in model.module.named_parameters():
+        for key in (None, "exp_avg", "exp_avg_sq"):
+            if wrapped:
+                value = safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key)
+            else:
+                value = p.detach() if key is None else model.engine.optimizer.state[p][key]
+            out[f"{name}:{key or 'fp32'}"] = value.detach().clone().reshape(-1)
+    inner, stepped = _stepped(model.engine, model.zero_stage)
+    out["step"] = {float(inner.state[t]["step"]) for tensors in stepped for t in tensors}
+    out["lr"] = model.learning_rate()
+    return out
+
+
+def save_after_two_steps(zero_stage: int, directory: str) -> dict:
+    model = tiny_model(zero_stage)
+    train_steps(model, 2)
+    model.save_state(directory)
+    saved = full_state(model)
+    train_steps(model, 1, first=2)
+    return {"saved": saved, "next": full_state(model)}
+
+
+def load(zero_stage: int, directory: str, universal: bool) -> dict:
+    model = tiny_model(zero_stage)
+    line = model.load_state(directory, universal=universal)
+    loaded = full_state(model)
+    train_steps(model, 1, first=2)
+    return {"line": line, "loaded": loaded, "next": full_state(model)}
+
+
+def refusal(zero_stage: int, directory: str, bf16: bool, ema: float | None) -> str:
+    from rlhf.config.errors import UsageError
+
+    model = tiny_model(zero_stage, bf16=bf16, ema=ema)
+    try:
+        model.load_state(directory)
+    except UsageError as err:
+        return str(err)
+    return "loaded"
+
+
+def test_states_move_between_stages_and_world_sizes_exactly(tmp_path):
+    dirs = {stage: str(tmp_path / f"zero{stage}") for stage in SAVED}
+    saves = run_variants_on_ranks(2, [(save_after_two_steps, stage, dirs[stage]) for stage in SAVED])
+    saved = {stage: result[0] for stage, result in zip(SAVED, saves)}
+    same = run_variants_on_ranks(2, [(load, stage, dirs[stage], True) for stage in SAVED])
+    moved = run_variants_on_ranks(1, [(load, to, dirs[frm], False) for frm in SAVED for to in LOADED])
+    pairs = [((frm, 2), (frm, 2), r[0]) for frm, r in zip(SAVED, same)]
+    pairs += [((frm, 2), (to, 1), r[0]) for (frm, to), r in zip([(f, t) for f in SAVED for t in LOADED], moved)]
+    for (frm, _), (to, dp), result in pairs:
+        what = f"ZeRO-{frm} x2 -> ZeRO-{to} x{dp}"
+        line = (f"the model's state moved from ZeRO-{frm} over 2 ranks to ZeRO-{to} over {dp} ranks (through "
+                f"{dirs[frm]}/universal)")
+        assert result["line"] == (None if frm == to == 0 and dp == 1 else line), what  # stage 0 states are whole
+        for key, want in saved[frm]["saved"].items():
+            got = result["loaded"][key]
+            assert (got == want) if not torch.is_tensor(want) else torch.equal(got, want), (what, key)
+        for key, want in saved[frm]["next"].items():
+            if torch.is_tensor(want):
+                torch.testing.assert_close(result["next"][key], want, rtol=1e-5, atol=1e-7, msg=f"{what} {key}")
+        assert result["next"]["step"] == {3.0} and result["next"]["lr"] == saved[frm]["next"]["lr"], what
+    assert os.path.isfile(os.path.join(dirs[0], "universal", "state", "zero", "0.weight", "exp_avg.pt"))
+    refusals = run_variants_on_ranks(1, [(refusal, 3, dirs[2], False, 0.99), (refusal, 3, dirs[0], True, None)])
+    assert refusals[0][0] == (f"{dirs[2]}: the model's --enable_ema averages were saved by ZeRO-2 over 2 ranks and "
+                              "cannot move to ZeRO-3 over 1 ranks: resume with that layout, or start a new --ckpt_path")
+    assert refusals[1][0].startswith(f"{dirs[0]}: the model's state cannot move between --zero_stage 0 and "
+                                     "--zero_stage 3 in bf16")
