@@ -3,7 +3,8 @@
 on 1 rank at ZeRO-0, -1 and -3 (ZeRO-0 to ZeRO-0 by DeepSpeed's own loader: its state is whole), and with
 --use_ds_universal_ckpt on 2 ranks at the saved stage, every fp32 master
 weight, both Adam moments, the Adam step and the LR schedule equal the saved ones exactly; the next step equals the
-unmoved run's next step to float rounding. A move out of ZeRO-0 in bf16 and one with an EMA are refused by name."""
+unmoved run's next step to float rounding; the same for LoRA adapters (ZeRO-2 -> ZeRO-3, ZeRO-3 -> ZeRO-0). A move out
+of ZeRO-0 in bf16 and one with an EMA are refused by name."""
 
 from __future__ import annotations
 
@@ -35,13 +36,19 @@ def tiny_model(zero_stage: int, dp_group=None, bf16: bool = False, ema: float | 
 
 
 def train_steps(model, steps: int, first: int = 0) -> None:
+    """`steps` optimizer steps of 4 samples split over the ranks (token ids into a LoRA language model)."""
     import torch.distributed as dist
 
     dp, rank = dist.get_world_size(), dist.get_rank()
     for step in range(first, first + steps):
-        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
-        out = model.engine(x[rank * 4 // dp:(rank + 1) * 4 // dp].to(next(model.module.parameters()).dtype))
-        model.backward(out.float().pow(2).sum() / 12, last_micro_batch=True)
+        gen = torch.Generator().manual_seed(step)
+        if model.adapted:
+            x = torch.randint(0, 64, (4, 8), generator=gen)
+            out = model.engine(input_ids=x[rank * 4 // dp:(rank + 1) * 4 // dp]).logits
+        else:
+            x = torch.randn(4, 6, generator=gen)
+            out = model.engine(x[rank * 4 // dp:(rank + 1) * 4 // dp].to(next(model.module.parameters()).dtype))
+        model.backward(out.float().pow(2).sum() / out[0].numel() / 4, last_micro_batch=True)
         model.step()
 
 
@@ -54,6 +61,8 @@ def full_state(model) -> dict:
     wrapped = hasattr(model.engine.optimizer, "optimizer")
     out = {}
     for name, p in model.module.named_parameters():
+        if not p.requires_grad:  # a LoRA base
+            continue
         for key in (None, "exp_avg", "exp_avg_sq"):
             if wrapped:
                 value = safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key)
@@ -66,8 +75,14 @@ def full_state(model) -> dict:
     return out
 
 
-def save_after_two_steps(zero_stage: int, directory: str) -> dict:
-    model = tiny_model(zero_stage)
+def model_for(zero_stage: int, lora: bool):
+    from tests.tiny_lora import lora_model
+
+    return lora_model("actor", zero_stage, lr=1e-2) if lora else tiny_model(zero_stage)
+
+
+def save_after_two_steps(zero_stage: int, directory: str, lora: bool = False) -> dict:
+    model = model_for(zero_stage, lora)
     train_steps(model, 2)
     model.save_state(directory)
     saved = full_state(model)
@@ -75,8 +90,8 @@ def save_after_two_steps(zero_stage: int, directory: str) -> dict:
     return {"saved": saved, "next": full_state(model)}
 
 
-def load(zero_stage: int, directory: str, universal: bool) -> dict:
-    model = tiny_model(zero_stage)
+def load(zero_stage: int, directory: str, universal: bool, lora: bool = False) -> dict:
+    model = model_for(zero_stage, lora)
     line = model.load_state(directory, universal=universal)
     loaded = full_state(model)
     train_steps(model, 1, first=2)
@@ -115,6 +130,20 @@ def test_states_move_between_stages_and_world_sizes_exactly(tmp_path):
                 torch.testing.assert_close(result["next"][key], want, rtol=1e-5, atol=1e-7, msg=f"{what} {key}")
         assert result["next"]["step"] == {3.0} and result["next"]["lr"] == saved[frm]["next"]["lr"], what
     assert os.path.isfile(os.path.join(dirs[0], "universal", "state", "zero", "0.weight", "exp_avg.pt"))
+    lora_moves = {2: 3, 3: 0}  # LoRA adapters (the frozen base is --pretrain's, not in the state) both ways
+    lora_dirs = {frm: str(tmp_path / f"lora{frm}") for frm in lora_moves}
+    lora_saved = run_variants_on_ranks(2, [(save_after_two_steps, frm, lora_dirs[frm], True) for frm in lora_moves])
+    lora_loaded = run_variants_on_ranks(1, [(load, to, lora_dirs[frm], False, True) for frm, to in lora_moves.items()])
+    for (frm, to), saved_lora, loaded in zip(lora_moves.items(), lora_saved, lora_loaded):
+        want, got = saved_lora[0], loaded[0]
+        assert got["line"].startswith(f"the actor's state moved from ZeRO-{frm} over 2 ranks to ZeRO-{to} over 1")
+        assert any(".lora_B." in key for key in want["saved"])
+        for key, value in want["saved"].items():
+            assert (got["loaded"][key] == value) if not torch.is_tensor(value) else \
+                torch.equal(got["loaded"][key], value), (frm, to, key)
+        for key, value in want["next"].items():
+            if torch.is_tensor(value):
+                torch.testing.assert_close(got["next"][key], value, rtol=1e-5, atol=1e-7, msg=f"lora {frm}->{to} {key}")
     refusals = run_variants_on_ranks(1, [(refusal, 3, dirs[2], False, 0.99), (refusal, 3, dirs[0], True, None)])
     assert refusals[0][0] == (f"{dirs[2]}: the model's --enable_ema averages were saved by ZeRO-2 over 2 ranks and "
                               "cannot move to ZeRO-3 over 1 ranks: resume with that layout, or start a new --ckpt_path")
