@@ -108,5 +108,15 @@ class Checkpointer:
             if saved["world_size"] != self.world_size:
                 print(f"the run moved from {saved['world_size']} ranks to {self.world_size}: the ranks keep the "
                       "random states they started with (sampling seeds are per prompt, not per rank)", flush=True)
-            print(f"resumed from {path} after {done} steps", flush=True)
+            print(f"resumed from {path} after {done} steps" + next_samples_note(state, done), flush=True)
         return done
+
+
+def next_samples_note(state: CheckpointedState, done: int, shown: int = 16) -> str:
+    """"; step N trains on samples i, j, ..." (their places in the training data), or "" when the job does not
+    say."""
+    if state.next_samples is None:
+        return ""
+    ids = state.next_samples(done)
+    listed = ", ".join(map(str, ids[:shown])) + (f", ... ({len(ids)} in all)" if len(ids) > shown else "")
+    return f"; step {done + 1} trains on samples {listed}"

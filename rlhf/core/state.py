@@ -29,9 +29,11 @@ class CheckpointedState:
     over its own DP group. `components`: small states, taken from rank 0 (which must host them; ranks that
     host one must agree on its state, as a data sampler or a controller driven by global values does); None
     where this rank does not host it. `hf_export(directory)`: writes the trained model in HF format
-    (--save_hf_ckpt); collective over the world.
+    (--save_hf_ckpt); collective over the world. `next_samples(steps_done)`: the data ids (places in the training
+    data) of the step after `steps_done`, named on resume.
     """
 
     engines: dict[str, DeepSpeedModel | None] = field(default_factory=dict)
     components: dict[str, Stateful | None] = field(default_factory=dict)
     hf_export: Callable[[str], None] | None = None
+    next_samples: Callable[[int], list[int]] | None = None

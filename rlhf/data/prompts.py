@@ -152,10 +152,14 @@ class PromptSampler:
             return [self.prompts[i] for i in rng.sample(range(len(self.prompts)), count)]
         return [self.prompts[rng.randrange(len(self.prompts))] for _ in range(count)]
 
-    def batch(self, step: int) -> list[Prompt]:
-        """Global batch number `step` (0-based, counting across episodes)."""
+    def batch_ids(self, step: int) -> list[int]:
+        """Which prompts (their places in the prompt data) global batch `step` holds (0-based, counting across
+        episodes): the same at any world size."""
         episode, index = divmod(step, self.steps_per_episode)
         order = list(range(len(self.prompts)))
         random.Random(self.seed * 1_000_003 + episode).shuffle(order)
-        picked = order[index * self.batch_size:(index + 1) * self.batch_size]
-        return [self.prompts[i] for i in picked]
+        return order[index * self.batch_size:(index + 1) * self.batch_size]
+
+    def batch(self, step: int) -> list[Prompt]:
+        """Global batch number `step`'s prompts (`batch_ids`)."""
+        return [self.prompts[i] for i in self.batch_ids(step)]

@@ -41,12 +41,24 @@ def write_layout(directory: str, *, zero_stage: int, dp_size: int, dtype: str) -
 
 
 def saved_layout(directory: str) -> dict | None:
-    """The layout recorded by `write_layout`; None for a state written before layouts were recorded."""
+    """The layout recorded by `write_layout`, or, for a state written before layouts were recorded, the one
+    DeepSpeed's model-states file names (memory-mapped: its weights are not read); None when neither says."""
     path = os.path.join(directory, LAYOUT_FILE)
-    if not os.path.isfile(path):
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    try:
+        model = torch.load(_model_states_file(os.path.join(directory, "state")), map_location="cpu",
+                           weights_only=False, mmap=True)
+    except (OSError, RuntimeError, ValueError):
         return None
-    with open(path) as f:
-        return json.load(f)
+    config = model.get("ds_config") or {}
+    stage, dp_size = config.get("zero_optimization", {}).get("stage"), model.get("dp_world_size")
+    if stage is None or not dp_size:
+        return None
+    enabled = lambda key: bool(config.get(key, {}).get("enabled"))  # noqa: E731
+    return {"zero_stage": int(stage), "dp_size": int(dp_size),
+            "dtype": "bf16" if enabled("bf16") else "fp16" if enabled("fp16") else "fp32"}
 
 
 def _load(path: str):

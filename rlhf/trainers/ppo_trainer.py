@@ -123,7 +123,7 @@ class PPOTrainer:
                      "critic": critic.model if critic is not None else None},
             components={"kl_ctl": exp.kl_ctl, "reward_stats": exp.reward_stats, "ptx": self.roles.ptx,
                         "records": self.records},
-            hf_export=hf)
+            hf_export=hf, next_samples=self.sampler.batch_ids)
 
     def evaluate(self) -> dict[str, float]:
         """The metrics of the evaluators due now (each has a `period` in steps; all run before the first step

@@ -134,4 +134,4 @@ class SupervisedTrainer:
 
     def checkpointed(self) -> CheckpointedState:
         return CheckpointedState(engines={"model": self.model}, components={"sampler": self.sampler},
-                                 hf_export=self.save_hf)
+                                 hf_export=self.save_hf, next_samples=self.sampler.global_batch)

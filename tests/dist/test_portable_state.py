@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
 from tests.distributed import run_variants_on_ranks
@@ -113,6 +112,7 @@ def test_states_move_between_stages_and_world_sizes_exactly(tmp_path):
     dirs = {stage: str(tmp_path / f"zero{stage}") for stage in SAVED}
     saves = run_variants_on_ranks(2, [(save_after_two_steps, stage, dirs[stage]) for stage in SAVED])
     saved = {stage: result[0] for stage, result in zip(SAVED, saves)}
+    os.remove(os.path.join(dirs[2], "layout.json"))  # as written before layouts were recorded: DeepSpeed's file says
     same = run_variants_on_ranks(2, [(load, stage, dirs[stage], True) for stage in SAVED])
     moved = run_variants_on_ranks(1, [(load, to, dirs[frm], False) for frm in SAVED for to in LOADED])
     pairs = [((frm, 2), (frm, 2), r[0]) for frm, r in zip(SAVED, same)]

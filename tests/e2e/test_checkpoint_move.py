@@ -17,10 +17,22 @@ PPO = [*CPU, *EAGER, "--pretrain", f"{TINY_DIR}/policy", "--reward_pretrain", f"
        "--rollout_batch_size", "8", "--micro_rollout_batch_size", "4", "--train_batch_size", "4",
        "--micro_train_batch_size", "2", "--generate_max_len", "6", "--prompt_max_len", "16",
        "--actor_learning_rate", "1e-3", "--critic_learning_rate", "1e-3", "--lr_scheduler", "constant",
-       "--seed", "5", "--ptx_coef", "0.1", "--pretrain_data", f"{TINY_DIR}/prompts.jsonl", "--save_steps", "2"]
+       "--seed", "5", "--ptx_coef", "0.1", "--pretrain_data", f"{TINY_DIR}/prompts.jsonl"]
 SPLIT = ["--actor_num_gpus_per_node", "1", "--ref_num_gpus_per_node", "1", "--critic_num_gpus_per_node", "1",
          "--reward_num_gpus_per_node", "1", "--colocate_actor_ref", "--colocate_critic_reward"]
 COMPARED = ("reward_mean", "response_length", "kl", "policy_loss", "value_loss", "ptx_loss", "grad_norm", "lr")
+
+
+def expected_ids(steps_done: int) -> str:
+    """The prompt ids of the step after `steps_done`, as the resume line lists them: the global prompt order of
+    --seed 5 and --rollout_batch_size 8 over the prompt file, whatever the world size."""
+    from rlhf.data.prompts import PromptSampler
+
+    with open(f"{TINY_DIR}/prompts.jsonl") as f:
+        count = sum(1 for line in f if line.strip())
+    ids = PromptSampler([None] * count, 8, 5).batch_ids(steps_done)
+    print(f"step {steps_done + 1}: prompts {ids}")
+    return ", ".join(map(str, ids))
 
 
 def ppo_results(out):
@@ -36,18 +48,20 @@ def test_ppo_resumes_at_another_world_size_stage_and_placement(tmp_path):
     ckpt, moved, straight = str(tmp_path / "ckpt"), tmp_path / "moved", tmp_path / "straight"
     run_job_variants(2, [("train_ppo", [*PPO, "--max_steps", "6", "--zero_stage", "2", "--save_path", str(straight)]),
                          ("train_ppo", [*PPO, "--max_steps", "2", "--zero_stage", "2", "--save_path", str(moved),
-                                        "--ckpt_path", ckpt])],
+                                        "--ckpt_path", ckpt, "--save_steps", "2"])],
                      tmp_path / "consoles-a", straight, moved)
-    resume = ["--load_checkpoint", "--ckpt_path", ckpt, "--save_path", str(moved)]
+    resume = ["--load_checkpoint", "--ckpt_path", ckpt, "--save_steps", "2", "--save_path", str(moved)]
     to_one, = run_job_variants(1, [("train_ppo", [*PPO, "--max_steps", "4", "--zero_stage", "3", *resume])],
                                tmp_path / "consoles-b", moved)
     assert "the actor's state moved from ZeRO-2 over 2 ranks to ZeRO-3 over 1 ranks" in to_one
     assert "the critic's state moved from ZeRO-2 over 2 ranks to ZeRO-3 over 1 ranks" in to_one
     assert "the run moved from 2 ranks to 1" in to_one
+    assert f"after 2 steps; step 3 trains on samples {expected_ids(2)}" in to_one  # the straight run's step 3
     to_split, = run_job_variants(2, [("train_ppo", [*PPO, "--max_steps", "6", "--zero_stage", "2", *SPLIT,
                                                     *resume])],
                                  tmp_path / "consoles-c", moved)
     assert "the actor's state moved from ZeRO-3 over 1 ranks to ZeRO-2 over 1 ranks" in to_split
+    assert f"after 4 steps; step 5 trains on samples {expected_ids(4)}" in to_split
     (ref_metrics, ref_actor, ref_critic), (metrics, actor, critic) = ppo_results(straight), ppo_results(moved)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     for a, b in zip(ref_metrics, metrics):
