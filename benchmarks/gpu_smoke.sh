@@ -21,7 +21,8 @@
 # (SFT and PPO), Triton log-prob kernel vs the chunked reference (bf16, vocabulary 152k: time and peak memory),
 # DeepSpeed ZeRO-2 and ZeRO-3 offload/reload round trip followed by a forward on the tiny model, Liger on vs off
 # log-probs (separate processes), ring attention at 8k tokens (flash blocks, fp32 blocks, varlen kernels), torch's
-# flash varlen op as a block kernel, the NCCL+gloo default group, and short train_sft (packed, ZeRO-2), train_ppo
+# flash varlen op as a block kernel, the NCCL+gloo default group, and short train_sft (packed, ZeRO-2; ZeRO-3 with
+# --deepcompile), train_ppo
 # (GRPO, HF rollout, --deepspeed_enable_sleep) and train_dpo (ZeRO-3, --ref_offload) runs on the embedded data,
 # each with rank 0's planned and measured memory peak per stage.
 set -uo pipefail
@@ -433,7 +434,8 @@ EOF
 # train JOB METRIC FLAGS...: one short run of a CLI job on this GPU (bf16, the embedded model and data); prints
 # the held-out METRIC before training and at the end (metrics.jsonl), and the wall time of the run.
 train() {
-  local job=$1 metric=$2 dir="$WORK/train_$1"
+  local job=$1 metric=$2 dir="$WORK/train_$1" n=1
+  while [ -e "$dir" ]; do dir="$WORK/train_${job}_$((n++))"; done  # a second run of the same job
   shift 2
   local tiny
   tiny=$(python -c 'from rlhf.assets import TINY_DIR; print(TINY_DIR)')
@@ -489,6 +491,9 @@ run_section nccl_gloo_group 40 torchrun1 "$CHECKS" nccl_gloo
 run_section train_sft_packed_zero2 120 train train_sft eval_gpt_loss --zero_stage 2 --packing_samples \
   --gradient_checkpointing --learning_rate 3e-3 --lr_warmup_ratio 0.05 --attn_implementation sdpa \
   --dataset @TINY@/sft.jsonl --eval_dataset @TINY@/sft_eval.jsonl --input_key input --output_key output
+run_section train_sft_deepcompile_zero3 150 train train_sft eval_gpt_loss --zero_stage 3 --deepcompile \
+  --learning_rate 3e-3 --lr_warmup_ratio 0.05 --attn_implementation sdpa \
+  --dataset @TINY@/sft.jsonl --eval_dataset @TINY@/sft_eval.jsonl --input_key input --output_key output
 run_section train_grpo_hf_rollout_sleep 150 grpo
 run_section train_dpo_zero3_offload 120 train train_dpo eval_acc --zero_stage 3 --ref_offload \
   --learning_rate 1e-3 --lr_warmup_ratio 0.05 --beta 0.1 --attn_implementation sdpa \
@@ -500,7 +505,7 @@ import json, sys
 work, dest = sys.argv[1], sys.argv[2]
 names = ["env", "install", "gpu_tests", "memory_plan", "logprobs_triton_vs_chunked", "deepspeed_offload_reload", "liger_off",
          "liger_on", "liger_on_vs_off", "ring_attention_8k", "flash_block_kernel", "nccl_gloo_group", "train_sft_packed_zero2",
-         "train_grpo_hf_rollout_sleep", "train_dpo_zero3_offload"]
+         "train_sft_deepcompile_zero3", "train_grpo_hf_rollout_sleep", "train_dpo_zero3_offload"]
 summary = {n: json.load(open(f"{work}/{n}.json")) for n in names}
 summary["ok"] = all(s.get("status") in ("ok", "skipped", "not run") for s in summary.values())
 text = json.dumps(summary, indent=1)

@@ -22,10 +22,15 @@ PARAM_DTYPES = ("bf16", "fp16", "fp32")
 DEFAULT_MIN_LR_RATIO = 0.1
 """cosine_with_min_lr's floor as a fraction of the learning rate (OpenRLHF v0.9.5's, fixed but in train_dpo)."""
 
-DEEPSPEED_PENDING_FLAGS = tuple("ds_tensor_parallel_size deepcompile".split())
-"""OpenRLHF's DeepSpeed flags that this build cannot honour, refused by every training job: AutoTP tensor
-parallelism (our roles are data-parallel over their ranks, with ring attention for long sequences), DeepCompile
-(a CUDA-only compiler pass over the engine)."""
+DEEPSPEED_PENDING_FLAGS = ("ds_tensor_parallel_size",)
+"""OpenRLHF's DeepSpeed flags not built yet, refused by every training job: AutoTP tensor parallelism (our roles
+are data-parallel over their ranks, with ring attention for long sequences; DeepSpeed's AutoTP itself runs on CPU
+with gloo, measured)."""
+
+DEEPCOMPILE_NEEDS_CUDA = (
+    "--deepcompile needs CUDA: DeepSpeed's DeepCompile runtime is CUDA and NCCL code (deepspeed/ops/csrc/includes/"
+    "deepcompile.h holds CUDA streams and events, ops/csrc/compile/deepcompile.cpp NCCL communicators), and on CPU "
+    "engine.compile() fails building its 'dc' extension (cuda.h: No such file or directory); drop the flag here")
 
 
 def opt(default: Any, help: str, flag: str | None = None, nargs: str | int | None = None) -> Any:
@@ -200,6 +205,8 @@ class EngineConfig:
     zpg: int = opt(1, "ZeRO++ hierarchical partitioning (DeepSpeed zero_hpz_partition_size): at --zero_stage 3 each "
                    "group of this many consecutive ranks of a model keeps a secondary copy of its parameter shards, "
                    "so forward gathers stay inside the group (e.g. the GPUs of one node); 1: off")
+    deepcompile: bool = opt(False, "compile the trained models with DeepSpeed's DeepCompile (engine.compile(); "
+                            "CUDA only)")
     grad_accum_dtype: str | None = opt(None, "dtype gradients are accumulated and reduced in (DeepSpeed "
                                        "data_types.grad_accum_dtype): fp32, bf16 or fp16 (default: the parameter "
                                        "dtype; needs --zero_stage 1-3 to differ from it)")

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.config.errors import UsageError
-from rlhf.config.shared_config import CheckpointConfig, LoggingConfig, replace_quietly
+from rlhf.config.shared_config import DEEPCOMPILE_NEEDS_CUDA, CheckpointConfig, LoggingConfig, replace_quietly
 from rlhf.core.checkpointer import Checkpointer, restarted_by_launcher
 from rlhf.core.loop import Job, Loop
 from rlhf.core.run_summary import read_rows, summary_block
@@ -71,9 +71,13 @@ def show_parse_warnings(parse_warnings: Sequence[warnings.WarningMessage], rank:
 
 
 def for_this_machine(cfg: C) -> C:
-    """The config with what this machine decides: fp16 needs CUDA (DeepSpeed's loss scaling);
+    """The config with what this machine decides: fp16 and --deepcompile need CUDA (DeepSpeed's loss scaling, its
+    DeepCompile runtime);
     flash_attention_2 without CUDA and flash-attn runs SDPA, with a warning."""
     m = cfg.model
+    engine = getattr(cfg, "engine", None)
+    if engine is not None and engine.deepcompile and not torch.cuda.is_available():
+        raise UsageError(DEEPCOMPILE_NEEDS_CUDA)
     if m.param_dtype == "fp16" and not torch.cuda.is_available():
         raise UsageError("--param_dtype fp16 needs CUDA (DeepSpeed's fp16 loss scaling); on CPU pass "
                          "--param_dtype bf16 or --param_dtype fp32")

@@ -242,6 +242,8 @@ class DeepSpeedModel:
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpoint_reentrant})
         self.scheduler = None
+        if trainable and engine_cfg.deepcompile:  # as OpenRLHF: trained models only (CUDA: `for_this_machine`)
+            self.config["compile"] = {"deepcompile": True}
         with barriers_scoped_to(self.mpu_group), hpz_scoped_to(self.hpz_group):
             if trainable:
                 # frozen (LoRA base) weights get no optimizer states
@@ -251,6 +253,8 @@ class DeepSpeedModel:
                 self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
                     model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.config, mpu=mpu,
                     dist_init_required=False)
+                if engine_cfg.deepcompile:
+                    self.engine.compile()
             elif self.zero_stage == 3:
                 self.engine, *_ = deepspeed.initialize(model=model, config=self.config, mpu=mpu,
                                                        dist_init_required=False)

@@ -295,6 +295,9 @@ def test_flash_attention_without_cuda_warns_and_uses_sdpa():
         for_this_machine(parse())
     with pytest.raises(ValueError, match="--param_dtype fp16 needs CUDA"):
         for_this_machine(parse("--param_dtype", "fp16"))
+    with pytest.raises(ValueError, match=r"^--deepcompile needs CUDA: DeepSpeed's DeepCompile runtime is CUDA and NCCL "
+                                         r"code .* \(cuda.h: No such file or directory\); drop the flag here$"):
+        for_this_machine(parse("--attn_implementation", "sdpa", "--deepcompile"))
 
 
 def test_prompt_and_generation_lengths_must_fit_the_model():
