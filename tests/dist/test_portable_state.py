@@ -25,8 +25,19 @@ def tiny_model(zero_stage: int, dp_group=None, bf16: bool = False, ema: float | 
     from rlhf.engines.deepspeed_engine import DeepSpeedModel
 
     def build() -> torch.nn.Module:
-        torch.manual_seed(0)  # 93 weights: the 3-element bias pads ZeRO-3's 2-rank partitions
-        return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+        """93 weights: the 3-element bias pads ZeRO-3's 2-rank partitions. At ZeRO-3 the module is built inside
+        transformers' `no_init_weights` (a from_pretrained model's weights come from its files), so its values
+        are set here, through a gather, or they would be whatever memory held (non-finite, now and then)."""
+        import deepspeed
+
+        module = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+        params = list(module.parameters())
+        gen = torch.Generator().manual_seed(0)
+        partitioned = hasattr(params[0], "ds_id")
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=partitioned), torch.no_grad():
+            for p in params:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+        return module
 
     return DeepSpeedModel(build, EngineConfig(zero_stage=zero_stage), OptimConfig(lr_warmup_ratio=0.5),
                           learning_rate=1e-2, bf16=bf16, micro_batch_size=4 // dist.get_world_size(),
