@@ -75,8 +75,7 @@ def for_this_machine(cfg: C) -> C:
     DeepCompile runtime);
     flash_attention_2 without CUDA and flash-attn runs SDPA, with a warning."""
     m = cfg.model
-    engine = getattr(cfg, "engine", None)
-    if engine is not None and engine.deepcompile and not torch.cuda.is_available():
+    if getattr(getattr(cfg, "engine", None), "deepcompile", False) and not torch.cuda.is_available():
         raise UsageError(DEEPCOMPILE_NEEDS_CUDA)
     if m.param_dtype == "fp16" and not torch.cuda.is_available():
         raise UsageError("--param_dtype fp16 needs CUDA (DeepSpeed's fp16 loss scaling); on CPU pass "

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from rlhf.assets import TINY_DIR, TOY_BAD_WORDS, TOY_PROMPT, TOY_REWARD
 from rlhf.utils.checkpoint_files import complete_checkpoints
 from tests.distributed import run_job_variants
-from tests.tiny_runs import CPU
+from tests.tiny_runs import CPU, assert_adam_weights_close
 
 TOY = [*CPU, "--pretrain", f"{TINY_DIR}/policy", "--remote_rm_url", TOY_REWARD, "--new_custom_single_prompt",
        "--custom_prompt", TOY_PROMPT, "--input_template", "{} ", "--do_harmlessness_training",
@@ -64,6 +64,7 @@ def test_repulse_resume_equals_uninterrupted(tmp_path):
     import shutil
 
     shutil.rmtree(ckpt / "global_step4")
+    shutil.copytree(ckpt, tmp_path / "ckpt_moved")
     # the lost attempt's files run to step 4: the resumed run cuts them back to the checkpoint's rows
     shutil.copy(tmp_path / "saving" / "negdata.jsonl", resumed_dir / "negdata.jsonl")
     shutil.copytree(tmp_path / "saving" / "info", resumed_dir / "info")
@@ -89,6 +90,24 @@ def test_repulse_resume_equals_uninterrupted(tmp_path):
         for name, weight in want.items():
             torch.testing.assert_close(got[name], weight, rtol=0, atol=0, msg=name)
     assert any(not torch.equal(straight[1][n], straight[2][n]) for n in straight[1])  # p and q differ
+    # the same checkpoint resumed on 1 rank at ZeRO-3: the policy and the proposal move, and the run continues the
+    # straight one's steps (another summation order: AdamW's bound, metrics rel 1e-4)
+    moved_dir = tmp_path / "moved"
+    moved_dir.mkdir()
+    (moved_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in saving[0] if r["step"] <= 2))
+    moved_run = run[:-3]  # without --save_negdata (its file belongs to the other resume)
+    moved_run[moved_run.index("--zero_stage") + 1] = "3"
+    moved, = _train_variants(1, [(moved_dir, [*moved_run, "--load_checkpoint", "--ckpt_path",
+                                              str(tmp_path / "ckpt_moved")])])
+    assert "the actor's state moved from ZeRO-2 over 2 ranks to ZeRO-3 over 1 ranks" in moved[3]
+    assert "the proposal's state moved from ZeRO-2 over 2 ranks to ZeRO-3 over 1 ranks" in moved[3]
+    assert [r["step"] for r in moved[0]] == steps
+    for a, b in zip(straight[0][3:], moved[0][3:]):
+        for key in ("loss", "policy_loss", "reward_mean", "log_p_bad", "lr"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    assert_adam_weights_close(straight[1], moved[1], lr=3e-3, steps=2, what="policy")
+    assert_adam_weights_close(straight[2], moved[2], lr=3e-3, steps=2, what="proposal")
 
 
 def _enumerate(model, prompt_ids, tokenizer):
