@@ -2,6 +2,8 @@
 # Multi-turn agent RL (--agent_func_path) on the embedded tiny demo, 2 CPU ranks: a digit-guessing game
 # (rlhf/assets/tiny/guess_agent.py) whose wrong first guess gets a hint and a second try; GRPO, every role
 # colocated. Usage: bash launch/examples/agent_tiny_cpu.sh OUT_DIR [extra train_ppo flags...]
+# This small game learns bimodally within 320 steps: measured on 2 CPU cores, --seed 2 reaches a reward of 0.655 in
+# the last fifth, --seed 1 and --seed 3 stay at 0.149 and 0.306 (README's examples table).
 set -euo pipefail
 # shellcheck source=launch/examples/common.sh
 source "$(dirname "$0")/common.sh"
@@ -17,6 +19,6 @@ exec "${launch[@]}" --nproc_per_node 2 -m rlhf.cli.train_ppo \
   --train_batch_size 64 --micro_train_batch_size 16 \
   --generate_max_len 8 --prompt_max_len 8 \
   --actor_learning_rate 3e-3 --lr_warmup_ratio 0.05 \
-  --zero_stage 2 --num_episodes 32 --max_steps 320 --seed 1 \
+  --zero_stage 2 --num_episodes 32 --max_steps 320 --seed 2 \
   --save_path "$out" --use_tensorboard "$out/tensorboard" \
   "$@"
