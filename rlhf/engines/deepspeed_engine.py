@@ -28,6 +28,7 @@ from rlhf.engines import portable_state
 from rlhf.engines.deepspeed_compat import barriers_scoped_to, build_cpu_comm_op, hpz_scoped_to, zero3_construction
 from rlhf.engines.weight_ema import WeightEMA
 from rlhf.models import lora
+from rlhf.utils.checkpoint_files import decided_by_rank0
 
 
 def ds_config(engine: EngineConfig, optim: OptimConfig, *, bf16: bool, micro_batch_size: int,
@@ -542,17 +543,15 @@ class DeepSpeedModel:
                              f"{self.layout['dtype']} optimizer keeps its own master copies): resume at --zero_stage "
                              f"{saved['zero_stage'] if saved else 0}, or start a new --ckpt_path")
         params = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        universal = os.path.join(directory, portable_state.UNIVERSAL)
-        problem = None
-        if dist.get_rank(self.dp_group) == 0:
+
+        def convert() -> str:  # DeepSpeed's converter fails with assertions and key errors too
             try:
-                portable_state.to_universal(directory, [n for n, _ in params])
+                return portable_state.to_universal(directory, [n for n, _ in params])
             except (OSError, RuntimeError, ValueError, KeyError, AssertionError) as err:
-                problem = f"{type(err).__name__}: {err}"
-        problem = _broadcast_object(problem, self.dp_group)
-        if problem is not None:
-            raise ValueError(f"converting {directory} (the {self.name}'s DeepSpeed state) to its universal form "
-                             f"failed: {problem}")
+                raise ValueError(f"converting {directory} (the {self.name}'s DeepSpeed state) to its universal "
+                                 f"form failed: {type(err).__name__}: {err}") from err
+
+        universal = decided_by_rank0(convert, dist.get_rank(self.dp_group), self.dp_group)
         portable_state.load_universal(self.engine, self.scheduler, universal,
                                       zero_stage=self.zero_stage, params=params)
         return f"the {self.name}'s state moved from {was} to {now} (through {universal})"
@@ -576,13 +575,6 @@ class DeepSpeedModel:
         if is_writer:
             save_pretrained_on_this_rank(self.module, path, state)
             tokenizer.save_pretrained(path)
-
-
-def _broadcast_object(value, group: dist.ProcessGroup | None):
-    """`value` of the group's first rank, on every rank of `group`."""
-    box = [value]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return box[0]
 
 
 def save_pretrained_on_this_rank(module: torch.nn.Module, path: str, state: dict[str, torch.Tensor]) -> None:

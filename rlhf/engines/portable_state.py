@@ -48,8 +48,7 @@ def saved_layout(directory: str) -> dict | None:
         with open(path) as f:
             return json.load(f)
     try:
-        model = torch.load(_model_states_file(os.path.join(directory, "state")), map_location="cpu",
-                           weights_only=False, mmap=True)
+        model = _load(_model_states_file(os.path.join(directory, "state")))
     except (OSError, RuntimeError, ValueError):
         return None
     config = model.get("ds_config") or {}
@@ -62,8 +61,9 @@ def saved_layout(directory: str) -> dict | None:
 
 
 def _load(path: str):
-    # DeepSpeed's files hold pickled config objects: they are this run's own files, checked against the manifest
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """DeepSpeed's files hold pickled config objects: they are this run's own files, checked against the manifest.
+    Memory-mapped: a model-states file read for its LR schedule and counters holds the whole module too."""
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
 
 
 def _model_states_file(state_dir: str) -> str:
@@ -162,10 +162,9 @@ def load_universal(engine, scheduler, universal: str, *, zero_stage: int,
     the LR schedule and DeepSpeed's step counters. Collective over the engine's DP group (ZeRO-3 gathers)."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-
     zero_dir = os.path.join(universal, "state", "zero")
     model = _load(_model_states_file(os.path.join(universal, "state")))
-    saved_groups = _load(os.path.join(zero_dir, "optimizer_state.pt"))["param_groups"]
+    saved_optimizer = _load(os.path.join(zero_dir, "optimizer_state.pt"))
     missing = [name for name, _ in params if not os.path.isdir(os.path.join(zero_dir, name))]
     if missing:
         raise ValueError(f"{universal}: no saved state for {len(missing)} of this model's trainable parameters "
@@ -193,13 +192,13 @@ def load_universal(engine, scheduler, universal: str, *, zero_stage: int,
         for key, value in moments.items():
             safe_set_full_optimizer_state(p, value.view_as(p), key)
     # ZeRO-3 conversions keep the Adam step in the optimizer's own state dict, not beside each parameter
-    saved_optimizer = _load(os.path.join(zero_dir, "optimizer_state.pt")).get("optimizer_state_dict", {})
-    steps |= {float(entry["step"]) for entry in saved_optimizer.get("state", {}).values() if "step" in entry}
+    entries = saved_optimizer.get("optimizer_state_dict", {}).get("state", {}).values()
+    steps |= {float(entry["step"]) for entry in entries if "step" in entry}
     if len(steps) != 1:
         raise ValueError(f"{universal}: the parameters were saved at Adam steps {sorted(steps)}, not one step")
     step = steps.pop()
     inner, stepped = _stepped(engine, zero_stage)
-    for group, saved in zip(inner.param_groups, saved_groups):
+    for group, saved in zip(inner.param_groups, saved_optimizer["param_groups"]):
         group.update({k: v for k, v in saved.items() if k != "params"})
     for t in (t for tensors in stepped for t in tensors):
         inner.state[t]["step"] = torch.tensor(step)

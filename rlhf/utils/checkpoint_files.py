@@ -267,19 +267,21 @@ def pick_checkpoint(ckpt_path: str, *, resuming: bool, explicit_path: bool,
     return 0, None, notes
 
 
-def decided_by_rank0(decide: Callable[[], T], rank: int) -> T:
-    """`decide()` run on rank 0 and its result broadcast to every rank. A ValueError or OSError it raises
-    is raised on every rank (a `UsageError` as a `UsageError`, an OSError as a RuntimeError with rank 0's
-    message), so no rank waits for a decision that never comes. Collective over the world."""
+def decided_by_rank0(decide: Callable[[], T], rank: int, group: dist.ProcessGroup | None = None) -> T:
+    """`decide()` run on rank 0 of `group` (`rank`: this rank's place in it; default group: the world) and its
+    result broadcast to every rank of the group. A ValueError or OSError it raises is raised on every rank (a
+    `UsageError` as a `UsageError`, an OSError as a RuntimeError with rank 0's message), so no rank waits for a
+    decision that never comes. Collective over the group."""
     box: list = [None]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
     if rank == 0:
         try:
             box[0] = ("ok", decide())
         except (ValueError, OSError) as err:
             kind = "usage" if isinstance(err, UsageError) else "value" if isinstance(err, ValueError) else "os"
-            dist.broadcast_object_list([(kind, f"{err}")], src=0)
+            dist.broadcast_object_list([(kind, f"{err}")], src=src, group=group)
             raise
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=src, group=group)
     kind, value = box[0]
     if kind != "ok":
         raise {"usage": UsageError, "value": ValueError}.get(kind, RuntimeError)(value)
