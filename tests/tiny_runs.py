@@ -22,6 +22,7 @@ SUPERVISED_LAYOUTS = {  # name -> (ranks, flags); the ring runs one data-paralle
     "dp1": (1, ()),
     "packed": (2, ("--packing_samples",)),
     "ring": (2, ("--packing_samples", "--ring_attn_size", "2", "--micro_train_batch_size", "16")),
+    "tensor_parallel": (2, ("--ds_tensor_parallel_size", "2")),  # one replica: accumulation 2, as dp1
     "zero3_checkpointing": (2, ("--zero_stage", "3", "--gradient_checkpointing")),  # last: see run_jobs
 }
 """The layouts whose steps must equal SUPERVISED's."""

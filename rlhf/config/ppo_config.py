@@ -23,6 +23,7 @@ from rlhf.config.shared_config import (
     OptimConfig,
     RolePlacement,
     check_grad_accum,
+    check_tensor_parallel,
     opt,
     replace_quietly,
     require,
@@ -437,12 +438,16 @@ class TrainPPOConfig(JobConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_grad_accum(self.model, self.engine)
+        check_tensor_parallel(self.model, self.engine)
         if self.schedule.ppo_update:
             require(self.schedule.actor_learning_rate > 0, "--actor_learning_rate must be positive")
         self._check_async()
         require(not (self.optim.enable_ema and self.model.lora.enabled),
                 "--enable_ema averages the actor's full weights, and with --lora_rank only adapters are trained "
                 "(OpenRLHF pairs the adapted actor's parameters with a plain model's there): drop one of them")
+        require(not (self.optim.enable_ema and self.engine.ds_tensor_parallel_size > 1),
+                f"--enable_ema with --ds_tensor_parallel_size {self.engine.ds_tensor_parallel_size} is not built (the "
+                "average would hold each rank's slice of the split layers): drop one of them")
         if self.logging.eval_steps != -1 and self.data.eval_dataset is None:
             warnings.warn(f"--eval_steps {self.logging.eval_steps} has no effect: there is no --eval_dataset",
                           stacklevel=2)
@@ -585,11 +590,13 @@ class TrainPPOConfig(JobConfig):
     def check_role_sizes(self, rank_counts: dict[str, int], trainable: tuple[str, ...]) -> None:
         """Every role's data-parallel replicas (ranks / --ring_attn_size) must split the step's samples
         evenly; trainable ones also its batches."""
-        b, ring = self.batch, self.engine.ring_attn_size
+        b, ring = self.batch, self.engine.replica_size
         samples = b.rollout_batch_size * self.schedule.samples_per_prompt
+        groups = (f"rings of --ring_attn_size {ring}" if self.engine.ds_tensor_parallel_size == 1 else
+                  f"tensor-parallel groups of --ds_tensor_parallel_size {ring}")
         for role, count in rank_counts.items():
-            require(count % ring == 0, f"the {count} {role} ranks do not split into rings of --ring_attn_size "
-                                        f"{ring}; change the role's rank count or the ring size")
+            require(count % ring == 0, f"the {count} {role} ranks do not split into {groups}; change the role's "
+                                        "rank count or that size")
             dp = count // ring
             require(samples % dp == 0, f"the {samples} samples of a step do not split over the {dp} {role} ranks; "
                                         "change --rollout_batch_size or the role's rank count")

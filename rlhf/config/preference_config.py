@@ -20,6 +20,7 @@ from rlhf.config.shared_config import (
     ModelConfig,
     RolePlacement,
     check_grad_accum,
+    check_tensor_parallel,
     opt,
     require,
     role_placement,
@@ -67,6 +68,7 @@ class PreferenceBaseConfig(JobConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_grad_accum(self.model, self.engine)
+        check_tensor_parallel(self.model, self.engine)
         require(self.aux_loss_coef >= 0, "--aux_loss_coef must be >= 0")
         if self.aux_loss_coef:
             warnings.warn(f"--aux_loss_coef {self.aux_loss_coef} has no effect in the preference jobs of this build: "

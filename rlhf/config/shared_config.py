@@ -22,10 +22,8 @@ PARAM_DTYPES = ("bf16", "fp16", "fp32")
 DEFAULT_MIN_LR_RATIO = 0.1
 """cosine_with_min_lr's floor as a fraction of the learning rate (OpenRLHF v0.9.5's, fixed but in train_dpo)."""
 
-DEEPSPEED_PENDING_FLAGS = ("ds_tensor_parallel_size",)
-"""OpenRLHF's DeepSpeed flags not built yet, refused by every training job: AutoTP tensor parallelism (our roles
-are data-parallel over their ranks, with ring attention for long sequences; DeepSpeed's AutoTP itself runs on CPU
-with gloo, measured)."""
+DEEPSPEED_PENDING_FLAGS: tuple[str, ...] = ()
+"""OpenRLHF's DeepSpeed flags not built yet, refused by every training job (none left)."""
 
 DEEPCOMPILE_NEEDS_CUDA = (
     "--deepcompile needs CUDA: DeepSpeed's DeepCompile runtime is CUDA and NCCL code (deepspeed/ops/csrc/includes/"
@@ -207,6 +205,9 @@ class EngineConfig:
                    "so forward gathers stay inside the group (e.g. the GPUs of one node); 1: off")
     deepcompile: bool = opt(False, "compile the trained models with DeepSpeed's DeepCompile (engine.compile(); "
                             "CUDA only)")
+    ds_tensor_parallel_size: int = opt(1, "DeepSpeed AutoTP tensor parallelism: each model's linear layers split "
+                                       "over this many consecutive ranks of its role, which see the same samples "
+                                       "(a role's data-parallel size is its ranks / this); --zero_stage 0-2")
     grad_accum_dtype: str | None = opt(None, "dtype gradients are accumulated and reduced in (DeepSpeed "
                                        "data_types.grad_accum_dtype): fp32, bf16 or fp16 (default: the parameter "
                                        "dtype; needs --zero_stage 1-3 to differ from it)")
@@ -221,6 +222,14 @@ class EngineConfig:
                 f"--grad_accum_dtype {self.grad_accum_dtype!r}: choose fp32, bf16 or fp16")
         require(self.ring_attn_size >= 1, "--ring_attn_size must be >= 1")
         require(self.ring_head_stride >= 1, "--ring_head_stride must be >= 1")
+        tp = self.ds_tensor_parallel_size
+        require(tp >= 1, f"--ds_tensor_parallel_size {tp} must be >= 1 (1: no tensor parallelism)")
+        if tp > 1:
+            require(self.zero_stage < 3, f"--ds_tensor_parallel_size {tp} at --zero_stage 3 is not built: ZeRO-3 "
+                    "builds each model already partitioned, before AutoTP could split its layers; use --zero_stage "
+                    "0-2 (tensor parallelism inside a ZeRO-0/1/2 data-parallel group, as OpenRLHF)")
+            require(self.ring_attn_size == 1, f"--ds_tensor_parallel_size {tp} with --ring_attn_size "
+                    f"{self.ring_attn_size} is not built: choose one of them")
         needs_packing = [flag for flag, on in (("--ring_attn_size > 1", self.ring_attn_size > 1),
                                                ("--use_dynamic_batch", self.use_dynamic_batch)) if on]
         if needs_packing and not self.packing_samples:  # as OpenRLHF v0.9.5: packing on, with a warning
@@ -231,9 +240,22 @@ class EngineConfig:
         require(self.train_max_tokens_per_gpu >= 1, "--train_max_tokens_per_gpu must be >= 1")
 
     @property
+    def replica_size(self) -> int:
+        """Consecutive ranks of a role that hold the same samples: a ring (--ring_attn_size) or a tensor-parallel
+        group (--ds_tensor_parallel_size). A role's data-parallel size is its ranks / this."""
+        return self.ring_attn_size * self.ds_tensor_parallel_size
+
+    @property
     def hpz_size(self) -> int:
         """Ranks per ZeRO++ secondary-partition group: --zpg at ZeRO-3, else 1 (none)."""
         return self.zpg if self.zero_stage == 3 else 1
+
+
+def check_tensor_parallel(model: ModelConfig, engine: EngineConfig) -> None:
+    """--ds_tensor_parallel_size against what AutoTP here cannot split (every training job's root calls it)."""
+    tp = engine.ds_tensor_parallel_size
+    require(tp == 1 or not model.lora.enabled, f"--ds_tensor_parallel_size {tp} with --lora_rank is not built: "
+            "AutoTP would split the base layers under peft's adapters; drop one of them")
 
 
 def check_grad_accum(model: ModelConfig, engine: EngineConfig) -> None:

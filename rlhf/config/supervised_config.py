@@ -30,6 +30,7 @@ from rlhf.config.shared_config import (
     OptimConfig,
     RolePlacement,
     check_grad_accum,
+    check_tensor_parallel,
     opt,
     require,
     role_placement,
@@ -161,6 +162,7 @@ class TrainSFTConfig(JobConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_grad_accum(self.model, self.engine)
+        check_tensor_parallel(self.model, self.engine)
         require(self.aux_loss_coef >= 0, "--aux_loss_coef must be >= 0")
         if self.data.multiturn and not self.data.apply_chat_template:
             require(False, "--multiturn finds the assistant turns with the chat template: add --apply_chat_template")
@@ -215,6 +217,7 @@ class TrainRMConfig(JobConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_grad_accum(self.model, self.engine)
+        check_tensor_parallel(self.model, self.engine)
         require(self.loss in PAIRWISE_LOSS_NAMES, f"--loss {self.loss!r}: choose sigmoid or logexp")
         require(self.aux_loss_coef >= 0, "--aux_loss_coef must be >= 0")
         if self.aux_loss_coef:
@@ -260,6 +263,7 @@ class TrainPRMConfig(JobConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_grad_accum(self.model, self.engine)
+        check_tensor_parallel(self.model, self.engine)
         require(self.aux_loss_coef >= 0, "--aux_loss_coef must be >= 0")
 
     def with_demo_defaults(self) -> TrainPRMConfig:
@@ -313,6 +317,7 @@ class TrainKDConfig(JobConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_grad_accum(self.model, self.engine)
+        check_tensor_parallel(self.model, self.engine)
         require(self.aux_loss_coef >= 0, "--aux_loss_coef must be >= 0")
         if self.aux_loss_coef:
             warnings.warn(f"--aux_loss_coef {self.aux_loss_coef} has no effect in train_kd: its loss is the NLL and "

@@ -52,7 +52,7 @@ def reduce_metrics(per_role: dict[Role, dict[str, float]], declared: dict[str, R
                                "them in the job's metric table")
         if not stats or not topology.hosts(role):
             continue
-        replica_lead = topology.ring_rank(role) == 0
+        replica_lead = topology.replica_rank(role) == 0
         for i, name in enumerate(names):
             if name not in stats:
                 continue

@@ -71,17 +71,20 @@ def role_model(build: Callable[[], torch.nn.Module], model: ModelConfig, engine:
                topology: Topology, role: Role, device: torch.device, *, trainable: bool, micro_batch_size: int,
                grad_accum_steps: int = 1, num_optimizer_steps: int = 1, learning_rate: float = 0.0,
                name: str | None = None, ema_beta: float | None = None) -> DeepSpeedModel:
-    """`role`'s model on DeepSpeed over the role's group (build on every rank hosting the role). A trainable
+    """`role`'s model on DeepSpeed over the role's group (build on every rank hosting the role), its linear layers
+    split over the role's tensor-parallel group with --ds_tensor_parallel_size. A trainable
     model gets LoRA adapters when --lora_rank > 0 (frozen ones never do); `ema_beta`: a moving average of its
     weights (`DeepSpeedModel`)."""
-    mpu = GroupMPU(topology.group(role), topology.self_group) if topology.has_subgroups else None
+    tp_group = topology.tp_group(role)
+    mpu = (GroupMPU(topology.data_group(role), tp_group or topology.self_group)
+           if topology.has_subgroups or tp_group is not None else None)
     adapt = (lambda module: apply_lora(module, model.lora)) if trainable and model.lora.enabled else None
     counted = lambda: count_work(build(), name or role.value)  # noqa: E731  (its forwards feed perf/*)
     return DeepSpeedModel(
         counted, engine, optim, learning_rate=learning_rate, bf16=model.param_dtype == "bf16",
         fp16=model.param_dtype == "fp16", micro_batch_size=micro_batch_size,
         grad_accum_steps=max(grad_accum_steps, 1), num_optimizer_steps=max(num_optimizer_steps, 1), device=device,
-        dp_group=topology.group(role), mpu=mpu, trainable=trainable,
+        dp_group=topology.data_group(role), mpu=mpu, tp_group=tp_group, trainable=trainable,
         gradient_checkpointing=model.gradient_checkpointing and trainable,
         checkpoint_reentrant=model.gradient_checkpointing_use_reentrant, hpz_group=topology.hpz_group(role),
         ema_beta=ema_beta, name=name or role.value, adapt=adapt)

@@ -238,7 +238,8 @@ class RunParts(ABC):
         process group starts; returns the rank plan (role -> ranks)."""
 
     def topology(self, cfg: Any, plan: dict[Role, tuple[int, ...]]) -> Topology:
-        return Topology(plan, ring_size=cfg.engine.ring_attn_size, hpz_size=cfg.engine.hpz_size)
+        return Topology(plan, ring_size=cfg.engine.ring_attn_size, hpz_size=cfg.engine.hpz_size,
+                        tp_size=cfg.engine.ds_tensor_parallel_size)
 
 
 class JobParts(RunParts):

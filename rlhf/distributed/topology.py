@@ -142,12 +142,17 @@ class Topology:
     (sequence-parallel) groups: `ring_size` consecutive ranks of each role's ranks, and with `hpz_size` > 1
     (--zpg at ZeRO-3) the ZeRO++ secondary-partition groups: `hpz_size` consecutive ranks of each role's ranks.
 
-    With ring attention the ranks of one ring hold the same samples (each a shard of their tokens),
-    so a role's data-parallel size is its rank count / `ring_size`.
+    With `tp_size` > 1 (--ds_tensor_parallel_size) last, for each role: its tensor-parallel groups (`tp_size`
+    consecutive ranks) and its data groups (the ranks at the same place of every tensor-parallel group, over
+    which DeepSpeed reduces gradients and ZeRO partitions).
+
+    The ranks of one ring hold the same samples (each a shard of their tokens), and so do the ranks of one
+    tensor-parallel group (each computes a slice of every split layer): a role's data-parallel size is its rank
+    count / `replica_size` (ring or tensor-parallel size; not both).
     """
 
     def __init__(self, plan: dict[Role, tuple[int, ...]], rollout_tp: int = 1, ring_size: int = 1,
-                 hpz_size: int = 1) -> None:
+                 hpz_size: int = 1, tp_size: int = 1) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         if self.world_size % rollout_tp:
@@ -173,6 +178,33 @@ class Topology:
         self.hpz_size = hpz_size
         self._hpz_groups = (self._blocks_of_each_role(hpz_size, f"groups of --zpg {hpz_size}", "--zpg")
                             if hpz_size > 1 else {})
+        if ring_size > 1 and tp_size > 1:
+            raise ValueError("ring attention and tensor parallelism together are not built")
+        self.tp_size = tp_size
+        self._tp_groups = (self._blocks_of_each_role(
+            tp_size, f"tensor-parallel groups of --ds_tensor_parallel_size {tp_size}", "--ds_tensor_parallel_size")
+            if tp_size > 1 else {})
+        self._data_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for role in Role if tp_size > 1 else ():
+            if role in self.plan and role is not Role.ROLLOUT:
+                for place in range(tp_size):
+                    ranks = self.plan[role][place::tp_size]
+                    if ranks not in self._data_groups:
+                        self._data_groups[ranks] = dist.new_group(list(ranks))
+        if tp_size > 1:
+            self._check_one_data_group_per_rank()
+
+    def _check_one_data_group_per_rank(self) -> None:
+        """DeepSpeed keeps one tensor-parallel and one data group per process (`use_tensor_parallel_groups`): the
+        roles a rank hosts must share them. Checked for every rank, so every rank raises alike."""
+        for rank in range(self.world_size):
+            hosted = {role.value: (ranks[ranks.index(rank) % self.tp_size::self.tp_size])
+                      for role, ranks in self.plan.items() if role is not Role.ROLLOUT and rank in ranks}
+            if len(set(hosted.values())) > 1:
+                detail = ", ".join(f"{name} with ranks {list(ranks)}" for name, ranks in hosted.items())
+                raise ValueError(f"--ds_tensor_parallel_size {self.tp_size}: rank {rank} hosts roles whose data "
+                                 f"groups differ ({detail}), which DeepSpeed's AutoTP cannot hold in one process; "
+                                 "place each role on all of the ranks it shares or on ranks of its own")
 
     def _blocks_of_each_role(self, size: int, blocks_of: str, fix: str) -> dict[tuple[int, ...], dist.ProcessGroup]:
         """A group for every `size` consecutive ranks of each role but ROLLOUT (roles on the same ranks share
@@ -206,12 +238,37 @@ class Topology:
         """All ranks of `role` (only meaningful on ranks that host it): DeepSpeed's gradient group."""
         return self._groups[role]
 
+    @property
+    def replica_size(self) -> int:
+        """Consecutive ranks of a role that hold the same samples: a ring, or a tensor-parallel group."""
+        return self.ring_size * self.tp_size
+
     def dp_size(self, role: Role) -> int:
-        """Data-parallel replicas of `role`: its ranks / ring size (the ranks of a ring share samples)."""
-        return len(self.plan[role]) // self.ring_size
+        """Data-parallel replicas of `role`: its ranks / `replica_size` (the ranks of a replica share samples)."""
+        return len(self.plan[role]) // self.replica_size
 
     def dp_rank(self, role: Role) -> int:
-        return self.plan[role].index(self.rank) // self.ring_size
+        return self.plan[role].index(self.rank) // self.replica_size
+
+    def replica_rank(self, role: Role) -> int:
+        """This rank's place in its replica of `role` (0: the rank that counts the replica's samples once)."""
+        return self.plan[role].index(self.rank) % self.replica_size
+
+    def tp_group(self, role: Role) -> dist.ProcessGroup | None:
+        """This rank's tensor-parallel group for `role`; None without tensor parallelism."""
+        if self.tp_size == 1:
+            return None
+        start = self.plan[role].index(self.rank) // self.tp_size * self.tp_size
+        return self._tp_groups[self.plan[role][start:start + self.tp_size]]
+
+    def data_group(self, role: Role) -> dist.ProcessGroup:
+        """The ranks of `role` that DeepSpeed reduces this rank's gradients over and partitions its ZeRO states
+        over: the role's group, or with tensor parallelism the ranks at this rank's place in each of the role's
+        tensor-parallel groups."""
+        if self.tp_size == 1:
+            return self.group(role)
+        ranks = self.plan[role]
+        return self._data_groups[ranks[ranks.index(self.rank) % self.tp_size::self.tp_size]]
 
     def ring_rank(self, role: Role) -> int:
         """This rank's position in its ring of `role` (0 without ring attention)."""

@@ -93,6 +93,26 @@ def hpz_scoped_to(group: dist.ProcessGroup | None) -> Iterator[None]:
         groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = previous
 
 
+def use_tensor_parallel_groups(tp_group: dist.ProcessGroup | None, data_group: dist.ProcessGroup | None) -> None:
+    """Give DeepSpeed's AutoTP this rank's tensor-parallel and data groups before an engine with
+    `tensor_parallel.autotp_size` starts; with None, clear what an earlier job of this process left (before any
+    other engine starts). Left alone, the engine replaces any `mpu` with DeepSpeed's module-global groups and
+    creates them itself (`groups._init_tp_mesh_device`): a device mesh over the whole world, which ranks of
+    other roles never join, with data groups that span every role. DeepSpeed reads these globals while it builds
+    the engine and later (gradient norms, checkpoint names), so every tensor-parallel model of a rank must share
+    them (`Topology` refuses a placement where they would differ); and since the engine also makes the module
+    itself the global `mpu`, a later job's engine would read a former job's groups unless they are cleared."""
+    from deepspeed.utils import groups
+
+    if tp_group is None and groups._TENSOR_MODEL_PARALLEL_GROUP is None:
+        return
+    groups._TENSOR_MODEL_PARALLEL_GROUP = tp_group
+    groups._MODEL_PARALLEL_GROUP = tp_group
+    groups._DATA_PARALLEL_GROUP = data_group
+    if tp_group is None and groups.mpu is groups:
+        groups.mpu = None
+
+
 def _skip_order_check(ints: list[int]) -> None:
     """Replaces DeepSpeed's world-wide submodule-order cross-check (see module docstring)."""
 

@@ -25,7 +25,13 @@ import torch.distributed as dist
 from rlhf.config.errors import UsageError
 from rlhf.config.shared_config import EngineConfig, OptimConfig
 from rlhf.engines import portable_state
-from rlhf.engines.deepspeed_compat import barriers_scoped_to, build_cpu_comm_op, hpz_scoped_to, zero3_construction
+from rlhf.engines.deepspeed_compat import (
+    barriers_scoped_to,
+    build_cpu_comm_op,
+    hpz_scoped_to,
+    use_tensor_parallel_groups,
+    zero3_construction,
+)
 from rlhf.engines.weight_ema import WeightEMA
 from rlhf.models import lora
 from rlhf.utils.checkpoint_files import decided_by_rank0
@@ -165,11 +171,12 @@ def _discard_gradients(engine, zero_stage: int) -> None:
 
 
 class GroupMPU:
-    """The `mpu` DeepSpeed asks for when a model's data-parallel group is a subgroup of the world:
-    data parallelism over the role's group, no model parallelism (a single-rank group)."""
+    """The `mpu` DeepSpeed asks for when a model's data-parallel group is a subgroup of the world: data
+    parallelism over `dp_group`, model parallelism over `mp_group` (a single-rank group, or with
+    --ds_tensor_parallel_size the tensor-parallel group)."""
 
-    def __init__(self, dp_group: dist.ProcessGroup, self_group: dist.ProcessGroup) -> None:
-        self.dp_group, self.self_group = dp_group, self_group
+    def __init__(self, dp_group: dist.ProcessGroup, mp_group: dist.ProcessGroup) -> None:
+        self.dp_group, self.mp_group = dp_group, mp_group
 
     def get_data_parallel_group(self):
         return self.dp_group
@@ -181,13 +188,13 @@ class GroupMPU:
         return dist.get_rank(self.dp_group)
 
     def get_model_parallel_group(self):
-        return self.self_group
+        return self.mp_group
 
     def get_model_parallel_world_size(self) -> int:
-        return 1
+        return dist.get_world_size(self.mp_group)
 
     def get_model_parallel_rank(self) -> int:
-        return 0
+        return dist.get_rank(self.mp_group)
 
     get_tensor_model_parallel_group = get_model_parallel_group
     get_tensor_model_parallel_world_size = get_model_parallel_world_size
@@ -213,7 +220,8 @@ class DeepSpeedModel:
     def __init__(self, build: Callable[[], torch.nn.Module], engine_cfg: EngineConfig, optim_cfg: OptimConfig, *,
                  learning_rate: float, bf16: bool, micro_batch_size: int, grad_accum_steps: int, fp16: bool = False,
                  num_optimizer_steps: int, device: torch.device, dp_group: dist.ProcessGroup | None = None,
-                 mpu: GroupMPU | None = None, trainable: bool = True, gradient_checkpointing: bool = False,
+                 mpu: GroupMPU | None = None, tp_group: dist.ProcessGroup | None = None, trainable: bool = True,
+                 gradient_checkpointing: bool = False,
                  checkpoint_reentrant: bool = False, hpz_group: dist.ProcessGroup | None = None,
                  ema_beta: float | None = None, name: str = "model",
                  adapt: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> None:
@@ -224,6 +232,8 @@ class DeepSpeedModel:
         self.dp_group = dp_group
         self.mpu_group = mpu.get_data_parallel_group() if mpu else None
         self.dp_size = dist.get_world_size(group=dp_group)
+        self.tp_group = tp_group
+        self.tp_size = dist.get_world_size(group=tp_group) if tp_group is not None else 1
         self.zero_stage = engine_cfg.zero_stage
         self.adam_offload = engine_cfg.adam_offload
         self.trainable = trainable
@@ -245,6 +255,9 @@ class DeepSpeedModel:
         self.scheduler = None
         if trainable and engine_cfg.deepcompile:  # as OpenRLHF: trained models only (CUDA: `for_this_machine`)
             self.config["compile"] = {"deepcompile": True}
+        if self.tp_size > 1:  # AutoTP splits the linear layers when the engine starts, trained or frozen
+            self.config["tensor_parallel"] = {"autotp_size": self.tp_size}
+        use_tensor_parallel_groups(tp_group, dp_group if tp_group is not None else None)
         with barriers_scoped_to(self.mpu_group), hpz_scoped_to(self.hpz_group):
             if trainable:
                 # frozen (LoRA base) weights get no optimizer states
@@ -256,8 +269,10 @@ class DeepSpeedModel:
                     dist_init_required=False)
                 if engine_cfg.deepcompile:
                     self.engine.compile()
-            elif self.zero_stage == 3:
-                self.engine, *_ = deepspeed.initialize(model=model, config=self.config, mpu=mpu,
+            elif self.zero_stage == 3 or self.tp_size > 1:
+                frozen = self.config if self.zero_stage == 3 else {  # no ZeRO-1/2 without an optimizer
+                    **self.config, "zero_optimization": {**self.config["zero_optimization"], "stage": 0}}
+                self.engine, *_ = deepspeed.initialize(model=model, config=frozen, mpu=mpu,
                                                        dist_init_required=False)
                 self.engine.eval()
             else:
@@ -390,8 +405,13 @@ class DeepSpeedModel:
     def learning_rate(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
 
-    def _gather(self, params: list[torch.nn.Parameter]):
-        """A context in which `params` are whole (a collective gather under ZeRO-3)."""
+    def _gather(self, params: list[torch.nn.Parameter], module: torch.nn.Module | None = None):
+        """A context in which `params` (of `module`) are whole: a collective gather under ZeRO-3, or over the
+        tensor-parallel group of a layer AutoTP split."""
+        if self.tp_size > 1:
+            from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+            return GatherReplacedLayerParams(params, module, enabled=True)
         if self.zero_stage != 3:
             return nullcontext()
         return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
@@ -418,7 +438,7 @@ class DeepSpeedModel:
             seen.update(id(p) for _, p in params)
             if not params:
                 continue
-            with self._gather([p for _, p in params]):
+            with self._gather([p for _, p in params], module):
                 copies = [(f"{module_name}.{n}" if module_name else n, p.detach().clone() if copy else p.detach())
                           for n, p in params] if keep else []
             yield from copies
@@ -499,14 +519,14 @@ class DeepSpeedModel:
                                         exclude_frozen_parameters=self.adapted)
         if self.ema is not None:  # this rank's averages (its partitions under ZeRO-3)
             torch.save(self.ema.state_dict(), self._ema_file(directory))
-        if dist.get_rank(self.dp_group) == 0:
+        if dist.get_rank(self.dp_group) == 0 and (self.tp_group is None or dist.get_rank(self.tp_group) == 0):
             portable_state.write_layout(directory, **self.layout)
 
     @property
     def layout(self) -> dict:
-        """What shapes this engine's saved state: ZeRO stage, data-parallel size, dtype."""
+        """What shapes this engine's saved state: ZeRO stage, data-parallel size, tensor-parallel size, dtype."""
         dtype = "bf16" if self.config["bf16"]["enabled"] else "fp16" if self.config["fp16"]["enabled"] else "fp32"
-        return {"zero_stage": self.zero_stage, "dp_size": self.dp_size, "dtype": dtype}
+        return {"zero_stage": self.zero_stage, "dp_size": self.dp_size, "tp_size": self.tp_size, "dtype": dtype}
 
     def load_state(self, directory: str, universal: bool = False) -> str | None:
         """Restore what `save_state` wrote (with LoRA the frozen base weights stay as loaded). Collective over
@@ -515,6 +535,16 @@ class DeepSpeedModel:
         (`rlhf.engines.portable_state`); returns a line saying so, else None."""
         saved = portable_state.saved_layout(directory)
         moved = saved is not None and (saved["zero_stage"], saved["dp_size"]) != (self.zero_stage, self.dp_size)
+        saved_tp = saved.get("tp_size", 1) if saved else 1
+        if self.tp_size > 1 or saved_tp > 1:
+            if universal or moved or saved_tp != self.tp_size:
+                was = (f"ZeRO-{saved['zero_stage']} over {saved['dp_size']} x {saved_tp} ranks" if saved else
+                       "another layout")
+                raise UsageError(f"{directory}: the {self.name}'s tensor-parallel state (saved by {was}) cannot move "
+                                 f"to ZeRO-{self.zero_stage} over {self.dp_size} x {self.tp_size} ranks (data x tensor "
+                                 "parallel): moving a state split by --ds_tensor_parallel_size is not built; resume "
+                                 "with the layout and --ds_tensor_parallel_size that wrote it, or start a new "
+                                 "--ckpt_path")
         if universal or (moved and not saved["zero_stage"] == self.zero_stage == 0):  # stage 0 states are whole
             return self._load_moved(directory, saved)
         with barriers_scoped_to(self.mpu_group):

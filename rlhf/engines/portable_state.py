@@ -34,10 +34,10 @@ UNIVERSAL = "universal"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def write_layout(directory: str, *, zero_stage: int, dp_size: int, dtype: str) -> None:
+def write_layout(directory: str, *, zero_stage: int, dp_size: int, dtype: str, tp_size: int = 1) -> None:
     """Record the layout that wrote the engine state under `directory` (one rank calls it)."""
     with open(os.path.join(directory, LAYOUT_FILE), "w") as f:
-        json.dump({"zero_stage": zero_stage, "dp_size": dp_size, "dtype": dtype}, f)
+        json.dump({"zero_stage": zero_stage, "dp_size": dp_size, "tp_size": tp_size, "dtype": dtype}, f)
 
 
 def saved_layout(directory: str) -> dict | None:
@@ -56,7 +56,7 @@ def saved_layout(directory: str) -> dict | None:
     if stage is None or not dp_size:
         return None
     enabled = lambda key: bool(config.get(key, {}).get("enabled"))  # noqa: E731
-    return {"zero_stage": int(stage), "dp_size": int(dp_size),
+    return {"zero_stage": int(stage), "dp_size": int(dp_size), "tp_size": int(model.get("mp_world_size") or 1),
             "dtype": "bf16" if enabled("bf16") else "fp16" if enabled("fp16") else "fp32"}
 
 

@@ -129,9 +129,11 @@ def frozen_role(cfg, built: Built, role: Role, load: Callable[[str], torch.nn.Mo
 def check_before_engines(cfg, num_ranks: int) -> None:
     """Flags and model files, before any engine or process group starts (`num_ranks`: the trained model's)."""
     e, b, d = cfg.engine, cfg.batch, cfg.data
-    if num_ranks % e.ring_attn_size:
-        raise UsageError(f"the {num_ranks} ranks do not split into rings of --ring_attn_size {e.ring_attn_size}")
-    dp = num_ranks // e.ring_attn_size
+    if num_ranks % e.replica_size:
+        raise UsageError(f"the {num_ranks} ranks do not split into " + (
+            f"rings of --ring_attn_size {e.ring_attn_size}" if e.ds_tensor_parallel_size == 1 else
+            f"tensor-parallel groups of --ds_tensor_parallel_size {e.ds_tensor_parallel_size}"))
+    dp = num_ranks // e.replica_size
     per = 1 if e.use_dynamic_batch else b.micro_train_batch_size
     if b.train_batch_size % (per * dp):
         raise UsageError(f"--train_batch_size {b.train_batch_size} must be a multiple of "
@@ -202,6 +204,8 @@ class SupervisedRun(JobParts):
         return [f"{self.name}: {len(self.samples)} samples, {b.max_epochs} epoch(s) of {sampler.steps_per_epoch} "
                 f"steps of {b.train_batch_size} samples ({steps} steps); {topology.dp_size(MODEL)} data-parallel "
                 "replica(s)"
+                + (f", each split over {topology.tp_size} ranks (--ds_tensor_parallel_size: the models' linear "
+                   "layers, by DeepSpeed AutoTP)" if topology.tp_size > 1 else "")
                 + "".join(f"; {role.value} on ranks {ranks[0]}-{ranks[-1]}" for role, ranks in topology.plan.items()
                           if role is not MODEL and ranks != everyone)
                 + (f"; held-out metrics of {len(self.eval_samples)} samples every {eval_every} steps"

@@ -40,7 +40,8 @@ def training(cfg: Any) -> Training:
     e = cfg.engine
     return Training(dtype_bytes=DTYPE_BYTES[cfg.model.param_dtype], zero_stage=e.zero_stage,
                     adam_offload=e.adam_offload, gradient_checkpointing=cfg.model.gradient_checkpointing,
-                    eager_attention=cfg.model.attn == "eager", ring_size=e.ring_attn_size)
+                    eager_attention=cfg.model.attn == "eager", ring_size=e.ring_attn_size,
+                    tp_size=e.ds_tensor_parallel_size)
 
 
 def micro_tokens(cfg: Any, samples: int, longest: int) -> int:

@@ -68,10 +68,11 @@ class Model:
     offload: bool = False
     replicated: bool = False
     lora_rank: int = 0
+    tp_split: int = 1  # one rank's share under tensor parallelism (`_split`): its parameters / this
 
     @property
     def params(self) -> int:
-        return self.shape.params(self.scalar_head)
+        return self.shape.params(self.scalar_head) // self.tp_split
 
     def partitioned(self, t: Training) -> bool:
         return t.zero_stage == 3 and not self.replicated
@@ -82,7 +83,7 @@ class Model:
         if not self.lora_rank:
             return self.params
         per_block = sum(self.lora_rank * (a + b) for a, b in self.shape.linear_dims())
-        return self.shape.layers * per_block
+        return self.shape.layers * per_block // self.tp_split
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,8 @@ class Training:
     gradient_checkpointing: bool = False
     eager_attention: bool = False
     ring_size: int = 1
+    tp_size: int = 1  # --ds_tensor_parallel_size: weights, gradients and optimizer states split (as if every
+    # parameter were in a split layer), ZeRO's partitions over ranks / tp_size; activations counted whole
 
 
 @dataclass(frozen=True)
@@ -158,10 +161,12 @@ def stage_breakdown(job: JobMemory, rank: int, stage: str) -> Breakdown:
     hosted = [role for role, ranks in job.ranks.items() if rank in ranks and role in job.models]
     active, t = job.active.get(stage, ()), job.training
     for role in hosted:
-        for k, v in resident(job.models[role], len(job.ranks[role]), t, role in active).items():
+        for k, v in resident(_split(job.models[role], t), len(job.ranks[role]) // t.tp_size, t,
+                             role in active).items():
             out[k] += v
     passes = [p for p in job.stages[stage] if p.role in hosted]
-    transients = [pass_bytes(job.models[p.role], p, len(job.ranks[p.role]), t) for p in passes]
+    transients = [pass_bytes(_split(job.models[p.role], t), p, len(job.ranks[p.role]) // t.tp_size, t)
+                  for p in passes]
     trained = [job.models[r] for r in hosted if job.models[r].trained]
     if stage == "weight_sync" and (not trained or any(m.partitioned(t) for m in trained)):
         transients.append({"buffers": job.sync_bucket_bytes})  # gathered from shards, or received
@@ -173,6 +178,13 @@ def stage_breakdown(job: JobMemory, rank: int, stage: str) -> Breakdown:
             out[k] += v
     out["reserve"] = job.reserve_bytes
     return out
+
+
+def _split(model: Model, t: Training) -> Model:
+    """One rank's share of `model` under tensor parallelism (`Training.tp_size`): its parameters / tp_size."""
+    if t.tp_size == 1:
+        return model
+    return replace(model, tp_split=t.tp_size)
 
 
 def resident(model: Model, n: int, t: Training, active: bool) -> Breakdown:

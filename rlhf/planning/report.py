@@ -32,8 +32,9 @@ def spans(ranks: tuple[int, ...]) -> str:
     return ", ".join(out)
 
 
-def rank_plan_lines(plan: dict[Role, tuple[int, ...]], ring: int, rollout_tp: int | None) -> list[str]:
-    """Which roles on which ranks, their data-parallel and ring sizes, the rollout engines' TP groups."""
+def rank_plan_lines(plan: dict[Role, tuple[int, ...]], ring: int, rollout_tp: int | None, tp: int = 1) -> list[str]:
+    """Which roles on which ranks, their data-parallel, ring and tensor-parallel sizes, the rollout engines' TP
+    groups."""
     lines = [f"rank plan ({len({r for ranks in plan.values() for r in ranks})} ranks):"]
     for role, ranks in plan.items():
         if role is Role.ROLLOUT:
@@ -43,8 +44,9 @@ def rank_plan_lines(plan: dict[Role, tuple[int, ...]], ring: int, rollout_tp: in
                          + (f" (ranks {'; '.join(spans(g) for g in groups[:4])}{'; ...' if len(groups) > 4 else ''})"
                             if tp > 1 else f" (ranks {spans(ranks)})"))
         else:
-            lines.append(f"  {role.value}: ranks {spans(ranks)}, {len(ranks) // ring} data-parallel replica(s)"
-                         + (f", rings of {ring}" if ring > 1 else ""))
+            lines.append(f"  {role.value}: ranks {spans(ranks)}, {len(ranks) // ring // tp} data-parallel replica(s)"
+                         + (f", rings of {ring}" if ring > 1 else "")
+                         + (f", tensor-parallel groups of {tp}" if tp > 1 else ""))
     return lines
 
 
@@ -133,7 +135,8 @@ def report(cfg: Any, job: JobMemory, plan: dict[Role, tuple[int, ...]], world: i
 
 def memory_report(cfg: Any, job: JobMemory, plan: dict[Role, tuple[int, ...]], world: int) -> str:
     """The rank plan, the memory estimate per rank and stage, and whether (or with what changes) it fits."""
-    lines = rank_plan_lines(plan, job.training.ring_size, job.rollout.tp if job.rollout else None)
+    lines = rank_plan_lines(plan, job.training.ring_size, job.rollout.tp if job.rollout else None,
+                            job.training.tp_size)
     per_rank = estimate(job, world)
     groups: dict[str, list[int]] = {}
     for rank, stages in per_rank.items():  # ranks with the same estimate share a table

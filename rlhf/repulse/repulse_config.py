@@ -234,6 +234,7 @@ class TrainRepulseConfig(TrainPPOConfig):
             "--pretrain_data (the ptx loss)": d.pretrain_data is not None,
             "--use_dynamic_batch (not built for RePULSe yet)": e.use_dynamic_batch,
             "--ring_attn_size > 1 (not built for RePULSe yet)": e.ring_attn_size > 1,
+            "--ds_tensor_parallel_size > 1 (not built for RePULSe yet)": e.ds_tensor_parallel_size > 1,
         }
         named = [flag for flag, is_set in unused.items() if is_set]
         require(not named, "--do_harmlessness_training does not use " + ", ".join(named) + ": drop "

@@ -101,7 +101,7 @@ class ExperienceMaker:
         The ranks of a ring hold the same rows: all of them run a `collective` computation (a model
         forward), only the first runs any other (an HTTP call, a reward function); the first contributes."""
         hosts = self.topology.hosts(role)
-        first_of_ring = hosts and self.topology.ring_rank(role) == 0
+        first_of_ring = hosts and self.topology.replica_rank(role) == 0
         where = shard(shape[0], self.topology.dp_size(role), self.topology.dp_rank(role)) if hosts else slice(0, 0)
         part = compute(where) if first_of_ring or (hosts and collective) else None
         return assemble(part if first_of_ring else None, where, shape, self.topology.trainer_group)

@@ -171,6 +171,9 @@ def describe_layout(cfg: TrainPPOConfig, topology: Topology, device: torch.devic
                      f"{cfg.rollout.async_queue_size} step(s) ahead of ranks {train[0]}-{train[-1]}, which train")
     replicas = ", ".join(f"{r.value} {topology.dp_size(r)}" for r in Role
                          if r in topology.plan and r is not Role.ROLLOUT)
+    if topology.tp_size > 1:
+        parts.append(f"every model's linear layers split over {topology.tp_size} ranks (--ds_tensor_parallel_size, "
+                     "DeepSpeed AutoTP)")
     return f"layout: {'; '.join(parts)}; data-parallel replicas: {replicas}"
 
 
@@ -193,7 +196,7 @@ def build_policy(cfg: TrainPPOConfig, topology: Topology, role: Role, device: to
     model = _engine(_with_steps(cfg, total_steps), topology, role, _model_builder(cfg, train.layout, load), device,
                     trainable=True, learning_rate=learning_rate, updates_per_batch=updates_per_batch,
                     ema_beta=ema_beta)
-    return Actor(model, topology.group(role), device, temperature=cfg.rollout.temperature, algo=cfg.algo,
+    return Actor(model, topology.data_group(role), device, temperature=cfg.rollout.temperature, algo=cfg.algo,
                  infer_batcher=infer, train_batcher=train)
 
 
@@ -222,7 +225,7 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
                                                                    m.trust_remote_code, "--critic_pretrain",
                                                                    fresh_head=True, load_in_4bit=four_bit)),
                         device, trainable=True, learning_rate=cfg.optim.critic_learning_rate)
-        critic = Critic(model, topology.group(Role.CRITIC), device, cfg.algo.value_clip, infer_batcher=infer,
+        critic = Critic(model, topology.data_group(Role.CRITIC), device, cfg.algo.value_clip, infer_batcher=infer,
                         train_batcher=train)
     if Role.REF in topology.plan and topology.hosts(Role.REF):
         ref_batcher, _ = batchers_for(cfg, topology, Role.REF)

@@ -176,7 +176,7 @@ class PPORun(JobParts):
 
     def topology(self, cfg: TrainPPOConfig, plan: dict[Role, tuple[int, ...]]) -> Topology:
         return Topology(plan, rollout_tp=cfg.rollout.vllm_tensor_parallel_size, ring_size=cfg.engine.ring_attn_size,
-                        hpz_size=cfg.engine.hpz_size)
+                        hpz_size=cfg.engine.hpz_size, tp_size=cfg.engine.ds_tensor_parallel_size)
 
     def algorithm_line(self, run: Started) -> str:
         return describe_algorithm(run.cfg, run.topology)

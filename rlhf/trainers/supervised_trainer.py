@@ -41,7 +41,7 @@ class SupervisedTrainer:
                  sampler: DistributedBatchSampler, batcher: MicroBatcher, tokenizer, device: torch.device) -> None:
         self.model, self.topology, self.samples, self.eval_samples = model, topology, samples, eval_samples
         self.sampler, self.batcher, self.tokenizer, self.device = sampler, batcher, tokenizer, device
-        self.group = topology.group(MODEL)
+        self.group = topology.data_group(MODEL)  # one rank of each replica: its sums count each sample once
         self.timer = StageTimer()
         self._world_sums: list[int] = []  # the lengths `world_sums` added during this evaluation
 
@@ -120,7 +120,7 @@ class SupervisedTrainer:
         """`sums` added over the data-parallel replicas (the ranks of a ring hold the same samples: one counts).
         Collective over the world."""
         self._world_sums.append(len(sums))
-        t = torch.tensor(sums if self.topology.ring_rank(MODEL) == 0 else [0.0] * len(sums),
+        t = torch.tensor(sums if self.topology.replica_rank(MODEL) == 0 else [0.0] * len(sums),
                          dtype=torch.float64)
         dist.all_reduce(t)
         return t.tolist()

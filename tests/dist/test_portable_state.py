@@ -4,7 +4,8 @@ on 1 rank at ZeRO-0, -1 and -3 (ZeRO-0 to ZeRO-0 by DeepSpeed's own loader: its 
 --use_ds_universal_ckpt on 2 ranks at the saved stage, every fp32 master
 weight, both Adam moments, the Adam step and the LR schedule equal the saved ones exactly; the next step equals the
 unmoved run's next step to float rounding; the same for LoRA adapters (ZeRO-2 -> ZeRO-3, ZeRO-3 -> ZeRO-0). A move out
-of ZeRO-0 in bf16 and one with an EMA are refused by name."""
+of ZeRO-0 in bf16 and one with an EMA are refused by name. A tensor-parallel state resumes at its own layout bit for
+bit and is refused elsewhere."""
 
 from __future__ import annotations
 
@@ -160,3 +161,79 @@ def test_states_move_between_stages_and_world_sizes_exactly(tmp_path):
                               "cannot move to ZeRO-3 over 1 ranks: resume with that layout, or start a new --ckpt_path")
     assert refusals[1][0].startswith(f"{dirs[0]}: the model's state cannot move between --zero_stage 0 and "
                                      "--zero_stage 3 in bf16")
+
+
+def tensor_parallel_model(tp: int):
+    """The tiny Llama at ZeRO-2 in fp32 on 2 ranks: with `tp` 2 its linear layers split over both (DeepSpeed AutoTP,
+    one data-parallel replica), with 1 data-parallel over both."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.assets import TINY_DIR
+    from rlhf.config.shared_config import EngineConfig, OptimConfig
+    from rlhf.engines.deepspeed_engine import DeepSpeedModel, GroupMPU
+
+    own = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+    data = own if tp == 2 else dist.group.WORLD
+    tp_group = dist.group.WORLD if tp == 2 else None
+    build = lambda: AutoModelForCausalLM.from_pretrained(f"{TINY_DIR}/policy", torch_dtype=torch.float32)  # noqa: E731
+    return DeepSpeedModel(build, EngineConfig(zero_stage=2, ds_tensor_parallel_size=tp), OptimConfig(),
+                          learning_rate=1e-2, bf16=False, micro_batch_size=2, grad_accum_steps=1, num_optimizer_steps=4,
+                          device=torch.device("cpu"), dp_group=data,
+                          mpu=GroupMPU(data, tp_group) if tp_group is not None else None, tp_group=tp_group)
+
+
+def tensor_parallel_steps(model, steps: int, first: int = 0) -> None:
+    """The same 2 sequences on both ranks of a tensor-parallel group."""
+    for step in range(first, first + steps):
+        ids = torch.randint(4, 64, (2, 12), generator=torch.Generator().manual_seed(step))
+        model.backward(model.engine(input_ids=ids, labels=ids).loss, last_micro_batch=True)
+        model.step()
+
+
+def tensor_parallel_save(directory: str) -> dict:
+    model = tensor_parallel_model(2)
+    tensor_parallel_steps(model, 2)
+    model.save_state(directory)
+    saved = dict(model.full_parameters())
+    tensor_parallel_steps(model, 1, first=2)
+    return {"saved": saved, "next": dict(model.full_parameters())}
+
+
+def tensor_parallel_load(directory: str, tp: int) -> dict:
+    from rlhf.config.errors import UsageError
+
+    model = tensor_parallel_model(tp)
+    try:
+        line = model.load_state(directory)
+    except UsageError as err:
+        return {"refused": str(err)}
+    loaded = dict(model.full_parameters())
+    tensor_parallel_steps(model, 1, first=2)
+    return {"line": line, "loaded": loaded, "next": dict(model.full_parameters())}
+
+
+def test_a_tensor_parallel_state_resumes_exactly_and_refuses_to_move(tmp_path):
+    """--ds_tensor_parallel_size 2: the gathered weights after a save and a load at the same layout, and after the
+    next step, equal the run that never stopped bit for bit; the same state loaded data-parallel (tensor-parallel
+    size 1) is refused with the fix."""
+    import json
+
+    directory = str(tmp_path / "tp2")
+    save, same, moved = run_variants_on_ranks(2, [(tensor_parallel_save, directory),
+                                                  (tensor_parallel_load, directory, 2),
+                                                  (tensor_parallel_load, directory, 1)])
+    with open(os.path.join(directory, "layout.json")) as f:
+        assert json.load(f) == {"zero_stage": 2, "dp_size": 1, "tp_size": 2, "dtype": "fp32"}
+    assert save[0]["saved"]["model.layers.0.mlp.gate_proj.weight"].shape == (256, 64)  # gathered whole (128 rows each)
+    for rank in (0, 1):
+        assert same[rank]["line"] is None
+        for key in ("saved", "next"):
+            want, got = save[rank][key], same[rank]["loaded" if key == "saved" else "next"]
+            assert want.keys() == got.keys()
+            for name, value in want.items():
+                assert torch.equal(got[name], value), (rank, key, name)
+    assert moved[0]["refused"] == (
+        f"{directory}: the model's tensor-parallel state (saved by ZeRO-2 over 1 x 2 ranks) cannot move to ZeRO-2 "
+        "over 2 x 1 ranks (data x tensor parallel): moving a state split by --ds_tensor_parallel_size is not built; "
+        "resume with the layout and --ds_tensor_parallel_size that wrote it, or start a new --ckpt_path")

@@ -1,6 +1,7 @@
-"""`train_ppo` end to end with `--packing_samples`, `--use_dynamic_batch` and `--ring_attn_size 2`: PPO
-with a critic, a reward model and a reference model on 2 ranks gives the same first step as the padded,
-fixed-micro-batch run (same rollouts, so the same rewards, KL, losses and gradient norms)."""
+"""`train_ppo` end to end with `--packing_samples`, `--use_dynamic_batch` and `--ring_attn_size 2`, and with
+`--ds_tensor_parallel_size 2`: PPO with a critic, a reward model and a reference model on 2 ranks gives the same
+first step as the padded, fixed-micro-batch, data-parallel run (same rollouts, so the same rewards, KL, losses and
+gradient norms)."""
 
 import pytest
 
@@ -21,14 +22,24 @@ def _ppo(out, *extra: str) -> tuple[str, list[str]]:
 
 
 @pytest.mark.vllm
-def test_packed_dynamic_ring_ppo_matches_padded(tmp_path):
+def test_packed_dynamic_ring_and_tensor_parallel_ppo_match_padded(tmp_path):
     pytest.importorskip("vllm")
     _, stdout = run_job_variants(2, [
         _ppo(tmp_path / "padded"),
         _ppo(tmp_path / "ring", "--packing_samples", "--use_dynamic_batch", "--ring_attn_size", "2",
              "--train_max_tokens_per_gpu", "16", "--rollout_max_tokens_per_gpu", "24"),
     ], tmp_path / "consoles", tmp_path / "padded", tmp_path / "ring")
+    # a launch of its own: a third vLLM run in one process finds the default group gone (its first engine's
+    # finalizer destroys it)
+    (tp_stdout,) = run_job_variants(2, [_ppo(tmp_path / "tp", "--ds_tensor_parallel_size", "2")],
+                                    tmp_path / "consoles_tp", tmp_path / "tp")
     padded, ring = read_metrics(tmp_path / "padded"), read_metrics(tmp_path / "ring")
+    assert ("every model's linear layers split over 2 ranks (--ds_tensor_parallel_size, DeepSpeed AutoTP); "
+            "data-parallel replicas: actor 1, critic 1, reward 1, ref 1") in tp_stdout
+    tp = read_metrics(tmp_path / "tp")
+    assert len(tp) == 2
+    for key in STEP_KEYS:
+        assert tp[0][key] == pytest.approx(padded[0][key], rel=1e-4, abs=1e-5), ("tp", key)
     assert ("layout: packed samples (varlen attention: sdpa); ring attention over 2 ranks (head stride 1; fp32 "
             "einsum blocks); dynamic "
             "micro-batches of <= 16 tokens per rank in training, <= 24 in experience forwards; data-parallel "

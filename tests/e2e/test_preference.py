@@ -1,11 +1,11 @@
-"""train_dpo / train_kto end to end on the embedded pairs (torchrun, 1-3 CPU ranks), 3 steps per run, evaluated
-before the first step and after the last on 9 held-out pairs (2 micro-batches on rank 0, 1 on rank 1):
-before any step the policy is its reference, so the DPO loss is log 2 and KTO's 0.5; DP=2 == DP=1 x
-accumulation 2 (each held-out pair counted once); ZeRO-3 with packing and the reference offloaded == ZeRO-2
-padded (at ZeRO-3 rank 1 runs a discarded copy of rank 0's extra evaluation forward, or the gather hangs);
-a reference on its own rank == colocated; KTO packed == padded; the reference-free SimPO, ORPO and CPO: DP=2 ==
-DP=1 and packed == padded. (Learning is shown by the DPO, KTO, SimPO and ORPO examples, tests/examples; CPO's
-terms by tests/unit/test_preference_losses.py.)"""
+"""train_dpo / train_kto end to end on the embedded pairs (torchrun, 1-3 CPU ranks), 3 steps per run, evaluated before
+the first step and after the last on 9 held-out pairs (2 micro-batches on rank 0, 1 on rank 1): before any step the
+policy is its reference, so the DPO loss is log 2 and KTO's 0.5; DP=2 == DP=1 x accumulation 2 (each held-out pair
+counted once) == tensor parallel over 2 ranks (policy and reference split); ZeRO-3 with packing and the reference
+offloaded == ZeRO-2 padded (at ZeRO-3 rank 1 runs a discarded copy of rank 0's extra evaluation forward, or the
+gather hangs); a reference on its own rank == colocated; KTO packed == padded; the reference-free SimPO, ORPO and
+CPO: DP=2 == DP=1 and packed == padded. (Learning is shown by the DPO, KTO, SimPO and ORPO examples, tests/examples;
+CPO's terms by tests/unit/test_preference_losses.py.)"""
 
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ def runs(tmp_path_factory) -> dict:
            "simpo": ("train_simpo", simpo), "simpo_packed": ("train_simpo", [*simpo, "--packing_samples"]),
            "orpo": ("train_orpo", orpo), "orpo_packed": ("train_orpo", [*orpo, "--packing_samples"]),
            "cpo": ("train_cpo", cpo), "cpo_packed": ("train_cpo", [*cpo, "--packing_samples"]),
+           "dpo_tp": ("train_dpo", [*dpo, "--ds_tensor_parallel_size", "2"]),  # policy and reference split
            "dpo_zero3_packed": ("train_dpo", [*dpo, "--zero_stage", "3", "--packing_samples", "--ref_offload"])}
     # resumed from the 2-rank ZeRO-2 run's step 2 on 1 rank at ZeRO-3 (last: ZeRO-3 runs end a launch)
     one = {"dpo_dp1": ("train_dpo", dpo), "simpo_dp1": ("train_simpo", simpo), "orpo_dp1": ("train_orpo", orpo),
@@ -72,6 +73,7 @@ def test_dpo_layouts_splits_and_placements_take_the_same_steps(runs):
     assert all("nll_loss" in r for r in ref[0][1:])
     assert_same_steps(ref, runs["dpo_dp1"], DPO_COMPARED, rel=1e-5, abs_=1e-6, what="dp1")
     assert_same_steps(ref, runs["dpo_zero3_packed"], DPO_COMPARED, rel=1e-4, abs_=1e-6, what="zero3 packed")
+    assert_same_steps(ref, runs["dpo_tp"], DPO_COMPARED, rel=1e-4, abs_=1e-6, what="tensor parallel")
     assert "ref on ranks 2-2" in runs["dpo_own_ref"][2]
     assert_same_steps(ref, runs["dpo_own_ref"], DPO_COMPARED, rel=1e-5, abs_=1e-6, what="own reference rank")
 

@@ -1,8 +1,8 @@
-"""train_rm end to end on the embedded copy-task pairs (torchrun, 1-2 CPU ranks), 4 steps per run: DP=2 ==
-DP=1 x accumulation 2, packed == padded, ZeRO-3 with gradient checkpointing == ZeRO-2, ring attention over the 2
-ranks == one replica's padded steps; the saved model loads as a transformers sequence classifier, in serve_rm
-and in train_ppo with the stored normalisation. (Learning is shown by the pipeline example's reward-model
-stage, tests/examples.)"""
+"""train_rm end to end on the embedded copy-task pairs (torchrun, 1-2 CPU ranks), 4 steps per run: DP=2 == DP=1 x
+accumulation 2, packed == padded, ZeRO-3 with gradient checkpointing == ZeRO-2, ring attention and tensor
+parallelism over the 2 ranks == one replica's padded steps (a scalar head under AutoTP); the saved model loads as a
+transformers sequence classifier, in serve_rm and in train_ppo with the stored normalisation. (Learning is shown by
+the pipeline example's reward-model stage, tests/examples.)"""
 
 from __future__ import annotations
 

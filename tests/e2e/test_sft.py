@@ -1,7 +1,8 @@
-"""train_sft end to end on the embedded copy-task demonstrations (torchrun, 1-2 CPU ranks), 4 steps per run:
-DP=2 == DP=1 x accumulation 2, packed == padded, ZeRO-3 with gradient checkpointing == ZeRO-2, ring attention
-over the 2 ranks == one replica's padded steps, and a run resumed from its step-2 checkpoint == the straight
-run bit for bit. (Learning is shown by the pipeline example's SFT stage, tests/examples.)"""
+"""train_sft end to end on the embedded copy-task demonstrations (torchrun, 1-2 CPU ranks), 4 steps per run: DP=2 ==
+DP=1 x accumulation 2, packed == padded, ZeRO-3 with gradient checkpointing == ZeRO-2, ring attention and tensor
+parallelism (--ds_tensor_parallel_size 2) over the 2 ranks == one replica's padded steps, and a run resumed from its
+step-2 checkpoint == the straight run bit for bit. (Learning is shown by the pipeline example's SFT stage,
+tests/examples.)"""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def test_sft_splits_layouts_and_zero3_take_the_same_steps(runs):
     assert [r["step"] for r in ref[0]] == [0, 1, 2, 3, 4]
     assert "sft: 1024 samples, 1 epoch(s) of 64 steps of 16 samples (4 steps); 2 data-parallel replica(s)" in ref[2]
     assert ref[0][-1]["eval_gpt_loss"] < ref[0][0]["eval_gpt_loss"]
+    assert ("1 data-parallel replica(s), each split over 2 ranks (--ds_tensor_parallel_size: the models' linear "
+            "layers, by DeepSpeed AutoTP)") in runs["tensor_parallel"][2]
     for name in LAYOUTS:
         assert_same_steps(ref, runs[name], COMPARED, rel=1e-4, abs_=1e-6, what=name)
 
