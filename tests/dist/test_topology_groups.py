@@ -1,4 +1,5 @@
-"""Process groups on 4 gloo ranks, and a world formed from SLURM variables without torchrun."""
+"""Process groups on 4 gloo ranks (rollout engines, rings, tensor-parallel and data groups), and a world formed from
+SLURM variables without torchrun."""
 
 
 from rlhf.distributed.topology import Placement, Role, Topology, plan_ranks
@@ -16,7 +17,20 @@ def _topology_facts(tp):
                     tp, ring_size=2)
     ring_sum = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(ring_sum, group=ring.ring_group(Role.ACTOR))
-    return {"engine": topo.engine_index, "engine_rank": topo.engine_rank,
+    tp = Topology(plan_ranks(Placement.colocated((Role.ACTOR, Role.REF, Role.ROLLOUT)), dist.get_world_size()),
+                  tp_size=2)
+    tp_sum, data_sum = torch.tensor([float(dist.get_rank() + 1)]), torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(tp_sum, group=tp.tp_group(Role.ACTOR))
+    dist.all_reduce(data_sum, group=tp.data_group(Role.REF))
+    try:  # rank 2 would host the actor with data group (0, 2) and the critic with (2,)
+        Topology({Role.ACTOR: (0, 1, 2, 3), Role.CRITIC: (2, 3), Role.ROLLOUT: (0, 1, 2, 3)}, tp_size=2)
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    tp_facts = {"dp_size": tp.dp_size(Role.ACTOR), "dp_rank": tp.dp_rank(Role.ACTOR),
+                "replica_rank": tp.replica_rank(Role.ACTOR), "tp_sum": float(tp_sum), "data_sum": float(data_sum),
+                "same": tp.tp_group(Role.REF) is tp.tp_group(Role.ACTOR), "refused": refused}
+    return {"tp": tp_facts, "engine": topo.engine_index, "engine_rank": topo.engine_rank,
             "actor_sum": float(actor_sum), "dp_rank": topo.dp_rank(Role.ACTOR),
             "ring": {"dp_size": ring.dp_size(Role.ACTOR), "dp_rank": ring.dp_rank(Role.ACTOR),
                      "ring_rank": ring.ring_rank(Role.ACTOR), "sum": float(ring_sum), "leads": ring.leads(Role.ACTOR),
@@ -37,6 +51,14 @@ def test_topology_groups_on_four_ranks():
     assert [r["sum"] for r in rings] == [3.0, 3.0, 7.0, 7.0]
     assert [r["leads"] for r in rings] == [True, False, False, False]
     assert all(r["same_group_for_ref"] and r["no_ring"] for r in rings)
+    tps = [f["tp"] for f in facts]  # --ds_tensor_parallel_size 2: groups (0, 1) and (2, 3), data groups (0, 2), (1, 3)
+    assert [(t["dp_size"], t["dp_rank"], t["replica_rank"]) for t in tps] == [
+        (2, 0, 0), (2, 0, 1), (2, 1, 0), (2, 1, 1)]
+    assert [t["tp_sum"] for t in tps] == [3.0, 3.0, 7.0, 7.0] and [t["data_sum"] for t in tps] == [4.0, 6.0, 4.0, 6.0]
+    assert all(t["same"] for t in tps)
+    assert all(t["refused"] == "--ds_tensor_parallel_size 2: rank 2 hosts roles whose data groups differ (actor with "
+               "ranks [0, 2], critic with ranks [2]), which DeepSpeed's AutoTP cannot hold in one process; place each "
+               "role on all of the ranks it shares or on ranks of its own" for t in tps)
 
 
 SLURM_WORKER = """

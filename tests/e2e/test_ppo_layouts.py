@@ -29,8 +29,8 @@ def test_packed_dynamic_ring_and_tensor_parallel_ppo_match_padded(tmp_path):
         _ppo(tmp_path / "ring", "--packing_samples", "--use_dynamic_batch", "--ring_attn_size", "2",
              "--train_max_tokens_per_gpu", "16", "--rollout_max_tokens_per_gpu", "24"),
     ], tmp_path / "consoles", tmp_path / "padded", tmp_path / "ring")
-    # a launch of its own: a third vLLM run in one process finds the default group gone (its first engine's
-    # finalizer destroys it)
+    # a launch of its own: a third PPO run in one launch found no default group at its start (measured: it
+    # re-created the rendezvous store and failed with EADDRINUSE)
     (tp_stdout,) = run_job_variants(2, [_ppo(tmp_path / "tp", "--ds_tensor_parallel_size", "2")],
                                     tmp_path / "consoles_tp", tmp_path / "tp")
     padded, ring = read_metrics(tmp_path / "padded"), read_metrics(tmp_path / "ring")

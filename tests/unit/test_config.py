@@ -48,11 +48,27 @@ def test_unknown_flag_suggests_the_close_one(capsys):
     assert "unexpected value" not in err
 
 
-def test_pending_flag_is_refused_not_ignored(capsys):
+def test_pending_flag_is_refused_not_ignored(capsys, monkeypatch):
+    """An OpenRLHF flag whose feature is not built is refused by name (none is pending today: one is made up)."""
+    monkeypatch.setattr(TrainPPOConfig, "PENDING_FLAGS", ("colocate_everything_twice",))
     with pytest.raises(SystemExit):
-        parse("--ds_tensor_parallel_size", "2")
+        parse("--colocate_everything_twice", "2")
     err = capsys.readouterr().err
-    assert "--ds_tensor_parallel_size is an OpenRLHF flag whose feature is not implemented yet" in err
+    assert "--colocate_everything_twice is an OpenRLHF flag whose feature is not implemented yet" in err
+
+
+def test_tensor_parallel_refuses_what_autotp_here_cannot_split():
+    from rlhf.config.errors import UsageError
+
+    assert parse("--ds_tensor_parallel_size", "2").engine.replica_size == 2
+    for extra, want in ((("--zero_stage", "3"), "--ds_tensor_parallel_size 2 at --zero_stage 3 is not built"),
+                        (("--ring_attn_size", "2"), "--ds_tensor_parallel_size 2 with --ring_attn_size 2 is not "
+                                                    "built: choose one of them"),
+                        (("--lora_rank", "4"), "--ds_tensor_parallel_size 2 with --lora_rank is not built"),
+                        (("--enable_ema",), "--enable_ema with --ds_tensor_parallel_size 2 is not built")):
+        with pytest.raises(UsageError) as err:
+            parse("--ds_tensor_parallel_size", "2", *extra)
+        assert want in str(err.value), extra
 
 
 def test_non_finite_float_flags_are_refused(capsys):

@@ -135,7 +135,7 @@ def test_an_evaluation_whose_sums_differ_from_its_declaration_fails_and_every_tr
     from rlhf.trainers.supervised_trainer import SupervisedTrainer
 
     class Topology:
-        def ring_rank(self, role):
+        def replica_rank(self, role):
             return 0
 
     class Model:
