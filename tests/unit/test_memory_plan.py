@@ -83,6 +83,22 @@ def test_activations_shrink_with_checkpointing_and_ring():
     assert ring["logits"] == 500 * 100 * 2 * 2
 
 
+def test_tensor_parallel_splits_each_ranks_weights_and_states():
+    """--ds_tensor_parallel_size 2 on 4 ranks at ZeRO-1 in bf16: each rank holds half of every parameter, and the
+    optimizer states of that half partitioned over its 2-rank data group; the rank plan names the groups."""
+    cfg, plan, job = ppo_job(4, "--zero_stage", "1", "--ds_tensor_parallel_size", "2")
+    assert job.training.tp_size == 2
+    actor = job.models["actor"]
+    train = mp.stage_breakdown(job, 0, "train")
+    half = actor.params // 2
+    resident = mp.resident(mp.replace(actor, tp_split=2), 2, job.training, True)
+    assert resident["weights"] == half * 2 and resident["optimizer"] == 12 * half // 2
+    whole = mp.stage_breakdown(ppo_job(4, "--zero_stage", "1")[2], 0, "train")
+    # ZeRO-1 over 4 ranks and over 2 ranks of half the parameters partition the same bytes; the weights halve
+    assert train["optimizer"] == whole["optimizer"] and train["weights"] * 2 == whole["weights"]
+    assert "  actor: ranks 0-3, 2 data-parallel replica(s), tensor-parallel groups of 2" in report(cfg, job, plan, 4)
+
+
 def test_vllm_takes_its_fraction_on_cuda_and_sleeps():
     rollout = mp.Rollout(SMALL, vllm=True, tp=1, gpu_fraction=0.5, sleep=True)
     device = 1000 * MiB
