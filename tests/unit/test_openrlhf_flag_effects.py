@@ -92,7 +92,8 @@ def test_gradient_checkpointing_use_reentrant_reaches_the_engine(monkeypatch):
 
     built = {}
     monkeypatch.setattr(role_models, "DeepSpeedModel", lambda build, *a, **kw: built.update(kw))
-    topology = types.SimpleNamespace(has_subgroups=False, group=lambda role: None, hpz_group=lambda role: None)
+    topology = types.SimpleNamespace(has_subgroups=False, group=lambda role: None, hpz_group=lambda role: None,
+                                     tp_group=lambda role: None, data_group=lambda role: None)
     for argv, reentrant in (([], False), (["--gradient_checkpointing_use_reentrant"], True)):
         cfg = quiet_parse(TrainSFTConfig, "--gradient_checkpointing", *argv)
         role_models.role_model(None, cfg.model, cfg.engine, cfg.optim, topology, Role.ACTOR, torch.device("cpu"),
@@ -197,7 +198,8 @@ def test_enable_ema_gives_the_actor_an_average(monkeypatch):
     engines = []
     monkeypatch.setattr(ppo_build, "_engine", lambda *a, **kw: engines.append(kw) or types.SimpleNamespace())
     monkeypatch.setattr(ppo_build, "Actor", lambda *a, **kw: None)
-    topology = types.SimpleNamespace(group=lambda role: None, ring_group=lambda role: None)
+    topology = types.SimpleNamespace(group=lambda role: None, ring_group=lambda role: None,
+                                     data_group=lambda role: None)
     for argv, beta in ((["--enable_ema", "--ema_beta", "0.9"], 0.9), (["--enable_ema"], 0.992), ([], None)):
         cfg = quiet_parse(TrainPPOConfig, *argv)
         assert cfg.optim.actor_ema_beta == beta
