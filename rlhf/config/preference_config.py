@@ -88,6 +88,9 @@ class PreferenceJobConfig(PreferenceBaseConfig):
         if self.ref.num_ranks:
             require(self.engine.ring_attn_size == 1, "a reference on its own ranks serves whole sequences: drop "
                     "--ring_attn_size or colocate the reference (--ref_num_gpus_per_node 0)")
+            require(self.engine.ds_tensor_parallel_size == 1, "a reference on its own ranks with "
+                    "--ds_tensor_parallel_size is not built (its service answers each trainer rank point to point): "
+                    "drop one or colocate the reference (--ref_num_gpus_per_node 0)")
         if self.ref.ref_offload and (self.engine.zero_stage == 3 or self.ref.num_ranks):
             warnings.warn("--ref_offload has no effect " + ("at --zero_stage 3: the reference's parameters are "
                           "already sharded over the ranks" if not self.ref.num_ranks else

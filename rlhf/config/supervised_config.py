@@ -325,6 +325,9 @@ class TrainKDConfig(JobConfig):
         if self.teacher.num_ranks:
             require(self.engine.ring_attn_size == 1, "a teacher on its own ranks serves whole sequences: drop "
                     "--ring_attn_size or colocate the teacher (--teacher_num_gpus_per_node 0)")
+            require(self.engine.ds_tensor_parallel_size == 1, "a teacher on its own ranks with "
+                    "--ds_tensor_parallel_size is not built (its service answers each student rank point to point): "
+                    "drop one or colocate the teacher (--teacher_num_gpus_per_node 0)")
         if self.teacher.teacher_offload and self.engine.zero_stage == 3:
             warnings.warn("--teacher_offload has no effect at --zero_stage 3: the teacher's parameters are already "
                           "sharded over the ranks", stacklevel=2)

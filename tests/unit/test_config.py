@@ -69,6 +69,13 @@ def test_tensor_parallel_refuses_what_autotp_here_cannot_split():
         with pytest.raises(UsageError) as err:
             parse("--ds_tensor_parallel_size", "2", *extra)
         assert want in str(err.value), extra
+    from rlhf.config.preference_config import TrainDPOConfig
+    from rlhf.config.supervised_config import TrainKDConfig
+
+    for root, flag, role in ((TrainDPOConfig, "--ref_num_gpus_per_node", "reference"),
+                             (TrainKDConfig, "--teacher_num_gpus_per_node", "teacher")):
+        with pytest.raises(UsageError, match=f"a {role} on its own ranks with --ds_tensor_parallel_size is not built"):
+            parse_config(root, ["--ds_tensor_parallel_size", "2", flag, "1"])
 
 
 def test_non_finite_float_flags_are_refused(capsys):
