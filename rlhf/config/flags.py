@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from rlhf.config.errors import exit_usage
+from rlhf.config.jobs import JOBS
 
 IGNORED_FLAGS: dict[str, str] = {
     "vllm_sync_with_ray": "weights move in-process here; there is no Ray",
@@ -63,22 +64,10 @@ def fork_flags_in(argv: list[str]) -> list[str]:
     return list(dict.fromkeys(f"--{name}" for name in names if name in fork))
 
 
-JOB_CONFIGS = {
-    "train_ppo": ("rlhf.config.ppo_config", "TrainPPOConfig"),
-    "train_sft": ("rlhf.config.supervised_config", "TrainSFTConfig"),
-    "train_rm": ("rlhf.config.supervised_config", "TrainRMConfig"),
-    "train_prm": ("rlhf.config.supervised_config", "TrainPRMConfig"),
-    "train_kd": ("rlhf.config.supervised_config", "TrainKDConfig"),
-    "train_dpo": ("rlhf.config.preference_config", "TrainDPOConfig"),
-    "train_kto": ("rlhf.config.preference_config", "TrainKTOConfig"),
-    "train_simpo": ("rlhf.config.preference_config", "TrainSimPOConfig"),
-    "train_orpo": ("rlhf.config.preference_config", "TrainORPOConfig"),
-    "train_cpo": ("rlhf.config.preference_config", "TrainCPOConfig"),
-    "batch_inference": ("rlhf.config.inference_config", "BatchInferenceConfig"),
-}
-"""Job (`python -m rlhf.cli.<job>`) -> (module, name) of its config root, imported only to say which other jobs
-have a flag that the parsed one does not (an OpenRLHF script passed to the wrong job gets that, not a look-alike
-of this job's flags)."""
+JOB_CONFIGS = {job.name: tuple(job.root.split(":")) for job in JOBS if not job.fork}
+"""Job (`python -m rlhf.cli.<job>`) -> (module, name) of its config root (from `rlhf.config.jobs.JOBS`; the RePULSe
+fork's flags are explained apart), imported only to say which other jobs have a flag that the parsed one does not
+(an OpenRLHF script passed to the wrong job gets that, not a look-alike of this job's flags)."""
 
 
 TOOL_FLAGS = {

@@ -128,11 +128,11 @@ def run_identity(cfg: Any) -> dict:
     tensor, so a model of the same shapes with other weights differs) and its tokenizer files'
     (`tokenizer_fingerprint`), and the flags that shape the engine states (`state_flags`). A reward model,
     reference or data may change between a run and its resume."""
-    from rlhf.config.flags import JOB_CONFIGS
+    from rlhf.config.jobs import job_of
     from rlhf.models.lora import weights_fingerprint
 
-    roots = {root: job for job, (_, root) in JOB_CONFIGS.items()}
-    job = roots.get(type(cfg).__name__, type(cfg).__name__)
+    entry = job_of(cfg)
+    job = entry.name if entry is not None else type(cfg).__name__
     pretrain = cfg.model.pretrain
     local = bool(pretrain) and os.path.isdir(pretrain)
     return {"job": job, "pretrain": pretrain,

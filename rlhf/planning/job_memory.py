@@ -1,6 +1,6 @@
 """A job's config root and rank plan, read as a `JobMemory`: which models it holds (shapes from their
 config.json only), on which ranks, and what each stage runs. One reader per kind of job, picked by the root's
-type from `READERS` (a new job adds an entry); this module does not estimate anything itself.
+registration (`rlhf.config.jobs.JOBS`, its `memory` kind); this module does not estimate anything itself.
 
 Micro-batch tokens are worst cases: every sequence at its length limit (PPO: --prompt_max_len +
 --generate_max_len; supervised jobs: --max_len, twice per sample for chosen/rejected pairs), or the token budget
@@ -16,9 +16,10 @@ import torch
 
 from rlhf.config.errors import UsageError
 from rlhf.config.inference_config import BatchInferenceConfig
+from rlhf.config.jobs import job_of
 from rlhf.config.ppo_config import TrainPPOConfig
-from rlhf.config.preference_config import PreferenceBaseConfig, PreferenceJobConfig
-from rlhf.config.supervised_config import PairDataConfig, TrainKDConfig, TrainPRMConfig, TrainRMConfig, TrainSFTConfig
+from rlhf.config.preference_config import PreferenceJobConfig
+from rlhf.config.supervised_config import PairDataConfig, TrainKDConfig, TrainRMConfig
 from rlhf.distributed.topology import Role
 from rlhf.engines.rollout import rollout_engine_choice
 from rlhf.planning.model_shapes import read_shape
@@ -135,24 +136,18 @@ def inference_memory(cfg: BatchInferenceConfig, plan: dict[Role, tuple[int, ...]
     return JobMemory({}, {}, {"generation": ()}, settings, rollout, device_bytes=device, reserve_bytes=reserve)
 
 
-READERS: list[tuple[type, Callable[[Any, dict, int | None], JobMemory]]] = [
-    (TrainPPOConfig, ppo_memory),
-    (BatchInferenceConfig, inference_memory),
-    (TrainSFTConfig, supervised_memory),
-    (TrainRMConfig, supervised_memory),
-    (TrainPRMConfig, supervised_memory),
-    (TrainKDConfig, supervised_memory),
-    (PreferenceBaseConfig, supervised_memory),
-]
-"""Config root type -> its reader, first match wins (RePULSe's root is a TrainPPOConfig); a root none matches is
-refused, never planned as some other job (tests/unit/test_job_registry.py: every job has a reader)."""
+READERS: dict[str, Callable[[Any, dict, int | None], JobMemory]] = {
+    "ppo": ppo_memory, "supervised": supervised_memory, "inference": inference_memory}
+"""A job's `memory` kind in `rlhf.config.jobs.JOBS` -> its reader. A root not registered there, or of a kind with no
+reader, is refused, never planned as some other job (tests/unit/test_job_registry.py)."""
 
 
 def job_memory(cfg: Any, plan: dict[Role, tuple[int, ...]]) -> JobMemory:
     """The `JobMemory` of the job configured by `cfg` (its root config) with the rank plan `plan`."""
     device = device_bytes(cfg.gpu_memory_gb)
-    for root, reader in READERS:
-        if isinstance(cfg, root):
-            return reader(cfg, plan, device)
-    raise UsageError(f"--dry_run: no memory plan for {type(cfg).__name__} (rlhf.planning.job_memory.READERS has no "
-                     "reader for it)")
+    job = job_of(cfg)
+    if job is not None and job.memory in READERS:
+        return READERS[job.memory](cfg, plan, device)
+    raise UsageError(f"--dry_run: no memory plan for {type(cfg).__name__} (" + (
+        "not registered in rlhf.config.jobs.JOBS)" if job is None else
+        f"rlhf.planning.job_memory.READERS has no reader of kind {job.memory!r})"))

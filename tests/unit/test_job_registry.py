@@ -1,6 +1,7 @@
-"""Every job is registered everywhere a job is listed: its config root in `rlhf.config.flags.JOB_CONFIGS`, an entry
-point `rlhf/cli/<job>.py` with `main`, a console script `rlhf-<job>` in setup.cfg, and a memory reader in
-`rlhf.planning.job_memory.READERS` (a root without one is refused, not planned as another job)."""
+"""Every job has one registration (`rlhf.config.jobs.JOBS`: name, config root, memory kind) and the rest follows
+or is checked against it: the entry point `rlhf/cli/<job>.py` parses that root, setup.cfg has the console script
+`rlhf-<job>`, the planner has a reader of its kind, the flag parser's job table and the checkpoints' job name come
+from it; a root that is not registered is refused by the planner, never planned as some other job."""
 
 import configparser
 import importlib
@@ -10,10 +11,9 @@ import pytest
 
 from rlhf.config.errors import UsageError
 from rlhf.config.flags import JOB_CONFIGS
+from rlhf.config.jobs import JOBS, job_of
 from rlhf.planning import job_memory
 from tests.distributed import ROOT
-
-JOBS = {**JOB_CONFIGS, "train_repulse": ("rlhf.repulse.repulse_config", "TrainRepulseConfig")}
 
 
 def console_scripts() -> dict[str, str]:
@@ -23,24 +23,45 @@ def console_scripts() -> dict[str, str]:
     return dict(tuple(part.strip() for part in line.split("=", 1)) for line in lines)
 
 
-@pytest.mark.parametrize("job", sorted(JOBS))
-def test_every_job_is_fully_registered(job):
-    module, root = JOBS[job]
-    cls = getattr(importlib.import_module(module), root)
-    assert callable(importlib.import_module(f"rlhf.cli.{job}").main)
-    assert console_scripts().get(f"rlhf-{job.replace('_', '-')}") == f"rlhf.cli.{job}:main"
-    assert any(issubclass(cls, reader_root) for reader_root, _ in job_memory.READERS), f"{root} has no memory reader"
+@pytest.mark.parametrize("job", JOBS, ids=lambda job: job.name)
+def test_every_job_is_fully_registered(job, monkeypatch):
+    cls = job.root_class()
+    module = importlib.import_module(f"rlhf.cli.{job.name}")
+    parsed = []
+    monkeypatch.setattr(module, "main_for", lambda root, *a, **k: parsed.append(root))
+    module.main([])
+    assert parsed == [cls], f"rlhf.cli.{job.name} parses {parsed}, not its registered root {job.root}"
+    assert console_scripts().get(job.console_script) == f"rlhf.cli.{job.name}:main"
+    assert job.memory in job_memory.READERS, f"{job.name}: no memory reader of kind {job.memory!r}"
+    assert job_of(cls.__new__(cls)) is job
+    assert (JOB_CONFIGS.get(job.name) == tuple(job.root.split(":"))) != job.fork
+
+
+def test_the_registry_names_every_entry_point_and_console_script():
+    """A job's entry point or console script that the registry lacks fails here (tools have no config root)."""
+    tools = {"build_tiny", "build_zoo", "entry_point", "evaluate_gcg", "evaluate_gcg_sz", "exit_barrier", "launch",
+             "lora_combiner", "plot", "plot_repulse", "serve_rm"}
+    cli = {name[:-3] for name in os.listdir(os.path.join(ROOT, "rlhf", "cli")) if name.endswith(".py")} - {"__init__"}
+    assert cli - tools == {job.name for job in JOBS}
+    jobs = {script for script, target in console_scripts().items() if script.startswith("rlhf-train-")
+            or target.startswith("rlhf.cli.batch_inference")}
+    assert jobs == {job.console_script for job in JOBS}
 
 
 def test_a_half_registered_job_is_refused_by_the_planner(monkeypatch):
-    """A root that no reader takes fails with its name, instead of being planned as a supervised job."""
-
-    class NewJobConfig:
-        gpu_memory_gb = 80
-
-    monkeypatch.setattr(job_memory, "READERS", [r for r in job_memory.READERS if r[0].__name__ != "TrainSFTConfig"])
-    with pytest.raises(UsageError, match="no memory plan for NewJobConfig"):
-        job_memory.job_memory(NewJobConfig(), {})
+    """A root the registry lacks, or whose kind has no reader, fails with its name instead of being planned as a
+    supervised job (as a first-match reader table once did)."""
+    from rlhf.config import jobs
     from rlhf.config.supervised_config import TrainSFTConfig
 
-    assert not any(issubclass(TrainSFTConfig, root) for root, _ in job_memory.READERS)  # what the test above catches
+    class NewJobConfig(TrainSFTConfig):  # a new job built on SFT's root, not registered yet
+        pass
+
+    cfg = NewJobConfig.__new__(NewJobConfig)
+    object.__setattr__(cfg, "gpu_memory_gb", 80)
+    with pytest.raises(UsageError, match="no memory plan for NewJobConfig .not registered in rlhf.config.jobs.JOBS"):
+        job_memory.job_memory(cfg, {})
+    monkeypatch.setattr(jobs, "JOBS", (*jobs.JOBS, jobs.JobEntry("train_new", f"{__name__}:NewJobConfig", "new")))
+    globals()["NewJobConfig"] = NewJobConfig
+    with pytest.raises(UsageError, match="READERS has no reader of kind 'new'"):
+        job_memory.job_memory(cfg, {})
