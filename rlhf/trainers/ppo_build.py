@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
 
 import torch
 
-from rlhf.config.ppo_config import AlgoConfig, RewardConfig, TrainPPOConfig
+from rlhf.config.ppo_config import AlgoConfig, BatchConfig, PPOEngineConfig, RewardConfig, TrainPPOConfig
 from rlhf.config.shared_config import replace_quietly
 from rlhf.core.role_models import check_model_configs, micro_batcher, model_builder, role_model
 from rlhf.data.pretrain import PtxData, tokenize_texts
@@ -86,9 +85,9 @@ def _engine(cfg: TrainPPOConfig, topology: Topology, role: Role, build, device: 
                       learning_rate=learning_rate, name=name or role.value, ema_beta=ema_beta)
 
 
-def batchers_for(cfg: TrainPPOConfig, topology: Topology, role: Role) -> tuple[MicroBatcher, MicroBatcher]:
+def batchers_for(e: PPOEngineConfig, b: BatchConfig, topology: Topology, role: Role
+                 ) -> tuple[MicroBatcher, MicroBatcher]:
     """(experience-time, training) micro-batchers of `role`, sample-count or token-budget based."""
-    e, b = cfg.engine, cfg.batch
     infer = micro_batcher(e, b.micro_rollout_batch_size, topology, role, e.rollout_tokens_per_gpu,
                           "--rollout_max_tokens_per_gpu" if e.rollout_max_tokens_per_gpu else
                           "--train_max_tokens_per_gpu")
@@ -177,24 +176,20 @@ def describe_layout(cfg: TrainPPOConfig, topology: Topology, device: torch.devic
     return f"layout: {'; '.join(parts)}; data-parallel replicas: {replicas}"
 
 
-def _model_builder(cfg: TrainPPOConfig, layout: SequenceLayout, load: Callable[[str], torch.nn.Module]):
-    return model_builder(cfg.model, cfg.engine, layout, load)
-
-
 def build_policy(cfg: TrainPPOConfig, topology: Topology, role: Role, device: torch.device, total_steps: int,
                  learning_rate: float, updates_per_batch: int = 1, ema_beta: float | None = None) -> Actor:
     """A trainable copy of --pretrain on `role`'s ranks (the actor, or a job's other policy), with its
     micro-batchers. `updates_per_batch`: its updates per step's samples (sizes the LR schedule); `ema_beta`: a
     moving average of its weights, which it saves (--enable_ema). Every rank of `role` calls it."""
     m = cfg.model
-    infer, train = batchers_for(cfg, topology, role)
+    infer, train = batchers_for(cfg.engine, cfg.batch, topology, role)
 
     def load(attn: str) -> torch.nn.Module:  # a trained model's base loads in 4 bits with QLoRA
         return with_router_aux_loss(load_causal_lm(m.pretrain, m.dtype, attn, m.trust_remote_code,
                                                    m.lora.load_in_4bit), cfg.algo.aux_loss_coef)
 
-    model = _engine(_with_steps(cfg, total_steps), topology, role, _model_builder(cfg, train.layout, load), device,
-                    trainable=True, learning_rate=learning_rate, updates_per_batch=updates_per_batch,
+    model = _engine(_with_steps(cfg, total_steps), topology, role, model_builder(m, cfg.engine, train.layout, load),
+                    device, trainable=True, learning_rate=learning_rate, updates_per_batch=updates_per_batch,
                     ema_beta=ema_beta)
     return Actor(model, topology.data_group(role), device, temperature=cfg.rollout.temperature, algo=cfg.algo,
                  infer_batcher=infer, train_batcher=train)
@@ -219,23 +214,23 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
                              ema_beta=cfg.optim.actor_ema_beta)
     if Role.CRITIC in topology.plan and topology.hosts(Role.CRITIC):
         path = cfg.critic_init
-        infer, train = batchers_for(cfg, topology, Role.CRITIC)
-        model = _engine(_with_steps(cfg, total_steps), topology, Role.CRITIC, _model_builder(
-            cfg, train.layout, lambda attn: load_scalar_head_model(path, m.value_head_prefix, dtype, attn,
-                                                                   m.trust_remote_code, "--critic_pretrain",
-                                                                   fresh_head=True, load_in_4bit=four_bit)),
+        infer, train = batchers_for(cfg.engine, cfg.batch, topology, Role.CRITIC)
+        model = _engine(_with_steps(cfg, total_steps), topology, Role.CRITIC, model_builder(
+            m, cfg.engine, train.layout, lambda attn: load_scalar_head_model(path, m.value_head_prefix, dtype, attn,
+                                                                             m.trust_remote_code, "--critic_pretrain",
+                                                                             fresh_head=True, load_in_4bit=four_bit)),
                         device, trainable=True, learning_rate=cfg.optim.critic_learning_rate)
         critic = Critic(model, topology.data_group(Role.CRITIC), device, cfg.algo.value_clip, infer_batcher=infer,
                         train_batcher=train)
     if Role.REF in topology.plan and topology.hosts(Role.REF):
-        ref_batcher, _ = batchers_for(cfg, topology, Role.REF)
-        frozen.append(_engine(cfg, topology, Role.REF, _model_builder(cfg, ref_batcher.layout, causal_lm), device,
-                              trainable=False))
+        ref_batcher, _ = batchers_for(cfg.engine, cfg.batch, topology, Role.REF)
+        frozen.append(_engine(cfg, topology, Role.REF, model_builder(m, cfg.engine, ref_batcher.layout, causal_lm),
+                              device, trainable=False))
         ref_model = frozen[-1].engine
     reward = reward_source
     norms = stored_reward_norms(cfg.reward, cfg.algo)
     if cfg.reward.reward_paths and topology.hosts(Role.REWARD):
-        reward_batcher, _ = batchers_for(cfg, topology, Role.REWARD)
+        reward_batcher, _ = batchers_for(cfg.engine, cfg.batch, topology, Role.REWARD)
         reward_models = _reward_models(cfg, topology, device, reward_batcher.layout)
         frozen.extend(reward_models)
         reward = RewardModelEnsemble([m.engine for m in reward_models], device, reward_batcher, norms)
@@ -274,9 +269,10 @@ def _with_steps(cfg: TrainPPOConfig, total_steps: int) -> TrainPPOConfig:
 def _reward_models(cfg: TrainPPOConfig, topology: Topology, device: torch.device,
                    layout: SequenceLayout) -> list[DeepSpeedModel]:
     m, dtype = cfg.model, cfg.model.dtype
-    return [_engine(cfg, topology, Role.REWARD, _model_builder(
-        cfg, layout, lambda attn, p=path: load_scalar_head_model(p, m.value_head_prefix, dtype, attn,
-                                                                 m.trust_remote_code)), device, trainable=False)
+    return [_engine(cfg, topology, Role.REWARD, model_builder(
+        m, cfg.engine, layout, lambda attn, p=path: load_scalar_head_model(p, m.value_head_prefix, dtype, attn,
+                                                                           m.trust_remote_code)), device,
+                    trainable=False)
             for path in cfg.reward.reward_paths]
 
 
