@@ -264,14 +264,16 @@ def test_a_resume_of_another_job_model_tokenizer_or_layout_is_refused_before_any
     from rlhf.core.run import run_identity
     from rlhf.utils.checkpoint_files import check_resumable
 
-    def ppo_config(pretrain, zero_stage=2, param_dtype="fp32", lora_rank=0):  # what run_identity reads of a root
+    def ppo_config(pretrain, zero_stage=2, param_dtype="fp32", lora_rank=0, tp=1):  # what run_identity reads
         model = SimpleNamespace(pretrain=pretrain, param_dtype=param_dtype, lora=LoRAConfig(lora_rank=lora_rank))
-        return type("TrainPPOConfig", (), {"model": model, "engine": EngineConfig(zero_stage=zero_stage)})()
+        engine = EngineConfig(zero_stage=zero_stage, ds_tensor_parallel_size=tp)
+        return type("TrainPPOConfig", (), {"model": model, "engine": engine})()
 
     ppo = run_identity(ppo_config(EMBEDDED_MODEL_DIR))
     assert ppo["job"] == "train_ppo" and len(ppo["pretrain_fingerprint"]) == 64
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(ppo["tokenizer_fingerprint"])
-    assert ppo["state_flags"] == {"--param_dtype": "fp32", "--lora_rank": 0}  # --zero_stage may change: states move
+    # --zero_stage may change: the states move
+    assert ppo["state_flags"] == {"--ds_tensor_parallel_size": 1, "--param_dtype": "fp32", "--lora_rank": 0}
     ckpt = tmp_path / "ckpt"
     fake_checkpoint(ckpt, 4, world_size=1, identity=ppo)
     check_resumable(str(ckpt), why="--load_checkpoint", identity=ppo)  # the same run: resumes
@@ -303,3 +305,8 @@ def test_a_resume_of_another_job_model_tokenizer_or_layout_is_refused_before_any
                                          r"--param_dtype bf16, --lora_rank 8 \(its engine states .*\): resume with "
                                          "--param_dtype fp32, --lora_rank 0, or start a new --ckpt_path"):
         check_resumable(str(ckpt), why="--load_checkpoint", identity=relora)
+    split = run_identity(ppo_config(EMBEDDED_MODEL_DIR, tp=2))  # a tensor-parallel state does not move (yet)
+    with pytest.raises(UsageError, match=r"was written with --ds_tensor_parallel_size 1 and this run has "
+                                         r"--ds_tensor_parallel_size 2 \(its engine states are typed, chosen or split "
+                                         r"by them\): resume with --ds_tensor_parallel_size 1"):
+        check_resumable(str(ckpt), why="--load_checkpoint", identity=split)
