@@ -254,12 +254,18 @@ class Topology:
         """This rank's place in its replica of `role` (0: the rank that counts the replica's samples once)."""
         return self.plan[role].index(self.rank) % self.replica_size
 
+    def _block_of(self, role: Role, size: int, blocks: dict[tuple[int, ...], dist.ProcessGroup]
+                  ) -> dist.ProcessGroup | None:
+        """The group of the `size` consecutive ranks of `role` that hold this rank (`_blocks_of_each_role`); None
+        when `size` is 1."""
+        if size == 1:
+            return None
+        start = self.plan[role].index(self.rank) // size * size
+        return blocks[self.plan[role][start:start + size]]
+
     def tp_group(self, role: Role) -> dist.ProcessGroup | None:
         """This rank's tensor-parallel group for `role`; None without tensor parallelism."""
-        if self.tp_size == 1:
-            return None
-        start = self.plan[role].index(self.rank) // self.tp_size * self.tp_size
-        return self._tp_groups[self.plan[role][start:start + self.tp_size]]
+        return self._block_of(role, self.tp_size, self._tp_groups)
 
     def data_group(self, role: Role) -> dist.ProcessGroup:
         """The ranks of `role` that DeepSpeed reduces this rank's gradients over and partitions its ZeRO states
@@ -276,18 +282,12 @@ class Topology:
 
     def ring_group(self, role: Role) -> dist.ProcessGroup | None:
         """This rank's ring-attention group for `role`; None without ring attention."""
-        if self.ring_size == 1:
-            return None
-        start = self.plan[role].index(self.rank) // self.ring_size * self.ring_size
-        return self._ring_groups[self.plan[role][start:start + self.ring_size]]
+        return self._block_of(role, self.ring_size, self._ring_groups)
 
     def hpz_group(self, role: Role) -> dist.ProcessGroup | None:
         """This rank's ZeRO++ secondary-partition group for `role` (--zpg consecutive ranks of it); None when
         --zpg is 1."""
-        if self.hpz_size == 1:
-            return None
-        start = self.plan[role].index(self.rank) // self.hpz_size * self.hpz_size
-        return self._hpz_groups[self.plan[role][start:start + self.hpz_size]]
+        return self._block_of(role, self.hpz_size, self._hpz_groups)
 
     def leads(self, role: Role) -> bool:
         """Whether this is the first rank of `role` (the one that writes its files and reports its norms)."""
