@@ -295,10 +295,10 @@ def _python(code: str, timeout: int, **env: str):
 def test_a_refused_command_never_imports_torch():
     """Every job answers a mistyped flag before torch (let alone transformers, DeepSpeed, vLLM) is imported:
     `benchmarks/refusal_latency.py` measures the time this saves."""
-    from tests.unit.test_job_registry import JOBS
+    from rlhf.config.jobs import JOBS
 
     code = ("import sys\n"
-            f"for job in {list(JOBS)!r}:\n"
+            f"for job in {[job.name for job in JOBS]!r}:\n"
             "    module = __import__(f'rlhf.cli.{job}', fromlist=['main'])\n"
             "    try:\n"
             "        module.main(['--no_such_flag'])\n"
