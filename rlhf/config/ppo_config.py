@@ -592,11 +592,9 @@ class TrainPPOConfig(JobConfig):
         evenly; trainable ones also its batches."""
         b, ring = self.batch, self.engine.replica_size
         samples = b.rollout_batch_size * self.schedule.samples_per_prompt
-        groups = (f"rings of --ring_attn_size {ring}" if self.engine.ds_tensor_parallel_size == 1 else
-                  f"tensor-parallel groups of --ds_tensor_parallel_size {ring}")
         for role, count in rank_counts.items():
-            require(count % ring == 0, f"the {count} {role} ranks do not split into {groups}; change the role's "
-                                        "rank count or that size")
+            require(count % ring == 0, f"the {count} {role} ranks do not split into {self.engine.replica_groups}; "
+                                        "change the role's rank count or that size")
             dp = count // ring
             require(samples % dp == 0, f"the {samples} samples of a step do not split over the {dp} {role} ranks; "
                                         "change --rollout_batch_size or the role's rank count")

@@ -246,6 +246,14 @@ class EngineConfig:
         return self.ring_attn_size * self.ds_tensor_parallel_size
 
     @property
+    def replica_groups(self) -> str:
+        """What a replica is, for messages: "rings of --ring_attn_size R" or "tensor-parallel groups of
+        --ds_tensor_parallel_size N"."""
+        if self.ds_tensor_parallel_size > 1:
+            return f"tensor-parallel groups of --ds_tensor_parallel_size {self.ds_tensor_parallel_size}"
+        return f"rings of --ring_attn_size {self.ring_attn_size}"
+
+    @property
     def hpz_size(self) -> int:
         """Ranks per ZeRO++ secondary-partition group: --zpg at ZeRO-3, else 1 (none)."""
         return self.zpg if self.zero_stage == 3 else 1

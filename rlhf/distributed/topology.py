@@ -184,21 +184,27 @@ class Topology:
         self._tp_groups = (self._blocks_of_each_role(
             tp_size, f"tensor-parallel groups of --ds_tensor_parallel_size {tp_size}", "--ds_tensor_parallel_size")
             if tp_size > 1 else {})
+        if tp_size > 1:
+            self._check_one_data_group_per_rank()
         self._data_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for role in Role if tp_size > 1 else ():
             if role in self.plan and role is not Role.ROLLOUT:
-                for place in range(tp_size):
-                    ranks = self.plan[role][place::tp_size]
-                    if ranks not in self._data_groups:
+                for rank in self.plan[role][:tp_size]:  # one rank at each place of a tensor-parallel group
+                    ranks = self._data_ranks(role, rank)
+                    if ranks not in self._data_groups:  # roles on the same ranks share their data groups
                         self._data_groups[ranks] = dist.new_group(list(ranks))
-        if tp_size > 1:
-            self._check_one_data_group_per_rank()
+
+    def _data_ranks(self, role: Role, rank: int) -> tuple[int, ...]:
+        """The ranks of `role` at `rank`'s place in each of the role's tensor-parallel groups (its data group)."""
+        ranks = self.plan[role]
+        return ranks[ranks.index(rank) % self.tp_size::self.tp_size]
 
     def _check_one_data_group_per_rank(self) -> None:
         """DeepSpeed keeps one tensor-parallel and one data group per process (`use_tensor_parallel_groups`): the
-        roles a rank hosts must share them. Checked for every rank, so every rank raises alike."""
+        roles a rank hosts must share them. Checked for every rank before any group is made, so every rank raises
+        alike."""
         for rank in range(self.world_size):
-            hosted = {role.value: (ranks[ranks.index(rank) % self.tp_size::self.tp_size])
+            hosted = {role.value: self._data_ranks(role, rank)
                       for role, ranks in self.plan.items() if role is not Role.ROLLOUT and rank in ranks}
             if len(set(hosted.values())) > 1:
                 detail = ", ".join(f"{name} with ranks {list(ranks)}" for name, ranks in hosted.items())
@@ -273,8 +279,7 @@ class Topology:
         tensor-parallel groups."""
         if self.tp_size == 1:
             return self.group(role)
-        ranks = self.plan[role]
-        return self._data_groups[ranks[ranks.index(self.rank) % self.tp_size::self.tp_size]]
+        return self._data_groups[self._data_ranks(role, self.rank)]
 
     def ring_rank(self, role: Role) -> int:
         """This rank's position in its ring of `role` (0 without ring attention)."""

@@ -130,9 +130,7 @@ def check_before_engines(cfg, num_ranks: int) -> None:
     """Flags and model files, before any engine or process group starts (`num_ranks`: the trained model's)."""
     e, b, d = cfg.engine, cfg.batch, cfg.data
     if num_ranks % e.replica_size:
-        raise UsageError(f"the {num_ranks} ranks do not split into " + (
-            f"rings of --ring_attn_size {e.ring_attn_size}" if e.ds_tensor_parallel_size == 1 else
-            f"tensor-parallel groups of --ds_tensor_parallel_size {e.ds_tensor_parallel_size}"))
+        raise UsageError(f"the {num_ranks} ranks do not split into {e.replica_groups}")
     dp = num_ranks // e.replica_size
     per = 1 if e.use_dynamic_batch else b.micro_train_batch_size
     if b.train_batch_size % (per * dp):

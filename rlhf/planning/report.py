@@ -38,11 +38,11 @@ def rank_plan_lines(plan: dict[Role, tuple[int, ...]], ring: int, rollout_tp: in
     lines = [f"rank plan ({len({r for ranks in plan.values() for r in ranks})} ranks):"]
     for role, ranks in plan.items():
         if role is Role.ROLLOUT:
-            tp = rollout_tp or 1
-            groups = [ranks[i:i + tp] for i in range(0, len(ranks), tp)]
-            lines.append(f"  rollout: {len(groups)} engine(s) of tensor-parallel size {tp}"
+            engine_tp = rollout_tp or 1
+            groups = [ranks[i:i + engine_tp] for i in range(0, len(ranks), engine_tp)]
+            lines.append(f"  rollout: {len(groups)} engine(s) of tensor-parallel size {engine_tp}"
                          + (f" (ranks {'; '.join(spans(g) for g in groups[:4])}{'; ...' if len(groups) > 4 else ''})"
-                            if tp > 1 else f" (ranks {spans(ranks)})"))
+                            if engine_tp > 1 else f" (ranks {spans(ranks)})"))
         else:
             lines.append(f"  {role.value}: ranks {spans(ranks)}, {len(ranks) // ring // tp} data-parallel replica(s)"
                          + (f", rings of {ring}" if ring > 1 else "")
