@@ -1,7 +1,7 @@
 """The jobs under a real SLURM (tests/slurm_cluster.py: slurmctld, slurmd and munged of our own on this host, no GPUs),
 not simulated SLURM_* variables: `srun -n 2` of train_sft, an sbatch of launch/train_cpu.sbatch that ends COMPLETED,
 `scancel --signal USR1` making every task checkpoint and exit 0 with a resubmitted job reaching the straight run's
-weights bit for bit, a 4-task checkpoint resumed by 2 tasks (sbatch, and rlhf.cli.launch), and a task killed with
+weights bit for bit, a 4-task checkpoint moved to another directory and resumed by 2 tasks, and a task killed with
 SIGKILL ending the step (--kill-on-bad-exit) with the rank named. Each run is 4 SFT steps of the embedded demo on 2
 CPU tasks."""
 
@@ -96,16 +96,14 @@ def test_usr1_checkpoints_and_the_resubmitted_job_matches_the_straight_run(slurm
         assert torch.equal(resumed[name], w), name
 
 
-def test_a_four_task_checkpoint_resumes_on_two_tasks_and_through_the_launcher(slurm, straight, tmp_path):
+def test_a_four_task_checkpoint_moved_to_another_directory_resumes_on_two_tasks(slurm, straight, tmp_path):
     """Where users move a job: `srun -n 4` (--overcommit: CI hosts have 2 CPUs) checkpoints after steps 2 and 4; the
-    step-4 one is dropped, as if preempted after step 2. An sbatch job of 2 tasks resumes it, and so does
-    `rlhf.cli.launch --nproc_per_node 2` from a copy: each continues the straight 2-task job's steps (the same
-    samples, metrics to float rounding, weights within AdamW's bound)."""
+    step-4 one is dropped, as if preempted after step 2, and the checkpoint directory is copied elsewhere (a new
+    allocation's storage). An sbatch job of 2 tasks resumes the copy and continues the straight 2-task job's steps
+    (the same samples, metrics to float rounding, weights within AdamW's bound). Moves of stage and placement, with
+    PPO and DPO: tests/e2e/test_checkpoint_move.py."""
     import shutil
-    import subprocess
-    import sys
 
-    from tests.distributed import assert_clean_exit
     from tests.tiny_runs import assert_same_steps
 
     four = [*SUPERVISED[:SUPERVISED.index("--micro_train_batch_size")], "--micro_train_batch_size", "4",
@@ -118,34 +116,22 @@ def test_a_four_task_checkpoint_resumes_on_two_tasks_and_through_the_launcher(sl
     assert "4 data-parallel replica(s)" in proc.stdout
     assert [s for s, _ in complete_checkpoints(str(ckpt))] == [2, 4]
     shutil.rmtree(ckpt / "global_step4")
-    shutil.copytree(ckpt, tmp_path / "ckpt_launch")
-    runs = {}
-    for how, path in (("sbatch", ckpt), ("launch", tmp_path / "ckpt_launch")):
-        out = tmp_path / how
-        shutil.copytree(first, out)  # the first job's save path: its metrics rows up to the checkpoint stay
-        args = [*SUPERVISED, "--save_path", str(out), "--ckpt_path", str(path), "--load_checkpoint"]
-        if how == "sbatch":
-            info = slurm.wait(slurm.sbatch(f"--output={tmp_path}/{how}.out", SBATCH, *args,
-                                           env={"JOB": "train_sft", "MASTER_PORT": str(free_port())}))
-            text = (tmp_path / f"{how}.out").read_text()
-            assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text[-4000:]
-        else:
-            launched = subprocess.run([sys.executable, "-m", "rlhf.cli.launch", "--nproc_per_node=2",
-                                       "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m",
-                                       "rlhf.cli.train_sft", *args], cwd=ROOT, capture_output=True, text=True,
-                                      timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
-            assert launched.returncode == 0, launched.stderr[-4000:]
-            assert_clean_exit(launched, out)
-            text = launched.stdout
-        assert "the model's state moved from ZeRO-2 over 4 ranks to ZeRO-2 over 2 ranks" in text, text[-3000:]
-        assert "the run moved from 4 ranks to 2" in text
-        assert f"resumed from {path}/global_step2 after 2 steps; step 3 trains on samples " in text
-        runs[how] = (read_metrics(out), weights(out))
+    moved, out = tmp_path / "moved_ckpt", tmp_path / "resumed"
+    shutil.move(ckpt, moved)
+    shutil.copytree(first, out)  # the first job's save path: its metrics rows up to the checkpoint stay
+    args = [*SUPERVISED, "--save_path", str(out), "--ckpt_path", str(moved), "--load_checkpoint"]
+    info = slurm.wait(slurm.sbatch(f"--output={tmp_path}/resumed.out", SBATCH, *args,
+                                   env={"JOB": "train_sft", "MASTER_PORT": str(free_port())}))
+    text = (tmp_path / "resumed.out").read_text()
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text[-4000:]
+    assert "the model's state moved from ZeRO-2 over 4 ranks to ZeRO-2 over 2 ranks" in text, text[-3000:]
+    assert "the run moved from 4 ranks to 2" in text
+    assert f"resumed from {moved}/global_step2 after 2 steps; step 3 trains on samples " in text
+    run = (read_metrics(out), weights(out))
     reference = (read_metrics(straight[1] / "model"), weights(straight[1] / "model"))
-    for how, run in runs.items():
-        assert [r["step"] for r in run[0]] == [0, 1, 2, 3, 4], how
-        assert_same_steps(reference, run, ("gpt_loss", "grad_norm", "lr", "eval_gpt_loss"), rel=1e-4, abs_=1e-6,
-                          what=how)
+    assert [r["step"] for r in run[0]] == [0, 1, 2, 3, 4]
+    assert_same_steps(reference, run, ("gpt_loss", "grad_norm", "lr", "eval_gpt_loss"), rel=1e-4, abs_=1e-6,
+                      what="sbatch")
 
 
 def task_pid(job_id: int, procid: int) -> int | None:
