@@ -21,11 +21,20 @@ API_KEY_ENV = "RLHF_RM_API_KEY"
 # what the same request can pass on a later try: the server (or a proxy before it) was slow, busy or unreachable.
 # Not a 500: serve_rm answers 500 for a fault of its reward source on these samples, which a retry hits again.
 _RETRIED_HTTP = (408, 429, 502, 503, 504)
+MAX_BACKOFF_S = 2.0
+"""The longest sleep between two tries: a server that comes back (a restart takes seconds to a minute) is reached
+within this of its return, not after a doubled sleep that can outlast the other ranks' --dist_timeout."""
+
+
+def backoff_schedule(backoff_s: float, retries: int) -> list[float]:
+    """The sleeps between `retries` tries: backoff_s doubling, each at most MAX_BACKOFF_S."""
+    return [min(backoff_s * 2**attempt, MAX_BACKOFF_S) for attempt in range(retries - 1)]
 
 
 class RemoteRewardClient:
     """A `RewardSource` that posts each batch to `url`. Failures a retry can pass (connection errors, timeouts,
-    truncated or garbled answers, HTTP 408, 429, 502, 503, 504) are retried with backoff; any other HTTP error
+    truncated or garbled answers, HTTP 408, 429, 502, 503, 504) are retried after sleeps of backoff_s doubling
+    up to MAX_BACKOFF_S (`backoff_schedule`); any other HTTP error
     raises at once: ValueError for a 4xx (the request's fault), RuntimeError for a 5xx such as serve_rm's 500.
     `api_key` (default: env RLHF_RM_API_KEY) is sent as `Authorization: Bearer <key>`."""
 
@@ -59,7 +68,7 @@ class RemoteRewardClient:
             else:
                 return result_from_output(out, len(batch.queries), f"reward server {self.url}")
             if attempt + 1 < self.retries:
-                time.sleep(self.backoff_s * 2**attempt)
+                time.sleep(backoff_schedule(self.backoff_s, self.retries)[attempt])
         raise RuntimeError(f"reward server {self.url} failed {self.retries} times (timeout {self.timeout_s}s); "
                            f"last error: {last_error}")
 

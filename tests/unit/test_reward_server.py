@@ -24,7 +24,7 @@ from rlhf.assets import EMBEDDED_REWARD_MODEL_DIR
 from rlhf.cli.serve_rm import build_source
 from rlhf.rewards import RemoteRewardClient, RewardInputs
 from rlhf.rewards.base import RewardResult
-from rlhf.rewards.remote import API_KEY_ENV
+from rlhf.rewards.remote import API_KEY_ENV, backoff_schedule
 from rlhf.rewards.reward_server import RewardServer, ServerLimits
 from tests.distributed import free_port
 
@@ -138,6 +138,21 @@ def test_any_scoring_error_is_a_500_with_the_message_that_the_client_does_not_re
             RemoteRewardClient(url, timeout_s=5, retries=3, backoff_s=0.01).score(INPUTS)
         assert source.calls == 2  # post() once, the client once
     assert "no_such_column" in capsys.readouterr().err  # the traceback is logged server-side
+
+
+def test_the_client_sleeps_at_most_two_seconds_between_tries(monkeypatch):
+    """The chaos run's --remote_rm_retries 8: doubling sleeps would reach 16 and 32 s, so a server back after 20 s
+    was tried again only at 31.5 s, past the other ranks' 30 s --dist_timeout (measured under load)."""
+    assert backoff_schedule(0.5, 8) == [0.5, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+    assert backoff_schedule(0.5, 1) == []
+    slept = []
+    monkeypatch.setattr("rlhf.rewards.remote.time.sleep", slept.append)
+    with socket.socket() as s:  # a port nothing listens on: every try is refused
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}/get_reward"
+    with pytest.raises(RuntimeError, match="failed 5 times"):
+        RemoteRewardClient(closed, timeout_s=5, retries=5, backoff_s=0.5).score(INPUTS)
+    assert slept == [0.5, 1.0, 2.0, 2.0]
 
 
 def test_value_error_from_the_source_is_a_422_that_the_client_does_not_retry():
