@@ -29,7 +29,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from rl_step import RUN_FLAGS, SAMPLES_PER_STEP, build_model_dir  # noqa: E402
+from rl_step import RUN_FLAGS, SAMPLES_PER_STEP, STAGES, build_model_dir  # noqa: E402
 
 WARMUP = 2
 
@@ -55,8 +55,9 @@ def trl_run(python: str, model: str, prompts: str, steps: int, work: str) -> tup
     return statistics.mean(per_step), statistics.mean(record["mean_completion_length"][WARMUP:])
 
 
-def our_run(model: str, prompts: str, reward: str, steps: int, work: str, extra: list[str]) -> tuple[float, float]:
-    """(seconds per step after the warm-up, mean response length) of one train_ppo run."""
+def our_run(model: str, prompts: str, reward: str, steps: int, work: str, extra: list[str]
+            ) -> tuple[float, float, str]:
+    """(seconds per step after the warm-up, mean response length, each stage's share) of one train_ppo run."""
     save = os.path.join(work, "ours")
     flags = [*RUN_FLAGS, "--packing_samples", "--pretrain", model, "--prompt_data", prompts, "--input_key", "input",
              "--label_key", "label", "--remote_rm_url", reward, "--max_steps", str(steps), "--save_path", save,
@@ -64,7 +65,9 @@ def our_run(model: str, prompts: str, reward: str, steps: int, work: str, extra:
     torchrun_module(flags, os.path.join(work, "ours.log"))
     with open(os.path.join(save, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f][WARMUP:]
-    return statistics.mean(r["time/step"] for r in rows), statistics.mean(r["response_length"] for r in rows)
+    step = statistics.mean(r["time/step"] for r in rows)
+    shares = ", ".join(f"{stage} {statistics.mean(r[f'time/{stage}'] for r in rows) / step:.0%}" for stage in STAGES)
+    return step, statistics.mean(r["response_length"] for r in rows), shares
 
 
 def torchrun_module(flags: list[str], log: str) -> None:
@@ -97,8 +100,9 @@ def main() -> None:
     prompts, reward = str(TINY_DIR / "prompts.jsonl"), str(TINY_DIR / "reward.py")
     print(f"{SAMPLES_PER_STEP} samples a step, 2 ranks, steps {WARMUP + 1}..{args.steps}; extra flags of ours: "
           f"{' '.join(extra) or '(none)'}", flush=True)
-    print("| model | round | TRL s/step (samples/s, mean length) | ours s/step (samples/s, mean length) | ours / TRL |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| model | round | TRL s/step (samples/s, mean length) | ours s/step (samples/s, mean length) | ours / TRL "
+          "| our stages |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for size in args.sizes:
         with tempfile.TemporaryDirectory() as work:
             model = os.path.join(work, "model")
@@ -107,10 +111,10 @@ def main() -> None:
                 rdir = os.path.join(work, f"round{round_}")
                 os.makedirs(rdir)
                 trl_s, trl_len = trl_run(args.trl_python, model, prompts, args.steps, rdir)
-                our_s, our_len = our_run(model, prompts, reward, args.steps, rdir, extra)
+                our_s, our_len, shares = our_run(model, prompts, reward, args.steps, rdir, extra)
                 print(f"| {size} ({params / 1e6:.1f}M) | {round_} | {trl_s:.3f} ({SAMPLES_PER_STEP / trl_s:.1f}, "
                       f"{trl_len:.1f}) | {our_s:.3f} ({SAMPLES_PER_STEP / our_s:.1f}, {our_len:.1f}) | "
-                      f"**{trl_s / our_s:.2f}x** |", flush=True)
+                      f"**{trl_s / our_s:.2f}x** | {shares} |", flush=True)
 
 
 if __name__ == "__main__":
