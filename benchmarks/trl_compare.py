@@ -5,9 +5,9 @@
 
 PYTHON is an interpreter that imports `trl` (TRL is not a dependency of this product: for example a venv with
 `pip install trl` whose site-packages also see this one's torch and transformers, so both sides run the same
-versions). Each round runs TRL (`trl_grpo_worker.py`) and then `train_ppo`, each under its own torchrun of 2
-ranks (`OMP_NUM_THREADS=1` per rank, as torchrun sets), and reads the seconds of each step after the first two
-(warm-up): TRL's from a step-end callback, ours from `metrics.jsonl`'s `time/step`.
+versions). Each round runs TRL (`trl_grpo_worker.py`, under torchrun) and then `train_ppo` (under
+`rlhf.cli.launch`, as users run it), each on 2 ranks (`OMP_NUM_THREADS=1` per rank), and reads the seconds of each
+step after the first two (warm-up): TRL's from a step-end callback, ours from `metrics.jsonl`'s `time/step`.
 
 Settings of both: `rl_step.py`'s random Llama of the size (the embedded 64-word tokenizer), the embedded prompts
 and copy reward, GRPO with 4 samples x 8 prompts a step (16 per rank), up to 128 new tokens (natural lengths,
@@ -71,13 +71,14 @@ def our_run(model: str, prompts: str, reward: str, steps: int, work: str, extra:
 
 
 def torchrun_module(flags: list[str], log: str) -> None:
-    """`torchrun -m rlhf.cli.train_ppo FLAGS` on 2 ranks."""
+    """`train_ppo FLAGS` on 2 ranks through the product's launcher (`rlhf.cli.launch`, torchrun with the allocator
+    and OpenMP libraries vLLM's CPU backend asks for preloaded, as a user runs it)."""
     import subprocess
 
     from rl_step import ROOT, free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "-m", "rlhf.cli.train_ppo", *flags]
+    cmd = [sys.executable, "-m", "rlhf.cli.launch", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "rlhf.cli.train_ppo", *flags]
     with open(log, "w") as out:
         code = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=out,
                               stderr=subprocess.STDOUT).returncode
