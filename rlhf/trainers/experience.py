@@ -30,7 +30,7 @@ from rlhf.algorithms.shaping import (
     overlong_penalty,
     stop_properly_penalty,
 )
-from rlhf.config.ppo_config import AlgoConfig, BatchConfig, Schedule, TrainPPOConfig
+from rlhf.config.ppo_config import AlgoConfig, BatchConfig, RolloutConfig, Schedule
 from rlhf.data.records import Experience, Rollout
 from rlhf.distributed.collectives import assemble, broadcast_keys, shard
 from rlhf.distributed.topology import Role, Topology
@@ -78,19 +78,21 @@ class ExperienceMaker:
     """Built on every rank; roles the rank does not host are None. `skip_actor_forward`: leave the old log-probs
     to the training forward (`actor_forward_skippable`)."""
 
-    def __init__(self, cfg: TrainPPOConfig, topology: Topology, *, actor: Actor | None, critic: Critic | None,
+    def __init__(self, algo: AlgoConfig, rollout: RolloutConfig, schedule: Schedule, topology: Topology, *,
+                 actor: Actor | None, critic: Critic | None,
                  ref_model: torch.nn.Module | None, reward: RewardSource | None, device: torch.device,
                  ref_batcher: MicroBatcher | None = None, running_reward_norm: bool | None = None,
                  skip_actor_forward: bool = False) -> None:
-        """`running_reward_norm`: normalise rewards with running statistics (default: --normalize_reward;
-        False when the reward models normalise with their stored statistics instead)."""
-        self.cfg, self.topology, self.device = cfg, topology, device
-        self.running_reward_norm = cfg.algo.normalize_reward if running_reward_norm is None else running_reward_norm
+        """`schedule`: the job's (`TrainPPOConfig.schedule`: RePULSe's differs); `running_reward_norm`: normalise
+        rewards with running statistics (default: --normalize_reward; False when the reward models normalise with
+        their stored statistics instead)."""
+        self.algo, self.rollout, self.schedule = algo, rollout, schedule
+        self.topology, self.device = topology, device
+        self.running_reward_norm = algo.normalize_reward if running_reward_norm is None else running_reward_norm
         self.actor, self.critic, self.ref_model, self.reward = actor, critic, ref_model, reward
         self.ref_batcher = ref_batcher
         self.skip_actor_forward = skip_actor_forward
-        self.estimator = ESTIMATORS[cfg.algo.advantage_estimator]
-        algo = cfg.algo
+        self.estimator = ESTIMATORS[algo.advantage_estimator]
         self.kl_ctl = KLController(algo.init_kl_coef, algo.kl_target, algo.kl_horizon)
         self.reward_stats = RunningMoments()
 
@@ -135,9 +137,9 @@ class ExperienceMaker:
         return Scored(both[:, 0], both[:, 1], extra, frozenset(per_call))
 
     def _shape_rewards(self, rewards_B: torch.Tensor, batch: Rollout) -> torch.Tensor:
-        algo = self.cfg.algo
+        algo = self.algo
         if algo.overlong_buffer_len is not None:
-            rewards_B = rewards_B + overlong_penalty(batch.response_lens_B, self.cfg.rollout.generate_max_len,
+            rewards_B = rewards_B + overlong_penalty(batch.response_lens_B, self.rollout.generate_max_len,
                                                      algo.overlong_buffer_len, algo.overlong_penalty_factor)
         if algo.stop_properly_penalty_coef is not None:
             truncated = torch.tensor([f == "length" for f in batch.finish_reasons])
@@ -162,7 +164,7 @@ class ExperienceMaker:
         old = self._by_role(Role.ACTOR, lambda w: self.actor.logprobs(seq[w], mask[w]), (B, T - 1))
         if not with_ref:
             return old, None
-        temperature = self.cfg.rollout.temperature
+        temperature = self.rollout.temperature
         ref = self._by_role(Role.REF, lambda w: batched_logprobs(self.ref_model, seq[w], mask[w], self.ref_batcher,
                                                                  temperature, self.device), (B, T - 1))
         return old, ref
@@ -200,11 +202,11 @@ class ExperienceMaker:
         raw_rewards, scores, extra = scored.rewards_B, scored.scores_B, scored.extra
         rewards = self._shape_rewards(raw_rewards, batch)
         action = batch.action_mask_BT1
-        n = self.cfg.schedule.samples_per_prompt
-        if self.cfg.algo.dynamic_filtering:
-            keep = group_filter(scores.reshape(-1, n), *self.cfg.algo.dynamic_filtering_reward_range)
+        n = self.schedule.samples_per_prompt
+        if self.algo.dynamic_filtering:
+            keep = group_filter(scores.reshape(-1, n), *self.algo.dynamic_filtering_reward_range)
             action = action * keep.repeat_interleave(n)[:, None].float()
-        kl = kl_estimate(old, ref, self.cfg.algo.kl_estimator) * action if ref is not None else None
+        kl = kl_estimate(old, ref, self.algo.kl_estimator) * action if ref is not None else None
         advantages, returns = self._advantages(rewards, action, kl, values, n)
         metrics = self._metrics(batch, raw_rewards, rewards, extra, kl, action)
         metrics["return_mean"] = _token_mean(returns, action)
@@ -220,14 +222,14 @@ class ExperienceMaker:
 
     def _rollout_mismatch(self, old: torch.Tensor, rollout: torch.Tensor, action: torch.Tensor) -> dict[str, float]:
         """How far the engine's log-probs are from the actor's, and what the off-policy correction does."""
-        values = rollout_mismatch_BT1(old, rollout, action, self.cfg.algo.is_correction)
+        values = rollout_mismatch_BT1(old, rollout, action, self.algo.is_correction)
         return {name: _token_mean(v, action) for name, v in values.items()}
 
     def _advantages(self, rewards_B: torch.Tensor, action: torch.Tensor, kl: torch.Tensor | None,
                     values: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(advantages, returns) per token; for critic-free estimators the returns are the discounted
         sums of the (group-adjusted) token rewards before whitening."""
-        algo, est = self.cfg.algo, self.estimator
+        algo, est = self.algo, self.estimator
         if est.group_step is not None:
             rewards_B = est.group_step(rewards_B.reshape(-1, n)).reshape(-1)
         kl_in_reward = None if algo.use_kl_loss else kl

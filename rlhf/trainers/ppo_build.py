@@ -234,8 +234,8 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
         reward_models = _reward_models(cfg, topology, device, reward_batcher.layout)
         frozen.extend(reward_models)
         reward = RewardModelEnsemble([m.engine for m in reward_models], device, reward_batcher, norms)
-    experience = ExperienceMaker(cfg, topology, actor=actor, critic=critic, ref_model=ref_model, reward=reward,
-                                 device=device, ref_batcher=ref_batcher,
+    experience = ExperienceMaker(cfg.algo, cfg.rollout, cfg.schedule, topology, actor=actor, critic=critic,
+                                 ref_model=ref_model, reward=reward, device=device, ref_batcher=ref_batcher,
                                  running_reward_norm=cfg.algo.normalize_reward and norms is None,
                                  skip_actor_forward=actor_forward_skippable(cfg.batch, cfg.algo, cfg.schedule))
     specs = meta_param_specs(m.pretrain, dtype, m.trust_remote_code)

@@ -19,7 +19,8 @@ def maker(*argv: str) -> ExperienceMaker:
     """An ExperienceMaker holding only its config-derived parts (the pure stages need nothing else)."""
     cfg = parse_config(TrainPPOConfig, list(argv))
     m = ExperienceMaker.__new__(ExperienceMaker)
-    m.cfg, m.estimator = cfg, ESTIMATORS[cfg.algo.advantage_estimator]
+    m.algo, m.rollout, m.schedule = cfg.algo, cfg.rollout, cfg.schedule
+    m.estimator = ESTIMATORS[cfg.algo.advantage_estimator]
     m.kl_ctl = KLController(cfg.algo.init_kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
     return m
 
