@@ -98,8 +98,8 @@ def test_usr1_checkpoints_and_the_resubmitted_job_matches_the_straight_run(slurm
 
 def test_a_four_task_checkpoint_moved_to_another_directory_resumes_on_two_tasks(slurm, straight, tmp_path):
     """Where users move a job: `srun -n 4` (--overcommit: CI hosts have 2 CPUs) checkpoints after steps 2 and 4; the
-    step-4 one is dropped, as if preempted after step 2, and the checkpoint directory is copied elsewhere (a new
-    allocation's storage). An sbatch job of 2 tasks resumes the copy and continues the straight 2-task job's steps
+    step-4 one is dropped, as if preempted after step 2, and the checkpoint directory is moved elsewhere (a new
+    allocation's storage). An sbatch job of 2 tasks resumes it there and continues the straight 2-task job's steps
     (the same samples, metrics to float rounding, weights within AdamW's bound). Moves of stage and placement, with
     PPO and DPO: tests/e2e/test_checkpoint_move.py."""
     import shutil
