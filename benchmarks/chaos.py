@@ -48,7 +48,9 @@ KINDS = ("kill9", "sigstop", "sigterm", "sigusr1", "sigint", "truncate", "rmkill
 LAUNCHER_SIGNALS = {"sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1, "sigint": signal.SIGINT}
 
 
-def ppo_flags(tiny: str, steps: int, reward_url: str) -> list[str]:
+def ppo_flags(tiny: str, steps: int, reward_url: str, dist_timeout_min: float = 0.5) -> list[str]:
+    """The chaos job. dist_timeout_min: 0.5 makes the heartbeat name a stopped rank after 7.5 s (the sigstop
+    fault); a run without that fault can give a slow reward-server restart longer."""
     return ["--pretrain", f"{tiny}/policy", "--remote_rm_url", reward_url, "--remote_rm_retries", "8",
             "--critic_pretrain", f"{tiny}/reward_model",
             "--prompt_data", f"{tiny}/prompts.jsonl", "--input_key", "input",
@@ -58,7 +60,7 @@ def ppo_flags(tiny: str, steps: int, reward_url: str) -> list[str]:
             "--train_batch_size", "16", "--micro_train_batch_size", "8", "--generate_max_len", "8",
             "--prompt_max_len", "16", "--actor_learning_rate", "2e-3", "--critic_learning_rate", "5e-3",
             "--zero_stage", "2", "--max_steps", str(steps), "--num_episodes", "100", "--seed", "1",
-            "--save_steps", "1", "--max_ckpt_num", "3", "--dist_timeout", "0.5"]
+            "--save_steps", "1", "--max_ckpt_num", "3", "--dist_timeout", str(dist_timeout_min)]
 
 
 class RewardServer:

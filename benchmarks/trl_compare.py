@@ -23,31 +23,36 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from rl_step import RUN_FLAGS, SAMPLES_PER_STEP, STAGES, build_model_dir  # noqa: E402
+from rl_step import ROOT, RUN_FLAGS, SAMPLES_PER_STEP, STAGES, build_model_dir, free_port  # noqa: E402
 
 WARMUP = 2
 
 
-def trl_run(python: str, model: str, prompts: str, steps: int, work: str) -> tuple[float, float]:
-    """(seconds per step after the warm-up, mean completion length) of one TRL run."""
-    import subprocess
-
-    from rl_step import free_port
-
-    out = os.path.join(work, "trl.json")
-    cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           os.path.join(HERE, "trl_grpo_worker.py"), model, prompts, str(steps), out]
-    with open(os.path.join(work, "trl.log"), "w") as log:
-        code = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
+def run_logged(cmd: list[str], log_path: str, what: str) -> None:
+    """Run `cmd` from the repository root with one OpenMP thread per process, its output into `log_path`; on
+    failure, print the log's tail and exit naming `what`."""
+    with open(log_path, "w") as log:
+        code = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
                               stderr=subprocess.STDOUT).returncode
     if code != 0:
-        sys.exit(f"the TRL run failed ({code}): see {work}/trl.log")
+        with open(log_path) as log:
+            sys.stderr.write(log.read()[-6000:])
+        sys.exit(f"the {what} run failed (exit {code}); full log: {log_path}")
+
+
+def trl_run(python: str, model: str, prompts: str, steps: int, work: str) -> tuple[float, float]:
+    """(seconds per step after the warm-up, mean completion length) of one TRL run (under torchrun)."""
+    out = os.path.join(work, "trl.json")
+    run_logged([python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                os.path.join(HERE, "trl_grpo_worker.py"), model, prompts, str(steps), out],
+               os.path.join(work, "trl.log"), "TRL")
     with open(out) as f:
         record = json.load(f)
     ends = record["step_ends"]
@@ -57,33 +62,21 @@ def trl_run(python: str, model: str, prompts: str, steps: int, work: str) -> tup
 
 def our_run(model: str, prompts: str, reward: str, steps: int, work: str, extra: list[str]
             ) -> tuple[float, float, str]:
-    """(seconds per step after the warm-up, mean response length, each stage's share) of one train_ppo run."""
+    """(seconds per step after the warm-up, mean response length, each stage's share) of one train_ppo run, on 2
+    ranks through the product's launcher (`rlhf.cli.launch`: torchrun with the allocator and OpenMP libraries that
+    vLLM's CPU backend asks for preloaded, as a user runs it)."""
     save = os.path.join(work, "ours")
     flags = [*RUN_FLAGS, "--packing_samples", "--pretrain", model, "--prompt_data", prompts, "--input_key", "input",
              "--label_key", "label", "--remote_rm_url", reward, "--max_steps", str(steps), "--save_path", save,
              "--ckpt_path", os.path.join(work, "ckpt"), "--save_steps", "-1", "--logging_steps", "1", *extra]
-    torchrun_module(flags, os.path.join(work, "ours.log"))
+    run_logged([sys.executable, "-m", "rlhf.cli.launch", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                "--master_port", str(free_port()), "-m", "rlhf.cli.train_ppo", *flags],
+               os.path.join(work, "ours.log"), "train_ppo")
     with open(os.path.join(save, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f][WARMUP:]
     step = statistics.mean(r["time/step"] for r in rows)
     shares = ", ".join(f"{stage} {statistics.mean(r[f'time/{stage}'] for r in rows) / step:.0%}" for stage in STAGES)
     return step, statistics.mean(r["response_length"] for r in rows), shares
-
-
-def torchrun_module(flags: list[str], log: str) -> None:
-    """`train_ppo FLAGS` on 2 ranks through the product's launcher (`rlhf.cli.launch`, torchrun with the allocator
-    and OpenMP libraries vLLM's CPU backend asks for preloaded, as a user runs it)."""
-    import subprocess
-
-    from rl_step import ROOT, free_port
-
-    cmd = [sys.executable, "-m", "rlhf.cli.launch", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "rlhf.cli.train_ppo", *flags]
-    with open(log, "w") as out:
-        code = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=out,
-                              stderr=subprocess.STDOUT).returncode
-    if code != 0:
-        sys.exit(f"the train_ppo run failed ({code}): see {log}")
 
 
 def main() -> None:

@@ -53,7 +53,7 @@ class RemoteRewardClient:
 
     def score(self, batch: RewardInputs) -> RewardResult:
         payload = json.dumps({"query": batch.queries, "prompts": batch.prompts, "labels": batch.labels}).encode()
-        last_error = ""
+        last_error, sleeps = "", backoff_schedule(self.backoff_s, self.retries)
         for attempt in range(self.retries):
             try:
                 out = self._post(payload)
@@ -67,8 +67,8 @@ class RemoteRewardClient:
                 last_error = f"{type(err).__name__}: {err}"
             else:
                 return result_from_output(out, len(batch.queries), f"reward server {self.url}")
-            if attempt + 1 < self.retries:
-                time.sleep(backoff_schedule(self.backoff_s, self.retries)[attempt])
+            if attempt < len(sleeps):
+                time.sleep(sleeps[attempt])
         raise RuntimeError(f"reward server {self.url} failed {self.retries} times (timeout {self.timeout_s}s); "
                            f"last error: {last_error}")
 
