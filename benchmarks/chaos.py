@@ -16,7 +16,7 @@ scheduler requeues a job. The faults, each once the run has logged a step since 
     truncate  after a launcher stop, the newest checkpoint's largest file is cut in half before the relaunch:
               the resume names it and falls back to the newest intact checkpoint
     rmkill    SIGKILL of the reward server, restarted 0-2 s later on its port: the trainer's client retries
-              (--remote_rm_retries 8) until it answers
+              (--remote_rm_retries: for most of --dist_timeout) until it answers
     diskfull  the checkpoints' filesystem (a tmpfs mounted for the run: needs root) filled until a save fails
               ("no space left"), then freed: torchrun restarts the workers, which resume
 
@@ -41,6 +41,7 @@ import sys
 import time
 
 from rlhf.cli.launch import child_pids
+from rlhf.rewards.remote import backoff_schedule
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -50,8 +51,11 @@ LAUNCHER_SIGNALS = {"sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1, "sigin
 
 def ppo_flags(tiny: str, steps: int, reward_url: str, dist_timeout_min: float = 0.5) -> list[str]:
     """The chaos job. dist_timeout_min: 0.5 makes the heartbeat name a stopped rank after 7.5 s (the sigstop
-    fault); a run without that fault can give a slow reward-server restart longer."""
-    return ["--pretrain", f"{tiny}/policy", "--remote_rm_url", reward_url, "--remote_rm_retries", "8",
+    fault); a run without that fault can give a slow reward-server restart longer. The reward client retries
+    for most of that timeout (`retries_within`): a restarted server (7-8 s on an idle machine, 20 s and more
+    on a loaded one) is waited for, and the ranks that wait in the next collective meanwhile do not time out."""
+    retries = retries_within(0.8 * dist_timeout_min * 60)
+    return ["--pretrain", f"{tiny}/policy", "--remote_rm_url", reward_url, "--remote_rm_retries", str(retries),
             "--critic_pretrain", f"{tiny}/reward_model",
             "--prompt_data", f"{tiny}/prompts.jsonl", "--input_key", "input",
             "--param_dtype", "fp32", "--attn_implementation", "sdpa", "--enforce_eager",
@@ -61,6 +65,14 @@ def ppo_flags(tiny: str, steps: int, reward_url: str, dist_timeout_min: float = 
             "--prompt_max_len", "16", "--actor_learning_rate", "2e-3", "--critic_learning_rate", "5e-3",
             "--zero_stage", "2", "--max_steps", str(steps), "--num_episodes", "100", "--seed", "1",
             "--save_steps", "1", "--max_ckpt_num", "3", "--dist_timeout", str(dist_timeout_min)]
+
+
+def retries_within(window_s: float, backoff_s: float = 0.5) -> int:
+    """The most tries whose sleeps between them (the client's `backoff_schedule`) add up to at most window_s."""
+    retries = 1
+    while sum(backoff_schedule(backoff_s, retries + 1)) <= window_s:
+        retries += 1
+    return retries
 
 
 class RewardServer:
