@@ -37,8 +37,8 @@ def test_a_run_hit_by_each_kind_of_fault_ends_on_the_weights_and_metrics_of_the_
     try:
         reward.start()
         # no SIGSTOP here, which --dist_timeout 0.5 (a 7.5 s heartbeat) is for: 2 minutes let the rank that does not
-        # wait on the restarted reward server outwait it on a loaded machine (30 s did not, under 3 test workers), and
-        # the client retries for most of them (the server restarts in 20 s and more under load: 8 tries, 11.5 s, did not)
+        # wait on the restarted reward server outwait it on a loaded machine (30 s did not, under 3 test workers),
+        # and the client retries for most of them (a restart takes 20 s and more under load: 8 tries, 11.5 s, did not)
         flags = chaos.ppo_flags(TINY_DIR, STEPS, reward.url, dist_timeout_min=2)
         straight = tmp_path / "straight"  # in forked ranks: one process start fewer than a launch
         run_job_variants(2, [("train_ppo", [*flags, "--save_path", str(straight), "--ckpt_path",

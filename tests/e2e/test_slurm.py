@@ -1,20 +1,22 @@
 """The jobs under a real SLURM (tests/slurm_cluster.py: slurmctld, slurmd and munged of our own on this host, no GPUs),
 not simulated SLURM_* variables: `srun -n 2` of train_sft, an sbatch of launch/train_cpu.sbatch that ends COMPLETED,
 `scancel --signal USR1` making every task checkpoint and exit 0 with a resubmitted job reaching the straight run's
-weights bit for bit, a 4-task checkpoint moved to another directory and resumed by 2 tasks, and a task killed with
-SIGKILL ending the step (--kill-on-bad-exit) with the rank named. Each run is 4 SFT steps of the embedded demo on 2
-CPU tasks."""
+weights bit for bit, a 4-task checkpoint moved to another directory and resumed by 2 tasks, a task killed with
+SIGKILL ending the step (--kill-on-bad-exit) with the rank named, and a task stopped with SIGSTOP named with its stage
+by its peer's heartbeat (the one test of a stopped rank under a real launcher). Each run is 4 SFT steps of the
+embedded demo on 2 CPU tasks."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
 import pytest
 import torch
 
-from rlhf.utils.checkpoint_files import complete_checkpoints
+from rlhf.utils.checkpoint_files import complete_checkpoints, verify_checkpoint
 from tests.distributed import ROOT, free_port
 from tests.slurm_cluster import private_slurm
 from tests.tiny_runs import CPU, SUPERVISED, read_metrics
@@ -156,12 +158,12 @@ def task_pid(job_id: int, procid: int) -> int | None:
 
 
 
-def endless_sft_job(slurm, tmp_path, dist_timeout: str) -> str:
+def endless_sft_job(slurm, tmp_path, dist_timeout: str, *extra: str) -> str:
     """An sbatch of SFT on 2 tasks that would run for hours, once it has logged 3 steps; returns the job id."""
     out = tmp_path / "run"
     args = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_len", "32",
             "--max_steps", "100000", "--max_epochs", "100000", "--zero_stage", "2", "--dist_timeout", dist_timeout,
-            "--save_path", str(out)]
+            "--save_path", str(out), *extra]
     job = slurm.sbatch(f"--output={tmp_path}/job.out", SBATCH, *args,
                        env={"JOB": "train_sft", "MASTER_PORT": str(free_port())})
     deadline = time.monotonic() + 300  # a loaded machine starts slowly
@@ -191,12 +193,14 @@ def test_a_killed_task_ends_the_step_naming_its_rank(slurm, tmp_path):
 
 
 def test_a_stopped_task_is_named_by_its_peer_and_srun_ends_the_step(slurm, tmp_path):
-    """SIGSTOP of task 1 (a frozen host): no exit for srun to see; rank 0's heartbeat names rank 1 after 7.5 s of
-    silence (--dist_timeout 0.25 min = 15 s, less two 3.75 s periods: before gloo's own 15 s timeout in the
-    collective it waits in, which would name no rank) and exits 1, upon which --kill-on-bad-exit ends the stopped
-    task too (slurmstepd sends it SIGCONT and SIGTERM)."""
-    job = endless_sft_job(slurm, tmp_path, "0.25")
-    time.sleep(5)  # a heartbeat period (3.75 s) of training first
+    """SIGSTOP of task 1 (a frozen host): no exit for srun to see; rank 0's heartbeat names rank 1 and the stage of
+    its last heartbeat after 7.5 s of silence (--dist_timeout 0.25 min = 15 s, less two 3.75 s periods: before gloo's
+    own 15 s timeout in the collective it waits in, which would name no rank) and exits 1, upon which
+    --kill-on-bad-exit ends the stopped task too (slurmstepd sends it SIGCONT and SIGTERM); the newest complete
+    checkpoint (every 2 steps) is intact."""
+    ckpt = tmp_path / "ckpt"
+    job = endless_sft_job(slurm, tmp_path, "0.25", "--save_steps", "2", "--ckpt_path", str(ckpt))
+    time.sleep(5)  # a heartbeat period (3.75 s) of training first, so task 1's last heartbeat is from the loop
     pid = task_pid(job, 1)
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)
@@ -216,4 +220,10 @@ def test_a_stopped_task_is_named_by_its_peer_and_srun_ends_the_step(slurm, tmp_p
     assert info["JobState"] == "FAILED", info
     assert "srun: error: vm: task 0: Exited with exit code 1" in text, text[-3000:]
     assert len(named) == 1 and named[0].startswith("[rank 0] ") and "Timed out waiting" not in text, text[-3000:]
+    # the stopped task was in a step, a checkpoint or an evaluation (every epoch: a few steps on this data), or
+    # between two (a loaded machine may stop it there): the line names one of the loop's stages
+    assert re.search(r"\(at its last heartbeat (in stage '(step|checkpoint|evaluate)[/']|outside any stage since "
+                     r"\S+, after '(step|checkpoint|evaluate)')", named[0]), named[0]
     assert seconds < 15 + 15
+    newest = complete_checkpoints(str(ckpt))[-1][1]
+    assert verify_checkpoint(newest) is None
