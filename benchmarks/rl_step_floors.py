@@ -158,7 +158,8 @@ def main() -> None:
     device = init_distributed(launch, cfg.dist_timeout)
     install_ignore_eos()
     tokenizer = load_tokenizer(cfg.model.pretrain, cfg.model.trust_remote_code)
-    engine = build_rollout_engine(cfg, device, tokenizer)
+    engine = build_rollout_engine(cfg.rollout, cfg.model, device, tokenizer, seed=cfg.seed,
+                                  max_model_len=cfg.max_model_len)
     torch.manual_seed(cfg.seed + launch.rank)  # vLLM re-seeds globally
     plains = {"packed": Plain(cfg, device, packed=True)}
     if not cfg.engine.packing_samples:

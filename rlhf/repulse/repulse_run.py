@@ -47,7 +47,7 @@ class RepulseRun(PPORun):
 
     def algorithm_line(self, run: Started) -> str:
         if run.cfg.repulse.do_harmlessness_training:
-            return f"{describe_repulse(run.cfg)}, {describe_generation(run.cfg)}"
+            return f"{describe_repulse(run.cfg)}, {describe_generation(run.cfg.rollout)}"
         return super().algorithm_line(run)
 
     def evaluators(self, run: Started, roles: Roles, steps: int) -> list:

@@ -11,7 +11,16 @@ import warnings
 
 import torch
 
-from rlhf.config.ppo_config import AlgoConfig, BatchConfig, PPOEngineConfig, RewardConfig, TrainPPOConfig
+from rlhf.config.ppo_config import (
+    AlgoConfig,
+    BatchConfig,
+    DataConfig,
+    PPOEngineConfig,
+    RewardConfig,
+    RolloutConfig,
+    Schedule,
+    TrainPPOConfig,
+)
 from rlhf.config.shared_config import replace_quietly
 from rlhf.core.role_models import check_model_configs, micro_batcher, model_builder, role_model
 from rlhf.data.pretrain import PtxData, tokenize_texts
@@ -34,32 +43,32 @@ from rlhf.trainers.experience import ExperienceMaker, actor_forward_skippable
 from rlhf.trainers.ppo_trainer import Roles
 
 
-def policy_copies(cfg: TrainPPOConfig) -> tuple[Role, ...]:
+def policy_copies(schedule: Schedule) -> tuple[Role, ...]:
     """The trained copies of the policy a job adds beside PPO's roles (`Schedule.policy_copies`: RePULSe's
     proposal)."""
-    return tuple(Role.define(name) for name in cfg.schedule.policy_copies)
+    return tuple(Role.define(name) for name in schedule.policy_copies)
 
 
-def roles_needed(cfg: TrainPPOConfig) -> tuple[Role, ...]:
+def roles_needed(schedule: Schedule, algo: AlgoConfig) -> tuple[Role, ...]:
     roles = [Role.ACTOR, Role.REWARD]
-    if cfg.schedule.uses_critic:
+    if schedule.uses_critic:
         roles.append(Role.CRITIC)
-    if cfg.algo.needs_ref:
+    if algo.needs_ref:
         roles.append(Role.REF)
-    return (*roles, *policy_copies(cfg))
+    return (*roles, *policy_copies(schedule))
 
 
 def placement_from_config(cfg: TrainPPOConfig) -> Placement:
     """Role rank counts from the --{role}_num_nodes/_num_gpus_per_node flags and colocation switches. The
     policy's trained copies (`policy_copies`) are on the actor's ranks unless given ranks of their own."""
-    roles = roles_needed(cfg)
+    roles = roles_needed(cfg.schedule, cfg.algo)
     p = cfg.placement
     counts = {role: p.num_ranks(role.value) for role in roles}
     generating = cfg.rollout.rollout_ranks  # --async_train: ranks of their own
     if p.colocate_all_models or not any(counts.values()):
         return dataclasses.replace(Placement.colocated(roles + (Role.ROLLOUT,)), rollout_ranks=generating)
     colocate = []
-    with_actor = {Role.ACTOR} | {role for role in policy_copies(cfg) if counts[role] == 0}
+    with_actor = {Role.ACTOR} | {role for role in policy_copies(cfg.schedule) if counts[role] == 0}
     if p.colocate_actor_ref and Role.REF in roles:
         with_actor.add(Role.REF)
     if len(with_actor) > 1:
@@ -109,8 +118,8 @@ def check_models(cfg: TrainPPOConfig) -> None:
                             length_flags=f"--max_len {cfg.max_model_len} (vLLM's max_model_len)")
 
 
-def describe_generation(cfg: TrainPPOConfig) -> str:
-    kind, why = rollout_engine_choice(cfg.rollout)
+def describe_generation(rollout: RolloutConfig) -> str:
+    kind, why = rollout_engine_choice(rollout)
     return f"generation: {'vLLM' if kind == 'vllm' else 'transformers generate'} ({why})"
 
 
@@ -144,7 +153,7 @@ def describe_algorithm(cfg: TrainPPOConfig, topology: Topology) -> str:
         parts.append(f"the saved actor is the moving average of its weights (--ema_beta {cfg.optim.ema_beta})")
     if actor_forward_skippable(cfg.batch, cfg.algo, cfg.schedule):
         parts.append("one actor update per batch (old log-probs from the training forward, no experience forward)")
-    parts.append(describe_generation(cfg))
+    parts.append(describe_generation(cfg.rollout))
     return "algorithm: " + ", ".join(parts)
 
 
@@ -239,7 +248,9 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
                                  running_reward_norm=cfg.algo.normalize_reward and norms is None,
                                  skip_actor_forward=actor_forward_skippable(cfg.batch, cfg.algo, cfg.schedule))
     specs = meta_param_specs(m.pretrain, dtype, m.trust_remote_code)
-    return Roles(actor, critic, experience, specs, _ptx_data(cfg, topology, tokenizer) if actor is not None else None,
+    ptx = None if actor is None else _ptx_data(cfg.data, cfg.algo.ptx_coef, cfg.batch.micro_train_batch_size,
+                                               cfg.rollout.generate_max_len, cfg.seed, topology, tokenizer)
+    return Roles(actor, critic, experience, specs, ptx,
                  frozen)
 
 
@@ -276,13 +287,15 @@ def _reward_models(cfg: TrainPPOConfig, topology: Topology, device: torch.device
             for path in cfg.reward.reward_paths]
 
 
-def _ptx_data(cfg: TrainPPOConfig, topology: Topology, tokenizer) -> PtxData | None:
-    """This actor replica's walk over the pretraining texts of the ptx loss (None without one)."""
-    if cfg.data.pretrain_data is None or cfg.algo.ptx_coef == 0:
-        if cfg.data.pretrain_data is not None:
+def _ptx_data(data: DataConfig, ptx_coef: float, micro_batch_size: int, generate_max_len: int, seed: int,
+              topology: Topology, tokenizer) -> PtxData | None:
+    """This actor replica's walk over the pretraining texts of the ptx loss (None without one), in micro-batches
+    of the training's size, each text cut to a sample's length (prompt + response)."""
+    if data.pretrain_data is None or ptx_coef == 0:
+        if data.pretrain_data is not None:
             warnings.warn("--pretrain_data is ignored because --ptx_coef is 0", stacklevel=2)
         return None
-    texts = load_texts(cfg.data.pretrain_data, cfg.data.input_key, cfg.data.max_samples)
-    batches = tokenize_texts(texts, tokenizer, cfg.batch.micro_train_batch_size,
-                             cfg.data.prompt_max_len + cfg.rollout.generate_max_len, cfg.data.pretrain_data)
-    return PtxData(batches, topology.dp_size(Role.ACTOR), topology.dp_rank(Role.ACTOR), cfg.seed)
+    texts = load_texts(data.pretrain_data, data.input_key, data.max_samples)
+    batches = tokenize_texts(texts, tokenizer, micro_batch_size, data.prompt_max_len + generate_max_len,
+                             data.pretrain_data)
+    return PtxData(batches, topology.dp_size(Role.ACTOR), topology.dp_rank(Role.ACTOR), seed)

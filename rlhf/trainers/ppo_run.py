@@ -17,7 +17,15 @@ import torch
 
 from rlhf.agents import load_agent
 from rlhf.config.errors import UsageError
-from rlhf.config.ppo_config import DEMO_LENGTHS, DEMO_ROLLOUT_BATCH, AgentConfig, RewardConfig, TrainPPOConfig
+from rlhf.config.ppo_config import (
+    DEMO_LENGTHS,
+    DEMO_ROLLOUT_BATCH,
+    AgentConfig,
+    PPOModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainPPOConfig,
+)
 from rlhf.core.run import Assembled, JobParts, Started, run_job
 from rlhf.data.prompts import Prompt, PromptSampler, load_prompts
 from rlhf.distributed.launch_env import LaunchEnv
@@ -39,23 +47,22 @@ from rlhf.trainers.prompt_eval import PromptEvaluator, prompt_unit
 from rlhf.utils.seeding import seed_everything
 
 
-def build_rollout_engine(cfg: TrainPPOConfig, device: torch.device, tokenizer, num_engines: int = 0):
+def build_rollout_engine(rollout: RolloutConfig, model: PPOModelConfig, device: torch.device, tokenizer, *, seed: int,
+                         max_model_len: int, sequences_per_call: int = 0):
     """vLLM in-process or transformers' generate, as `rollout_engine_choice` says (a warning where vLLM is
-    missing and nothing chose). num_engines: the engines sharing a step's samples (0: unknown; sizes the KV-cache
-    check on CPU)."""
+    missing and nothing chose). max_model_len: `TrainPPOConfig.max_model_len`; sequences_per_call: the samples one
+    engine generates per step (0: unknown; sizes the KV-cache check on CPU)."""
     from rlhf.engines.vllm_engine import VLLMEngine
 
-    r, m = cfg.rollout, cfg.model
-    dtype = m.dtype
-    kind, why = rollout_engine_choice(cfg.rollout)
+    r, m = rollout, model
+    kind, why = rollout_engine_choice(r)
     if kind == "vllm":
-        return VLLMEngine(m.pretrain, dtype=dtype, tp_size=r.vllm_tensor_parallel_size, seed=cfg.seed,
-                          max_model_len=cfg.max_model_len,
+        return VLLMEngine(m.pretrain, dtype=m.dtype, tp_size=r.vllm_tensor_parallel_size, seed=seed,
+                          max_model_len=max_model_len,
                           kv_cache_bytes=r.vllm_kv_cache_bytes, gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                           enforce_eager=r.enforce_eager, enable_prefix_caching=r.enable_prefix_caching,
                           enable_sleep=r.vllm_enable_sleep, trust_remote_code=m.trust_remote_code,
-                          sequences_per_call=(-(-cfg.batch.rollout_batch_size // num_engines)
-                                              * cfg.schedule.samples_per_prompt if num_engines else 0))
+                          sequences_per_call=sequences_per_call)
     if why == NO_VLLM:
         warnings.warn("vLLM is not installed: generating with transformers (slower); install the cpu or gpu "
                       "extra for vLLM", stacklevel=2)
@@ -63,7 +70,8 @@ def build_rollout_engine(cfg: TrainPPOConfig, device: torch.device, tokenizer, n
         raise ValueError("--vllm_tensor_parallel_size > 1 needs vLLM; the HF fallback engine runs one rank each")
     from rlhf.engines.hf_engine import HFGenerateEngine, stop_token_ids
 
-    return HFGenerateEngine(m.pretrain, dtype=dtype, device=device, eos_token_id=stop_token_ids(m.pretrain, tokenizer),
+    return HFGenerateEngine(m.pretrain, dtype=m.dtype, device=device,
+                            eos_token_id=stop_token_ids(m.pretrain, tokenizer),
                             pad_token_id=tokenizer.pad_token_id, attn_implementation=m.attn,
                             trust_remote_code=m.trust_remote_code)
 
@@ -87,11 +95,11 @@ def build_reward_source(reward: RewardConfig, agent: AgentConfig) -> RewardSourc
     return RewardFuncFile(source, reward.reward_func_timeout)
 
 
-def save_models(cfg: TrainPPOConfig, roles: Roles, topology: Topology, tokenizer) -> None:
+def save_models(save_path: str, roles: Roles, topology: Topology, tokenizer) -> None:
     """Final HF-format models under --save_path: the actor (with tokenizer) and the critic. With --lora_rank
     each is its adapter (with the critic's value head), as OpenRLHF saves it; `rlhf.cli.lora_combiner` merges
     one into its base (--is_rm for the critic)."""
-    out = cfg.logging.save_path
+    out = save_path
     if roles.actor is not None:
         roles.actor.model.save_hf(os.path.join(out, "model"), tokenizer, topology.leads(Role.ACTOR))
     if roles.critic is not None and roles.critic.model.adapted:
@@ -200,11 +208,13 @@ class PPORun(JobParts):
                            evaluators=self.evaluators(run, roles, steps), agent=self.agent)
 
     def save(self, run: Started, roles: Roles) -> None:
-        save_models(run.cfg, roles, run.topology, self.tokenizer)
+        save_models(run.cfg.logging.save_path, roles, run.topology, self.tokenizer)
 
     def build(self, run: Started) -> Assembled:
         cfg, topology, device = run.cfg, run.topology, run.device
-        engine = build_rollout_engine(cfg, device, self.tokenizer, topology.num_engines)
+        per_engine = -(-cfg.batch.rollout_batch_size // topology.num_engines) * cfg.schedule.samples_per_prompt
+        engine = build_rollout_engine(cfg.rollout, cfg.model, device, self.tokenizer, seed=cfg.seed,
+                                      max_model_len=cfg.max_model_len, sequences_per_call=per_engine)
         seed_everything(cfg.seed + run.launch.rank, cfg.full_determinism)  # again: vLLM re-seeds globally
         steps = total_steps(cfg.schedule, cfg.batch, self.sampler)
         roles = build_roles(cfg, topology, device, steps, self.reward_source, self.tokenizer)

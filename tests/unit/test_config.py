@@ -378,7 +378,7 @@ def test_vllm_num_engines_0_generates_with_transformers():
         warnings.simplefilter("error")  # honoured, not "ignored"
         cfg = parse("--vllm_num_engines", "0")
     assert rollout_engine_choice(cfg.rollout) == ("hf", "--vllm_num_engines 0")
-    assert describe_generation(cfg) == "generation: transformers generate (--vllm_num_engines 0)"
+    assert describe_generation(cfg.rollout) == "generation: transformers generate (--vllm_num_engines 0)"
     assert rollout_engine_choice(parse("--rollout_engine", "vllm").rollout) == ("vllm", "--rollout_engine vllm")
     with pytest.raises(ValueError, match="--vllm_num_engines 0 means no vLLM engine, and --rollout_engine vllm"):
         parse("--vllm_num_engines", "0", "--rollout_engine", "vllm")

@@ -175,7 +175,8 @@ def test_max_len_is_the_rollout_engines_max_model_len(monkeypatch):
     for argv, expected in (((), 150), (("--max_len", "4096"), 4096)):
         cfg = quiet_parse(TrainPPOConfig, *lengths, *argv)
         assert cfg.max_model_len == expected
-        build_rollout_engine(cfg, torch.device("cpu"), tokenizer=None)
+        build_rollout_engine(cfg.rollout, cfg.model, torch.device("cpu"), None, seed=cfg.seed,
+                             max_model_len=cfg.max_model_len)
         assert seen["max_model_len"] == expected
 
 

@@ -50,7 +50,7 @@ def main(out_path: str, tp: int, temperature: float) -> None:
     sampler = PromptSampler([Prompt(t, ids[t], None) for t in BATCH_TEXTS], cfg.batch.rollout_batch_size, cfg.seed)
     device = init_distributed(launch)
     topology = Topology(plan_ranks(placement_from_config(cfg), launch.world_size), rollout_tp=tp)
-    engine = build_rollout_engine(cfg, device, tok)
+    engine = build_rollout_engine(cfg.rollout, cfg.model, device, tok, seed=cfg.seed, max_model_len=cfg.max_model_len)
     trainer = PPOTrainer(cfg, topology, None, engine, sampler, tok, device)
     report: dict = {"steps": {}}
     for step in STEPS:
