@@ -109,12 +109,9 @@ def tokenizer_fingerprint(path: str) -> dict[str, str]:
 
 def state_flags(cfg: Any) -> dict[str, Any]:
     """The flags whose change makes a checkpoint's engine states mean something else (their dtype, which
-    weights train, how the layers are split): a resume must keep them. --zero_stage may change: the states move
-    (`rlhf.engines.portable_state`), as they do to another world size or placement."""
+    weights train): a resume must keep them. --zero_stage and --ds_tensor_parallel_size may change: the states
+    move (`rlhf.engines.portable_state`), as they do to another world size or placement."""
     flags = {}
-    engine = getattr(cfg, "engine", None)
-    if engine is not None and hasattr(engine, "ds_tensor_parallel_size"):
-        flags["--ds_tensor_parallel_size"] = engine.ds_tensor_parallel_size
     model = getattr(cfg, "model", None)
     if model is not None:
         flags["--param_dtype"] = model.param_dtype

@@ -170,6 +170,14 @@ def _discard_gradients(engine, zero_stage: int) -> None:
     engine.micro_steps += 1
 
 
+def layout_words(layout: dict) -> str:
+    """A saved or running layout (`DeepSpeedModel.layout`) in words: "ZeRO-2 over 2 ranks", or with tensor
+    parallelism "ZeRO-2 over 1 x 2 ranks (data x tensor parallel)"."""
+    tp = layout.get("tp_size", 1)
+    ranks = f"{layout['dp_size']} x {tp} ranks (data x tensor parallel)" if tp > 1 else f"{layout['dp_size']} ranks"
+    return f"ZeRO-{layout['zero_stage']} over {ranks}"
+
+
 class GroupMPU:
     """The `mpu` DeepSpeed asks for when a model's data-parallel group is a subgroup of the world: data
     parallelism over `dp_group`, model parallelism over `mp_group` (a single-rank group, or with
@@ -530,22 +538,22 @@ class DeepSpeedModel:
 
     def load_state(self, directory: str, universal: bool = False) -> str | None:
         """Restore what `save_state` wrote (with LoRA the frozen base weights stay as loaded). Collective over
-        the DP group. A state saved by another layout (ZeRO stage, DP size: another world size or placement), or
+        the DP group. A state saved by another layout (ZeRO stage, DP or TP size: another world size, placement or
+        --ds_tensor_parallel_size), or
         any state with `universal` (--use_ds_universal_ckpt), loads through its universal form
         (`rlhf.engines.portable_state`); returns a line saying so, else None."""
         saved = portable_state.saved_layout(directory)
-        moved = saved is not None and (saved["zero_stage"], saved["dp_size"]) != (self.zero_stage, self.dp_size)
-        saved_tp = saved.get("tp_size", 1) if saved else 1
-        if self.tp_size > 1 or saved_tp > 1:
-            if universal or moved or saved_tp != self.tp_size:
-                was = (f"ZeRO-{saved['zero_stage']} over {saved['dp_size']} x {saved_tp} ranks" if saved else
-                       "another layout")
-                raise UsageError(f"{directory}: the {self.name}'s tensor-parallel state (saved by {was}) cannot move "
-                                 f"to ZeRO-{self.zero_stage} over {self.dp_size} x {self.tp_size} ranks (data x tensor "
-                                 "parallel): moving a state split by --ds_tensor_parallel_size is not built; resume "
-                                 "with the layout and --ds_tensor_parallel_size that wrote it, or start a new "
-                                 "--ckpt_path")
-        if universal or (moved and not saved["zero_stage"] == self.zero_stage == 0):  # stage 0 states are whole
+        shape = lambda layout: (layout["zero_stage"], layout["dp_size"], layout.get("tp_size", 1))  # noqa: E731
+        moved = saved is not None and shape(saved) != shape(self.layout)
+        if (universal or moved) and saved is not None and saved.get("tp_size", 1) > 1 and saved["zero_stage"] == 0:
+            raise UsageError(f"{directory}: the {self.name}'s tensor-parallel state was saved at --zero_stage 0, whose "
+                             "optimizer state each tensor-parallel rank keeps in its own model file (DeepSpeed's "
+                             "converter merges only ZeRO-1/2 partitions): resume with the layout and "
+                             "--ds_tensor_parallel_size that wrote it, or start a new --ckpt_path")
+        # DeepSpeed's own loader takes a stage-0 state without tensor parallelism at any DP size: it is whole
+        whole = saved is not None and (saved["zero_stage"], shape(saved)[2]) == (0, 1) == (self.zero_stage,
+                                                                                          self.tp_size)
+        if universal or (moved and not whole):
             return self._load_moved(directory, saved)
         with barriers_scoped_to(self.mpu_group):
             path, _ = self.engine.load_checkpoint(directory, tag="state", load_optimizer_states=True,
@@ -561,8 +569,8 @@ class DeepSpeedModel:
         return None
 
     def _load_moved(self, directory: str, saved: dict | None) -> str:
-        was = f"ZeRO-{saved['zero_stage']} over {saved['dp_size']} ranks" if saved else "its saved layout"
-        now = f"ZeRO-{self.zero_stage} over {self.dp_size} ranks"
+        was = layout_words(saved) if saved else "its saved layout"
+        now = layout_words(self.layout)
         if self.ema is not None:
             raise UsageError(f"{directory}: the {self.name}'s --enable_ema averages were saved by {was} and cannot "
                              f"move to {now}: resume with that layout, or start a new --ckpt_path")
@@ -581,9 +589,15 @@ class DeepSpeedModel:
                 raise ValueError(f"converting {directory} (the {self.name}'s DeepSpeed state) to its universal "
                                  f"form failed: {type(err).__name__}: {err}") from err
 
-        universal = decided_by_rank0(convert, dist.get_rank(self.dp_group), self.dp_group)
-        portable_state.load_universal(self.engine, self.scheduler, universal,
-                                      zero_stage=self.zero_stage, params=params)
+        def in_data_group() -> str:
+            return decided_by_rank0(convert, dist.get_rank(self.dp_group), self.dp_group)
+
+        # once per model: on the first rank of the data group of each tensor-parallel group's first ranks
+        tp_rank = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
+        universal = (decided_by_rank0(in_data_group, tp_rank, self.tp_group) if self.tp_group is not None
+                     else in_data_group())
+        portable_state.load_universal(self.engine, self.scheduler, universal, zero_stage=self.zero_stage,
+                                      params=params, tp_rank=tp_rank, tp_size=self.tp_size)
         return f"the {self.name}'s state moved from {was} to {now} (through {universal})"
 
     def _ema_file(self, directory: str) -> str:

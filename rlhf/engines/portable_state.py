@@ -1,4 +1,5 @@
-"""Move a trained model's DeepSpeed state to another layout: another data-parallel size or ZeRO stage.
+"""Move a trained model's DeepSpeed state to another layout: another data-parallel size, ZeRO stage or
+tensor-parallel size (--ds_tensor_parallel_size).
 
 DeepSpeed's own checkpoint files are sharded by the layout that wrote them (ZeRO-1/2 flat partitions per
 rank, ZeRO-3 per-parameter partitions, stage 0 whole), so a resume on another layout goes through a
@@ -6,10 +7,12 @@ rank-unaware form, DeepSpeed's *universal checkpoint*: one directory per paramet
 master weight and full Adam moments (`zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt`), plus the optimizer's
 param groups (`zero/optimizer_state.pt`). `to_universal` converts a saved state once (DeepSpeed's
 `ds_to_universal` for ZeRO and bf16 states; here for stage 0 in fp32, whose whole torch optimizer state sits
-in the model-states file) and keeps it beside the state; `load_universal` sets every rank's share of the full
-tensors into an engine of any stage (`deepspeed.utils.safe_set_full_*`), with the LR schedule, the optimizer's
-param groups and DeepSpeed's step counters. DeepSpeed's own universal loading covers only ZeRO-1/2 (measured:
-stage 0 and 3 engines fail), hence the loader here.
+in the model-states file) and keeps it beside the state; a tensor-parallel state of ZeRO-1/2 converts whole
+(DeepSpeed's converter merges the slices by the partitions the AutoTP layers record). `load_universal` sets every
+rank's share of the full tensors into an engine of any stage (`deepspeed.utils.safe_set_full_*`; a layer split by
+AutoTP takes its rank's slice), with the LR schedule, the optimizer's param groups and DeepSpeed's step counters.
+DeepSpeed's own universal loading covers only ZeRO-1/2 (measured: stage 0 and 3 engines fail), hence the loader
+here.
 
 What moves exactly: weights and moments are the saved fp32 values, bit for bit; the run continues with
 another reduction order (other partitions), so its later steps agree with an unmoved run's to float
@@ -156,9 +159,10 @@ def _materialise_states(engine, zero_stage: int) -> None:
 
 
 def load_universal(engine, scheduler, universal: str, *, zero_stage: int,
-                   params: list[tuple[str, torch.nn.Parameter]]) -> None:
-    """Set the universal state under `universal` into `engine` (any stage and DP size): every trainable
-    parameter's fp32 master weight and Adam moments, the low-precision weights, the Adam step, the param groups,
+                   params: list[tuple[str, torch.nn.Parameter]], tp_rank: int = 0, tp_size: int = 1) -> None:
+    """Set the universal state under `universal` into `engine` (any stage and DP size, and any tensor-parallel
+    size below ZeRO-3): every trainable parameter's fp32 master weight and Adam moments (a layer split by AutoTP
+    takes its rank's slice, `_tensor_parallel_slice`), the low-precision weights, the Adam step, the param groups,
     the LR schedule and DeepSpeed's step counters. Collective over the engine's DP group (ZeRO-3 gathers)."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
@@ -173,8 +177,9 @@ def load_universal(engine, scheduler, universal: str, *, zero_stage: int,
     wrapper = _zero_optimizer(engine)
     steps = set()
     for name, p in params:
-        fp32 = _tensor(os.path.join(zero_dir, name, "fp32.pt"))
-        moments = {k: _tensor(os.path.join(zero_dir, name, f"{k}.pt")) for k in MOMENTS}
+        fp32 = _tensor_parallel_slice(p, _tensor(os.path.join(zero_dir, name, "fp32.pt")), "fp32", tp_rank, tp_size)
+        moments = {k: _tensor_parallel_slice(p, _tensor(os.path.join(zero_dir, name, f"{k}.pt")), k, tp_rank, tp_size)
+                   for k in MOMENTS}
         step_file = os.path.join(zero_dir, name, "step.pt")
         if os.path.isfile(step_file):
             steps.add(float(_load(step_file)))
@@ -215,6 +220,21 @@ def _tensor(path: str) -> torch.Tensor:
     """A universal checkpoint's tensor file: {"param": tensor} (ZeRO-1/2 conversions) or the tensor (ZeRO-3)."""
     value = _load(path)
     return value["param"] if isinstance(value, dict) else value
+
+
+def _tensor_parallel_slice(p: torch.nn.Parameter, full: torch.Tensor, key: str, tp_rank: int,
+                           tp_size: int) -> torch.Tensor:
+    """`p`'s share of a saved whole tensor: the whole tensor, or, where AutoTP split `p`'s layer over `tp_size`
+    ranks, rank `tp_rank`'s slice as DeepSpeed's own universal loader cuts it (the layer's recorded partition)."""
+    if tp_size == 1 or full.numel() == p.numel() and full.shape == p.shape:
+        return full
+    from deepspeed.checkpoint.universal_checkpoint import _resolve_autotp_partition
+
+    part = _resolve_autotp_partition(p, {}, full, tp_rank, tp_size, state_key=key)
+    if part is None or part.numel() != p.numel():
+        raise ValueError(f"a saved tensor of shape {tuple(full.shape)} does not split into this rank's "
+                         f"{tuple(p.shape)} over {tp_size} tensor-parallel ranks")
+    return part
 
 
 def _set_zero3_partition(wrapper, p: torch.nn.Parameter, value: torch.Tensor, key: str | None) -> None:

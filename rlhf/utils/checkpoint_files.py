@@ -208,7 +208,7 @@ def identity_mismatch(path: str, saved: dict | None, identity: dict | None, why:
         was = ", ".join(f"{flag} {want[flag]}" for flag in changed)
         now = ", ".join(f"{flag} {got[flag]}" for flag in changed)
         return (f"{why}: checkpoint {path} was written with {was} and this run has {now} (its engine states are "
-                f"typed, chosen or split by them): resume with {was}, or start a new --ckpt_path")
+                f"typed or chosen by them): resume with {was}, or start a new --ckpt_path")
     return None
 
 

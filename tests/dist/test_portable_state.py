@@ -5,7 +5,7 @@ on 1 rank at ZeRO-0, -1 and -3 (ZeRO-0 to ZeRO-0 by DeepSpeed's own loader: its 
 weight, both Adam moments, the Adam step and the LR schedule equal the saved ones exactly; the next step equals the
 unmoved run's next step to float rounding; the same for LoRA adapters (ZeRO-2 -> ZeRO-3, ZeRO-3 -> ZeRO-0). A move out
 of ZeRO-0 in bf16 and one with an EMA are refused by name. A tensor-parallel state resumes at its own layout bit for
-bit and is refused elsewhere."""
+bit and moves to another tensor-parallel size (and back) the same way."""
 
 from __future__ import annotations
 
@@ -191,8 +191,8 @@ def tensor_parallel_steps(model, steps: int, first: int = 0) -> None:
         model.step()
 
 
-def tensor_parallel_save(directory: str) -> dict:
-    model = tensor_parallel_model(2)
+def tensor_parallel_save(directory: str, tp: int = 2) -> dict:
+    model = tensor_parallel_model(tp)
     tensor_parallel_steps(model, 2)
     model.save_state(directory)
     saved = dict(model.full_parameters())
@@ -201,39 +201,46 @@ def tensor_parallel_save(directory: str) -> dict:
 
 
 def tensor_parallel_load(directory: str, tp: int) -> dict:
-    from rlhf.config.errors import UsageError
-
     model = tensor_parallel_model(tp)
-    try:
-        line = model.load_state(directory)
-    except UsageError as err:
-        return {"refused": str(err)}
+    line = model.load_state(directory)
     loaded = dict(model.full_parameters())
     tensor_parallel_steps(model, 1, first=2)
     return {"line": line, "loaded": loaded, "next": dict(model.full_parameters())}
 
 
-def test_a_tensor_parallel_state_resumes_exactly_and_refuses_to_move(tmp_path):
+def test_a_tensor_parallel_state_resumes_exactly_and_moves_to_another_tensor_parallel_size(tmp_path):
     """--ds_tensor_parallel_size 2: the gathered weights after a save and a load at the same layout, and after the
-    next step, equal the run that never stopped bit for bit; the same state loaded data-parallel (tensor-parallel
-    size 1) is refused with the fix."""
+    next step, equal the run that never stopped bit for bit. A TP-2 state loaded data-parallel (TP-1 over the same 2
+    ranks), and a data-parallel state loaded at TP-2, move through the universal form (DeepSpeed's converter merges
+    the slices, each rank of the new layout takes its own): the loaded weights equal the saved ones bit for bit, and
+    the next step (Adam's moments moved too, or it would differ by about the learning rate) the unmoved run's next
+    step within AdamW's rounding bound."""
     import json
 
-    directory = str(tmp_path / "tp2")
-    save, same, moved = run_variants_on_ranks(2, [(tensor_parallel_save, directory),
-                                                  (tensor_parallel_load, directory, 2),
-                                                  (tensor_parallel_load, directory, 1)])
-    with open(os.path.join(directory, "layout.json")) as f:
+    from tests.tiny_runs import assert_adam_weights_close
+
+    tp2, tp1 = str(tmp_path / "tp2"), str(tmp_path / "tp1")
+    save2, save1, same, to_tp1, to_tp2 = run_variants_on_ranks(2, [
+        (tensor_parallel_save, tp2), (tensor_parallel_save, tp1, 1), (tensor_parallel_load, tp2, 2),
+        (tensor_parallel_load, tp2, 1), (tensor_parallel_load, tp1, 2)])
+    with open(os.path.join(tp2, "layout.json")) as f:
         assert json.load(f) == {"zero_stage": 2, "dp_size": 1, "tp_size": 2, "dtype": "fp32"}
-    assert save[0]["saved"]["model.layers.0.mlp.gate_proj.weight"].shape == (256, 64)  # gathered whole (128 rows each)
+    assert save2[0]["saved"]["model.layers.0.mlp.gate_proj.weight"].shape == (256, 64)  # gathered whole (128 rows each)
     for rank in (0, 1):
         assert same[rank]["line"] is None
         for key in ("saved", "next"):
-            want, got = save[rank][key], same[rank]["loaded" if key == "saved" else "next"]
+            want, got = save2[rank][key], same[rank]["loaded" if key == "saved" else "next"]
             assert want.keys() == got.keys()
             for name, value in want.items():
                 assert torch.equal(got[name], value), (rank, key, name)
-    assert moved[0]["refused"] == (
-        f"{directory}: the model's tensor-parallel state (saved by ZeRO-2 over 1 x 2 ranks) cannot move to ZeRO-2 "
-        "over 2 x 1 ranks (data x tensor parallel): moving a state split by --ds_tensor_parallel_size is not built; "
-        "resume with the layout and --ds_tensor_parallel_size that wrote it, or start a new --ckpt_path")
+    moves = ((save2, to_tp1, tp2, "ZeRO-2 over 1 x 2 ranks (data x tensor parallel)", "ZeRO-2 over 2 ranks"),
+             (save1, to_tp2, tp1, "ZeRO-2 over 2 ranks", "ZeRO-2 over 1 x 2 ranks (data x tensor parallel)"))
+    for saved, moved, directory, was, now in moves:
+        for rank in (0, 1):
+            assert moved[rank]["line"] == (f"the model's state moved from {was} to {now} (through "
+                                           f"{directory}/universal)")
+            assert saved[rank]["saved"].keys() == moved[rank]["loaded"].keys()
+            for name, value in saved[rank]["saved"].items():
+                assert torch.equal(moved[rank]["loaded"][name], value), (was, now, rank, name)
+            assert_adam_weights_close(saved[rank]["next"], moved[rank]["next"], lr=1e-2, steps=1,
+                                      what=f"{was} -> {now}, the next step")

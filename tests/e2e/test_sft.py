@@ -1,7 +1,8 @@
 """train_sft end to end on the embedded copy-task demonstrations (torchrun, 1-2 CPU ranks), 4 steps per run: DP=2 ==
 DP=1 x accumulation 2, packed == padded, ZeRO-3 with gradient checkpointing == ZeRO-2, ring attention and tensor
 parallelism (--ds_tensor_parallel_size 2) over the 2 ranks == one replica's padded steps, and a run resumed from its
-step-2 checkpoint == the straight run bit for bit. (Learning is shown by the pipeline example's SFT stage,
+step-2 checkpoint == the straight run bit for bit; the tensor-parallel run's checkpoint resumed without tensor
+parallelism continues its steps. (Learning is shown by the pipeline example's SFT stage,
 tests/examples.)"""
 
 from __future__ import annotations
@@ -26,11 +27,15 @@ def runs(tmp_path_factory) -> dict:
     ckpt = tmp / "ckpt"
     two = {"dp2": [*SFT, "--save_steps", "2", "--ckpt_path", str(ckpt)]}
     two.update({name: [*SFT, *flags] for name, (nproc, flags) in LAYOUTS.items() if nproc == 2})
+    two["tensor_parallel"] += ["--save_steps", "2", "--ckpt_path", str(tmp / "ckpt_tp")]
     out = dict(zip(two, run_jobs(2, [("train_sft", tmp / name, args) for name, args in two.items()], tmp)))
     out["dp1"] = run_job(1, "train_sft", tmp / "dp1", *SFT, *LAYOUTS["dp1"][1])
-    shutil.rmtree(ckpt / "global_step4")  # resume from the middle
-    out["resumed"] = run_job(2, "train_sft", tmp / "resumed", *SFT, "--load_checkpoint", "--ckpt_path", str(ckpt))
-    out["ckpt"] = ckpt
+    for directory in (ckpt, tmp / "ckpt_tp"):
+        shutil.rmtree(directory / "global_step4")  # resume from the middle
+    resumes = {"resumed": [*SFT, "--load_checkpoint", "--ckpt_path", str(ckpt)],  # the same layout
+               "tp_moved": [*SFT, "--load_checkpoint", "--ckpt_path", str(tmp / "ckpt_tp")]}  # TP-2 -> 2 replicas
+    out.update(zip(resumes, run_jobs(2, [("train_sft", tmp / name, args) for name, args in resumes.items()], tmp)))
+    out["ckpt"], out["ckpt_tp"] = ckpt, tmp / "ckpt_tp"
     return out
 
 
@@ -56,6 +61,17 @@ def test_sft_resume_equals_straight_run(runs):
             {k: v for k, v in b.items() if not k.startswith(("time/", "perf/"))}
     for name, w in straight[1].items():
         assert torch.equal(resumed[1][name], w), name
+
+
+def test_a_tensor_parallel_checkpoint_resumes_without_tensor_parallelism(runs):
+    """The TP-2 run's step-2 checkpoint resumed by 2 data-parallel replicas (no --ds_tensor_parallel_size): the
+    state moves (its slices merged, then each replica's share set) and steps 3-4 are the TP-2 run's to float
+    rounding (the same samples; the gradients summed over other ranks)."""
+    straight, moved, ckpt = runs["tensor_parallel"], runs["tp_moved"], runs["ckpt_tp"]
+    assert (f"the model's state moved from ZeRO-2 over 1 x 2 ranks (data x tensor parallel) to ZeRO-2 over 2 ranks "
+            f"(through {ckpt}/global_step2/model/universal)") in moved[2], moved[2][-3000:]
+    assert [r["step"] for r in moved[0]] == [3, 4]
+    assert_same_steps((straight[0][-2:], straight[1]), moved, COMPARED, rel=1e-4, abs_=1e-6, what="TP-2 -> DP-2 resume")
 
 
 def test_another_jobs_checkpoint_is_refused_before_the_engines(runs, tmp_path):
