@@ -545,11 +545,6 @@ class DeepSpeedModel:
         saved = portable_state.saved_layout(directory)
         shape = lambda layout: (layout["zero_stage"], layout["dp_size"], layout.get("tp_size", 1))  # noqa: E731
         moved = saved is not None and shape(saved) != shape(self.layout)
-        if (universal or moved) and saved is not None and saved.get("tp_size", 1) > 1 and saved["zero_stage"] == 0:
-            raise UsageError(f"{directory}: the {self.name}'s tensor-parallel state was saved at --zero_stage 0, whose "
-                             "optimizer state each tensor-parallel rank keeps in its own model file (DeepSpeed's "
-                             "converter merges only ZeRO-1/2 partitions): resume with the layout and "
-                             "--ds_tensor_parallel_size that wrote it, or start a new --ckpt_path")
         # DeepSpeed's own loader takes a stage-0 state without tensor parallelism at any DP size: it is whole
         whole = saved is not None and (saved["zero_stage"], shape(saved)[2]) == (0, 1) == (self.zero_stage,
                                                                                           self.tp_size)

@@ -7,12 +7,12 @@ rank-unaware form, DeepSpeed's *universal checkpoint*: one directory per paramet
 master weight and full Adam moments (`zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt`), plus the optimizer's
 param groups (`zero/optimizer_state.pt`). `to_universal` converts a saved state once (DeepSpeed's
 `ds_to_universal` for ZeRO and bf16 states; here for stage 0 in fp32, whose whole torch optimizer state sits
-in the model-states file) and keeps it beside the state; a tensor-parallel state of ZeRO-1/2 converts whole
-(DeepSpeed's converter merges the slices by the partitions the AutoTP layers record). `load_universal` sets every
-rank's share of the full tensors into an engine of any stage (`deepspeed.utils.safe_set_full_*`; a layer split by
-AutoTP takes its rank's slice), with the LR schedule, the optimizer's param groups and DeepSpeed's step counters.
-DeepSpeed's own universal loading covers only ZeRO-1/2 (measured: stage 0 and 3 engines fail), hence the loader
-here.
+in the model-states file) and keeps it beside the state; a tensor-parallel state converts whole (DeepSpeed's
+converter merges the slices by the partitions the AutoTP layers record; the stage-0 path calls its merge too).
+`load_universal` sets every rank's share of the full tensors into an engine of any stage
+(`deepspeed.utils.safe_set_full_*`; a layer split by AutoTP takes its rank's slice), with the LR schedule, the
+optimizer's param groups and DeepSpeed's step counters. DeepSpeed's own universal loading covers only ZeRO-1/2
+(measured: stage 0 and 3 engines fail), hence the loader here.
 
 What moves exactly: weights and moments are the saved fp32 values, bit for bit; the run continues with
 another reduction order (other partitions), so its later steps agree with an unmoved run's to float
@@ -101,27 +101,53 @@ def to_universal(directory: str, names: list[str]) -> str:
 
 def _stage0_to_universal(state_dir: str, out: str, names: list[str]) -> None:
     """Stage 0 without bf16: the module holds the fp32 weights and the torch optimizer's state dict, whose
-    entries follow the trainable parameters' order (`names`), holds the moments."""
-    model = _load(_model_states_file(state_dir))
-    optim = model["optimizer"]
-    absent = [n for n in names if n not in model["module"]]
-    if absent:
-        raise ValueError(f"{state_dir} holds no weights for {', '.join(absent[:3])}: the checkpoint is another model's")
-    order = [i for group in optim["param_groups"] for i in group["params"]]
-    if len(order) != len(names):
-        raise ValueError(f"{state_dir}: {len(names)} trainable parameters but {len(order)} optimizer entries")
+    entries follow the trainable parameters' order (`names`), holds the moments. With tensor parallelism each
+    tensor-parallel rank's model-states file holds its slices: they are merged whole as DeepSpeed's converter
+    merges a ZeRO-1/2 state's (`merge_tp_slices`, by the partitions the AutoTP layers recorded in the file)."""
+    files = sorted(glob.glob(os.path.join(state_dir, "mp_rank_*_model_states.pt")))
+    if not files:
+        raise ValueError(f"{state_dir} holds no DeepSpeed model states (mp_rank_*_model_states.pt)")
+    models = [_load(file) for file in files]
     zero = os.path.join(out, "zero")
-    for index, name in zip(order, names):
-        os.makedirs(os.path.join(zero, name))
-        entry = optim["state"].get(index, {})
-        torch.save({"param": model["module"][name].float()}, os.path.join(zero, name, "fp32.pt"))
-        for key in MOMENTS:
-            if key in entry:
-                torch.save({"param": entry[key]}, os.path.join(zero, name, f"{key}.pt"))
-        if "step" in entry:
-            torch.save(entry["step"], os.path.join(zero, name, "step.pt"))
+    slices = os.path.join(out, "tp_slices")  # the converter's layout: <name>/<tp rank>/<state>.<dp rank>
+    for tp_rank, model in enumerate(models):
+        optim = model["optimizer"]
+        absent = [n for n in names if n not in model["module"]]
+        if absent:
+            raise ValueError(f"{state_dir} holds no weights for {', '.join(absent[:3])}: the checkpoint is another "
+                             "model's")
+        order = [i for group in optim["param_groups"] for i in group["params"]]
+        if len(order) != len(names):
+            raise ValueError(f"{state_dir}: {len(names)} trainable parameters but {len(order)} optimizer entries")
+        for index, name in zip(order, names):
+            entry = {"fp32": model["module"][name].float(), **optim["state"].get(index, {})}
+            if len(models) == 1:  # whole already
+                os.makedirs(os.path.join(zero, name))
+                for key in ("fp32", *MOMENTS):
+                    if key in entry:
+                        torch.save({"param": entry[key]}, os.path.join(zero, name, f"{key}.pt"))
+                if "step" in entry:
+                    torch.save(entry["step"], os.path.join(zero, name, "step.pt"))
+                continue
+            os.makedirs(os.path.join(slices, name, str(tp_rank)))
+            for key in ("fp32", *MOMENTS, "step"):
+                if key in entry:
+                    value = entry[key].flatten() if key != "step" else entry[key]
+                    torch.save(value, os.path.join(slices, name, str(tp_rank), f"{key}.00"))
+    if len(models) > 1:
+        from deepspeed.checkpoint.ds_to_universal import merge_tp_slices
+
+        info = models[0].get("universal_checkpoint_info")
+        if not info:
+            raise ValueError(f"{state_dir}: {len(models)} tensor-parallel model files but no record of how their "
+                             "layers were split (universal_checkpoint_info)")
+        for name in names:
+            shapes = [tuple(model["module"][name].shape) for model in models]
+            merge_tp_slices(info, zero, slices, len(models), (name, shapes))
+        shutil.rmtree(slices)
+    optim = models[0]["optimizer"]
     torch.save({"param_groups": optim["param_groups"]}, os.path.join(zero, "optimizer_state.pt"))
-    shutil.copy(_model_states_file(state_dir), os.path.join(out, "mp_rank_00_model_states.pt"))
+    shutil.copy(files[0], os.path.join(out, "mp_rank_00_model_states.pt"))
 
 
 def _zero_optimizer(engine):

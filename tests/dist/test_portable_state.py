@@ -5,7 +5,7 @@ on 1 rank at ZeRO-0, -1 and -3 (ZeRO-0 to ZeRO-0 by DeepSpeed's own loader: its 
 weight, both Adam moments, the Adam step and the LR schedule equal the saved ones exactly; the next step equals the
 unmoved run's next step to float rounding; the same for LoRA adapters (ZeRO-2 -> ZeRO-3, ZeRO-3 -> ZeRO-0). A move out
 of ZeRO-0 in bf16 and one with an EMA are refused by name. A tensor-parallel state resumes at its own layout bit for
-bit and moves to another tensor-parallel size (and back) the same way."""
+bit and moves to another tensor-parallel size (and back, and from ZeRO-0) the same way."""
 
 from __future__ import annotations
 
@@ -163,9 +163,9 @@ def test_states_move_between_stages_and_world_sizes_exactly(tmp_path):
                                      "--zero_stage 3 in bf16")
 
 
-def tensor_parallel_model(tp: int):
-    """The tiny Llama at ZeRO-2 in fp32 on 2 ranks: with `tp` 2 its linear layers split over both (DeepSpeed AutoTP,
-    one data-parallel replica), with 1 data-parallel over both."""
+def tensor_parallel_model(tp: int, zero_stage: int = 2):
+    """The tiny Llama in fp32 on 2 ranks: with `tp` 2 its linear layers split over both (DeepSpeed AutoTP, one
+    data-parallel replica), with 1 data-parallel over both."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -177,7 +177,7 @@ def tensor_parallel_model(tp: int):
     data = own if tp == 2 else dist.group.WORLD
     tp_group = dist.group.WORLD if tp == 2 else None
     build = lambda: AutoModelForCausalLM.from_pretrained(f"{TINY_DIR}/policy", torch_dtype=torch.float32)  # noqa: E731
-    return DeepSpeedModel(build, EngineConfig(zero_stage=2, ds_tensor_parallel_size=tp), OptimConfig(),
+    return DeepSpeedModel(build, EngineConfig(zero_stage=zero_stage, ds_tensor_parallel_size=tp), OptimConfig(),
                           learning_rate=1e-2, bf16=False, micro_batch_size=2, grad_accum_steps=1, num_optimizer_steps=4,
                           device=torch.device("cpu"), dp_group=data,
                           mpu=GroupMPU(data, tp_group) if tp_group is not None else None, tp_group=tp_group)
@@ -191,8 +191,8 @@ def tensor_parallel_steps(model, steps: int, first: int = 0) -> None:
         model.step()
 
 
-def tensor_parallel_save(directory: str, tp: int = 2) -> dict:
-    model = tensor_parallel_model(tp)
+def tensor_parallel_save(directory: str, tp: int = 2, zero_stage: int = 2) -> dict:
+    model = tensor_parallel_model(tp, zero_stage)
     tensor_parallel_steps(model, 2)
     model.save_state(directory)
     saved = dict(model.full_parameters())
@@ -211,18 +211,20 @@ def tensor_parallel_load(directory: str, tp: int) -> dict:
 def test_a_tensor_parallel_state_resumes_exactly_and_moves_to_another_tensor_parallel_size(tmp_path):
     """--ds_tensor_parallel_size 2: the gathered weights after a save and a load at the same layout, and after the
     next step, equal the run that never stopped bit for bit. A TP-2 state loaded data-parallel (TP-1 over the same 2
-    ranks), and a data-parallel state loaded at TP-2, move through the universal form (DeepSpeed's converter merges
-    the slices, each rank of the new layout takes its own): the loaded weights equal the saved ones bit for bit, and
+    ranks), a data-parallel state loaded at TP-2, and a TP-2 state of ZeRO-0 (each tensor-parallel rank's slices and
+    moments in its own model file) loaded data-parallel at ZeRO-2, move through the universal form (the slices merged
+    whole, each rank of the new layout takes its own): the loaded weights equal the saved ones bit for bit, and
     the next step (Adam's moments moved too, or it would differ by about the learning rate) the unmoved run's next
     step within AdamW's rounding bound."""
     import json
 
     from tests.tiny_runs import assert_adam_weights_close
 
-    tp2, tp1 = str(tmp_path / "tp2"), str(tmp_path / "tp1")
-    save2, save1, same, to_tp1, to_tp2 = run_variants_on_ranks(2, [
-        (tensor_parallel_save, tp2), (tensor_parallel_save, tp1, 1), (tensor_parallel_load, tp2, 2),
-        (tensor_parallel_load, tp2, 1), (tensor_parallel_load, tp1, 2)])
+    tp2, tp1, tp2_zero0 = str(tmp_path / "tp2"), str(tmp_path / "tp1"), str(tmp_path / "tp2_zero0")
+    save2, save1, save0, same, to_tp1, to_tp2, from_zero0 = run_variants_on_ranks(2, [
+        (tensor_parallel_save, tp2), (tensor_parallel_save, tp1, 1), (tensor_parallel_save, tp2_zero0, 2, 0),
+        (tensor_parallel_load, tp2, 2), (tensor_parallel_load, tp2, 1), (tensor_parallel_load, tp1, 2),
+        (tensor_parallel_load, tp2_zero0, 1)])
     with open(os.path.join(tp2, "layout.json")) as f:
         assert json.load(f) == {"zero_stage": 2, "dp_size": 1, "tp_size": 2, "dtype": "fp32"}
     assert save2[0]["saved"]["model.layers.0.mlp.gate_proj.weight"].shape == (256, 64)  # gathered whole (128 rows each)
@@ -234,7 +236,8 @@ def test_a_tensor_parallel_state_resumes_exactly_and_moves_to_another_tensor_par
             for name, value in want.items():
                 assert torch.equal(got[name], value), (rank, key, name)
     moves = ((save2, to_tp1, tp2, "ZeRO-2 over 1 x 2 ranks (data x tensor parallel)", "ZeRO-2 over 2 ranks"),
-             (save1, to_tp2, tp1, "ZeRO-2 over 2 ranks", "ZeRO-2 over 1 x 2 ranks (data x tensor parallel)"))
+             (save1, to_tp2, tp1, "ZeRO-2 over 2 ranks", "ZeRO-2 over 1 x 2 ranks (data x tensor parallel)"),
+             (save0, from_zero0, tp2_zero0, "ZeRO-0 over 1 x 2 ranks (data x tensor parallel)", "ZeRO-2 over 2 ranks"))
     for saved, moved, directory, was, now in moves:
         for rank in (0, 1):
             assert moved[rank]["line"] == (f"the model's state moved from {was} to {now} (through "
