@@ -1,11 +1,12 @@
-"""A tiny multi-turn environment for `--agent_func_path`: guess the hidden digit (the row's label).
+"""A tiny multi-turn environment for `--agent_func_path`: answer with the row's digit (its label).
 
-The prompt does not show the digit (guess_prompts.jsonl pairs each prompt with every digit), so the
-first guess (the first word of the model's turn) is right one time in ten at best. A wrong first guess
-is answered with a hint, " copy D :", and the model guesses again. The turn that ends the episode (a
-right guess, or the last one) is rewarded with the fraction of its first four words that are the digit
-(the embedded demo's copy reward); earlier turns get 0. The embedded tiny policy starts out unable to
-copy, so the reward rises as it learns to use the hint.
+A prompt either shows the digit (the copy task's prompts, `... copy D :`) or hides it (guess_prompts.jsonl
+pairs each prompt with every digit, so a first guess there is right one time in ten at best). A wrong first
+answer (its first word) is answered with a hint, " copy D :", and the model answers again. The turn that ends
+the episode (a right answer, or the last one) is rewarded with the fraction of its first four words that are
+the digit (the embedded demo's copy reward); earlier turns get 0. The embedded tiny policy starts out unable to
+copy: with both kinds of prompts (launch/examples/agent_tiny_cpu.sh) the first answer learns to copy a shown
+digit and the second to use the hint, so the reward rises well above `reward_extra/first_guess_right`.
 """
 
 GUESSES = 2
