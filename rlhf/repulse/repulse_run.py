@@ -17,7 +17,7 @@ from rlhf.repulse.repulse_config import TrainRepulseConfig
 from rlhf.repulse.repulse_eval import AnalyticEvaluator, HeldoutEvaluator, the_single_prompt
 from rlhf.repulse.repulse_trainer import PROPOSAL, RepulseTrainer, describe_repulse
 from rlhf.trainers.async_ppo_trainer import AsyncPPOTrainer
-from rlhf.trainers.ppo_build import build_policy, describe_generation
+from rlhf.trainers.ppo_build import EngineInputs, build_policy, describe_generation
 from rlhf.trainers.ppo_run import PPORun
 from rlhf.trainers.ppo_trainer import PPOTrainer, Roles
 from rlhf.trainers.prompt_eval import prompt_unit
@@ -84,7 +84,8 @@ class RepulseRun(PPORun):
         if not rp.do_harmlessness_training:
             return (AsyncPPOTrainer if cfg.rollout.async_train else PPOTrainer)(*args, **common)
         if PROPOSAL in topology.plan and topology.hosts(PROPOSAL):  # --actor_learning_rate is q's (fork names)
-            self.proposal = build_policy(cfg, topology, PROPOSAL, run.device, steps, cfg.optim.actor_learning_rate,
+            self.proposal = build_policy(EngineInputs.of(cfg, steps), cfg.algo, cfg.rollout.temperature, topology,
+                                         PROPOSAL, run.device, cfg.optim.actor_learning_rate,
                                          updates_per_batch=cfg.batch.num_episodes)
         return RepulseTrainer(*args, proposal=self.proposal, **common)
 

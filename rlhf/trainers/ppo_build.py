@@ -16,12 +16,13 @@ from rlhf.config.ppo_config import (
     BatchConfig,
     DataConfig,
     PPOEngineConfig,
+    PPOModelConfig,
+    PPOOptimConfig,
     RewardConfig,
     RolloutConfig,
     Schedule,
     TrainPPOConfig,
 )
-from rlhf.config.shared_config import replace_quietly
 from rlhf.core.role_models import check_model_configs, micro_batcher, model_builder, role_model
 from rlhf.data.pretrain import PtxData, tokenize_texts
 from rlhf.data.prompts import load_texts
@@ -78,16 +79,34 @@ def placement_from_config(cfg: TrainPPOConfig) -> Placement:
     return Placement({**counts, Role.ROLLOUT: 0}, tuple(colocate), rollout_ranks=generating)
 
 
-def _engine(cfg: TrainPPOConfig, topology: Topology, role: Role, build, device: torch.device, *,
+@dataclasses.dataclass(frozen=True)
+class EngineInputs:
+    """What every role's DeepSpeed engine of a PPO-family run is built from: the model, engine, optimizer and batch
+    configs, the samples per prompt (the job's `Schedule`) and the run's real step count (`total_steps`, which
+    sizes a trained model's LR schedule; --max_steps may be unset)."""
+
+    model: PPOModelConfig
+    engine: PPOEngineConfig
+    optim: PPOOptimConfig
+    batch: BatchConfig
+    samples_per_prompt: int
+    total_steps: int
+
+    @classmethod
+    def of(cls, cfg: TrainPPOConfig, total_steps: int) -> EngineInputs:
+        return cls(cfg.model, cfg.engine, cfg.optim, cfg.batch, cfg.schedule.samples_per_prompt, total_steps)
+
+
+def _engine(inputs: EngineInputs, topology: Topology, role: Role, build, device: torch.device, *,
             trainable: bool, learning_rate: float = 0.0, name: str | None = None,
             updates_per_batch: int = 1, ema_beta: float | None = None) -> DeepSpeedModel:
     """`updates_per_batch`: passes over each step's samples (sizes the LR schedule); `ema_beta`: see
     `role_model`."""
-    b = cfg.batch
+    b = inputs.batch
     dp = topology.dp_size(role)
-    samples = b.rollout_batch_size * cfg.schedule.samples_per_prompt * updates_per_batch
-    steps = cfg.batch.max_steps or 1_000_000
-    return role_model(build, cfg.model, cfg.engine, cfg.optim, topology, role, device, trainable=trainable,
+    samples = b.rollout_batch_size * inputs.samples_per_prompt * updates_per_batch
+    steps = inputs.total_steps if trainable else b.max_steps or 1_000_000
+    return role_model(build, inputs.model, inputs.engine, inputs.optim, topology, role, device, trainable=trainable,
                       micro_batch_size=b.micro_train_batch_size if trainable else b.micro_rollout_batch_size,
                       grad_accum_steps=b.train_batch_size // (b.micro_train_batch_size * dp) if trainable else 1,
                       num_optimizer_steps=steps * b.max_epochs * samples // b.train_batch_size,
@@ -185,22 +204,24 @@ def describe_layout(cfg: TrainPPOConfig, topology: Topology, device: torch.devic
     return f"layout: {'; '.join(parts)}; data-parallel replicas: {replicas}"
 
 
-def build_policy(cfg: TrainPPOConfig, topology: Topology, role: Role, device: torch.device, total_steps: int,
-                 learning_rate: float, updates_per_batch: int = 1, ema_beta: float | None = None) -> Actor:
+def build_policy(inputs: EngineInputs, algo: AlgoConfig, temperature: float, topology: Topology, role: Role,
+                 device: torch.device, learning_rate: float, updates_per_batch: int = 1,
+                 ema_beta: float | None = None) -> Actor:
     """A trainable copy of --pretrain on `role`'s ranks (the actor, or a job's other policy), with its
-    micro-batchers. `updates_per_batch`: its updates per step's samples (sizes the LR schedule); `ema_beta`: a
-    moving average of its weights, which it saves (--enable_ema). Every rank of `role` calls it."""
-    m = cfg.model
-    infer, train = batchers_for(cfg.engine, cfg.batch, topology, role)
+    micro-batchers, sampling at `temperature` (--temperature: its log-probs are of the tempered distribution).
+    `updates_per_batch`: its updates per step's samples (sizes the LR schedule); `ema_beta`: a moving average of
+    its weights, which it saves (--enable_ema). Every rank of `role` calls it."""
+    m = inputs.model
+    infer, train = batchers_for(inputs.engine, inputs.batch, topology, role)
 
     def load(attn: str) -> torch.nn.Module:  # a trained model's base loads in 4 bits with QLoRA
         return with_router_aux_loss(load_causal_lm(m.pretrain, m.dtype, attn, m.trust_remote_code,
-                                                   m.lora.load_in_4bit), cfg.algo.aux_loss_coef)
+                                                   m.lora.load_in_4bit), algo.aux_loss_coef)
 
-    model = _engine(_with_steps(cfg, total_steps), topology, role, model_builder(m, cfg.engine, train.layout, load),
-                    device, trainable=True, learning_rate=learning_rate, updates_per_batch=updates_per_batch,
+    model = _engine(inputs, topology, role, model_builder(m, inputs.engine, train.layout, load), device,
+                    trainable=True, learning_rate=learning_rate, updates_per_batch=updates_per_batch,
                     ema_beta=ema_beta)
-    return Actor(model, topology.data_group(role), device, temperature=cfg.rollout.temperature, algo=cfg.algo,
+    return Actor(model, topology.data_group(role), device, temperature=temperature, algo=algo,
                  infer_batcher=infer, train_batcher=train)
 
 
@@ -217,14 +238,15 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
         return load_causal_lm(m.pretrain, dtype, attn, m.trust_remote_code, load_in_4bit)
 
     four_bit = m.lora.load_in_4bit  # the trained models' bases only (QLoRA); frozen ones load as they are
+    inputs = EngineInputs.of(cfg, total_steps)
 
     if topology.hosts(Role.ACTOR):
-        actor = build_policy(cfg, topology, Role.ACTOR, device, total_steps, cfg.schedule.actor_learning_rate,
-                             ema_beta=cfg.optim.actor_ema_beta)
+        actor = build_policy(inputs, cfg.algo, cfg.rollout.temperature, topology, Role.ACTOR, device,
+                             cfg.schedule.actor_learning_rate, ema_beta=cfg.optim.actor_ema_beta)
     if Role.CRITIC in topology.plan and topology.hosts(Role.CRITIC):
         path = cfg.critic_init
         infer, train = batchers_for(cfg.engine, cfg.batch, topology, Role.CRITIC)
-        model = _engine(_with_steps(cfg, total_steps), topology, Role.CRITIC, model_builder(
+        model = _engine(inputs, topology, Role.CRITIC, model_builder(
             m, cfg.engine, train.layout, lambda attn: load_scalar_head_model(path, m.value_head_prefix, dtype, attn,
                                                                              m.trust_remote_code, "--critic_pretrain",
                                                                              fresh_head=True, load_in_4bit=four_bit)),
@@ -233,14 +255,14 @@ def build_roles(cfg: TrainPPOConfig, topology: Topology, device: torch.device, t
                         train_batcher=train)
     if Role.REF in topology.plan and topology.hosts(Role.REF):
         ref_batcher, _ = batchers_for(cfg.engine, cfg.batch, topology, Role.REF)
-        frozen.append(_engine(cfg, topology, Role.REF, model_builder(m, cfg.engine, ref_batcher.layout, causal_lm),
+        frozen.append(_engine(inputs, topology, Role.REF, model_builder(m, cfg.engine, ref_batcher.layout, causal_lm),
                               device, trainable=False))
         ref_model = frozen[-1].engine
     reward = reward_source
     norms = stored_reward_norms(cfg.reward, cfg.algo)
     if cfg.reward.reward_paths and topology.hosts(Role.REWARD):
         reward_batcher, _ = batchers_for(cfg.engine, cfg.batch, topology, Role.REWARD)
-        reward_models = _reward_models(cfg, topology, device, reward_batcher.layout)
+        reward_models = _reward_models(inputs, cfg.reward.reward_paths, topology, device, reward_batcher.layout)
         frozen.extend(reward_models)
         reward = RewardModelEnsemble([m.engine for m in reward_models], device, reward_batcher, norms)
     experience = ExperienceMaker(cfg.algo, cfg.rollout, cfg.schedule, topology, actor=actor, critic=critic,
@@ -271,20 +293,15 @@ def stored_reward_norms(reward: RewardConfig, algo: AlgoConfig) -> list[tuple[fl
     return norms
 
 
-def _with_steps(cfg: TrainPPOConfig, total_steps: int) -> TrainPPOConfig:
-    """The config with max_steps pinned to the real step count (sizes the LR schedule); its notes were shown when
-    the flags were parsed, not again."""
-    return replace_quietly(cfg, batch=replace_quietly(cfg.batch, max_steps=total_steps))
-
-
-def _reward_models(cfg: TrainPPOConfig, topology: Topology, device: torch.device,
+def _reward_models(inputs: EngineInputs, paths: list[str], topology: Topology, device: torch.device,
                    layout: SequenceLayout) -> list[DeepSpeedModel]:
-    m, dtype = cfg.model, cfg.model.dtype
-    return [_engine(cfg, topology, Role.REWARD, model_builder(
-        m, cfg.engine, layout, lambda attn, p=path: load_scalar_head_model(p, m.value_head_prefix, dtype, attn,
-                                                                           m.trust_remote_code)), device,
+    """The frozen reward models of --reward_pretrain (one per path), on the reward role's ranks."""
+    m, dtype = inputs.model, inputs.model.dtype
+    return [_engine(inputs, topology, Role.REWARD, model_builder(
+        m, inputs.engine, layout, lambda attn, p=path: load_scalar_head_model(p, m.value_head_prefix, dtype, attn,
+                                                                              m.trust_remote_code)), device,
                     trainable=False)
-            for path in cfg.reward.reward_paths]
+            for path in paths]
 
 
 def _ptx_data(data: DataConfig, ptx_coef: float, micro_batch_size: int, generate_max_len: int, seed: int,

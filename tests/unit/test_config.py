@@ -398,13 +398,15 @@ def test_every_job_runs_its_demo_without_flags():
 
 
 def test_a_config_derived_during_the_run_repeats_no_note():
-    """A note of the flags is shown once, when they are parsed: the config the run derives (max_steps pinned to the
-    real step count) is built quietly (it printed `--reward_pretrain is not used` once per derivation)."""
-    from rlhf.trainers.ppo_build import _with_steps
+    """A note of the flags is shown once, when they are parsed: what the run derives from the config (the engines'
+    inputs with the real step count) is built quietly (a derived config printed `--reward_pretrain is not used`
+    once per derivation)."""
+    from rlhf.trainers.ppo_build import EngineInputs
 
     with pytest.warns(UserWarning, match="--reward_pretrain is not used"):
         cfg = parse("--pretrain", "/m", "--prompt_data", "p.jsonl", "--reward_pretrain", "/rm", "--remote_rm_url",
                     "r.py")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert _with_steps(cfg, 7).batch.max_steps == 7
+        inputs = EngineInputs.of(cfg, 7)
+    assert (inputs.total_steps, inputs.batch, inputs.samples_per_prompt) == (7, cfg.batch, 1)

@@ -204,7 +204,8 @@ def test_enable_ema_gives_the_actor_an_average(monkeypatch):
     for argv, beta in ((["--enable_ema", "--ema_beta", "0.9"], 0.9), (["--enable_ema"], 0.992), ([], None)):
         cfg = quiet_parse(TrainPPOConfig, *argv)
         assert cfg.optim.actor_ema_beta == beta
-        ppo_build.build_policy(cfg, topology, None, torch.device("cpu"), 1, 1e-6, ema_beta=cfg.optim.actor_ema_beta)
+        ppo_build.build_policy(ppo_build.EngineInputs.of(cfg, 1), cfg.algo, 1.0, topology, None, torch.device("cpu"),
+                               1e-6, ema_beta=cfg.optim.actor_ema_beta)
         assert engines[-1]["ema_beta"] == beta
     with pytest.warns(UserWarning, match="--ema_beta 0.9 has no effect without --enable_ema"):
         parse_config(TrainPPOConfig, ["--ema_beta", "0.9"])
