@@ -170,6 +170,12 @@ def _discard_gradients(engine, zero_stage: int) -> None:
     engine.micro_steps += 1
 
 
+def _layout_key(layout: dict) -> tuple[int, int, int]:
+    """(ZeRO stage, data-parallel size, tensor-parallel size) of a saved or running layout (`DeepSpeedModel.layout`;
+    a layout recorded before tensor parallelism has none)."""
+    return layout["zero_stage"], layout["dp_size"], layout.get("tp_size", 1)
+
+
 def layout_words(layout: dict) -> str:
     """A saved or running layout (`DeepSpeedModel.layout`) in words: "ZeRO-2 over 2 ranks", or with tensor
     parallelism "ZeRO-2 over 1 x 2 ranks (data x tensor parallel)"."""
@@ -539,15 +545,12 @@ class DeepSpeedModel:
     def load_state(self, directory: str, universal: bool = False) -> str | None:
         """Restore what `save_state` wrote (with LoRA the frozen base weights stay as loaded). Collective over
         the DP group. A state saved by another layout (ZeRO stage, DP or TP size: another world size, placement or
-        --ds_tensor_parallel_size), or
-        any state with `universal` (--use_ds_universal_ckpt), loads through its universal form
-        (`rlhf.engines.portable_state`); returns a line saying so, else None."""
+        --ds_tensor_parallel_size), or any state with `universal` (--use_ds_universal_ckpt), loads through its
+        universal form (`rlhf.engines.portable_state`); returns a line saying so, else None."""
         saved = portable_state.saved_layout(directory)
-        shape = lambda layout: (layout["zero_stage"], layout["dp_size"], layout.get("tp_size", 1))  # noqa: E731
-        moved = saved is not None and shape(saved) != shape(self.layout)
+        moved = saved is not None and _layout_key(saved) != _layout_key(self.layout)
         # DeepSpeed's own loader takes a stage-0 state without tensor parallelism at any DP size: it is whole
-        whole = saved is not None and (saved["zero_stage"], shape(saved)[2]) == (0, 1) == (self.zero_stage,
-                                                                                          self.tp_size)
+        whole = saved is not None and all(_layout_key(layout)[::2] == (0, 1) for layout in (saved, self.layout))
         if universal or (moved and not whole):
             return self._load_moved(directory, saved)
         with barriers_scoped_to(self.mpu_group):
