@@ -245,11 +245,13 @@ class RunParts(ABC):
 class JobParts(RunParts):
     """A training job's parts of a run: the start's, its description and its step. `name`: the progress bar's
     (`{name} steps`); `bar`: progress-bar label -> metric; `summary`: metrics the end-of-run summary and plots
-    show after the bar's (held-out ones are always shown)."""
+    show after the bar's (held-out ones are always shown), then every metric the rows hold whose name starts with
+    one of `summary_prefixes` (PPO: the reward function's or agent's own `reward_extra/` logs)."""
 
     name: str
     bar: dict[str, str]
     summary: tuple[str, ...] = ()
+    summary_prefixes: tuple[str, ...] = ()
 
     def describe(self, run: Started) -> list[str]:
         """Lines rank 0 prints before the engines are built."""
@@ -375,7 +377,9 @@ def print_summary(parts: JobParts, cfg: Any, started_at: float, begin_step: int,
     save_path = cfg.logging.save_path
     metrics_path = os.path.join(save_path, "metrics.jsonl")
     rows = read_rows(metrics_path) if os.path.isfile(metrics_path) else []
-    keys = (*parts.bar.values(), *parts.summary)
+    extras = sorted({k for row in rows for k in row if k.startswith(parts.summary_prefixes)}) \
+        if parts.summary_prefixes else []
+    keys = (*parts.bar.values(), *parts.summary, *extras)
     plots = os.path.join(save_path, "plots")
     if rows:
         plot_runs({os.path.basename(os.path.abspath(save_path)): rows}, plots, keys)

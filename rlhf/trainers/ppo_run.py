@@ -156,6 +156,7 @@ class PPORun(JobParts):
 
     name, bar = "rl", {"reward": "reward_mean"}
     summary = ("kl", "response_length", "policy_loss", "value_loss")
+    summary_prefixes = ("reward_extra/",)
     demo_line = ("no --pretrain given: training the embedded tiny demo policy (--prompt_max_len "
                  f"{DEMO_LENGTHS['prompt_max_len']} --generate_max_len {DEMO_LENGTHS['generate_max_len']}, and "
                  f"--rollout_batch_size {DEMO_ROLLOUT_BATCH} on its 512 prompts, unless given)")

@@ -88,3 +88,22 @@ def test_watchdog_waits_out_an_announced_build():
         dog = Watchdog(0, 20.0, clock=lambda: now[0], out=out)
         now[0] = 620.0
         assert "no progress for 20 s: in stage 'train'" in dog.check()
+
+
+def test_ppo_summary_shows_the_rewards_own_logs(tmp_path, capsys):
+    """PPO's summary adds every `reward_extra/` metric the rows hold (what a reward function or an agent logs of
+    its own, such as an agent's turns per episode) after its main metrics."""
+    import time
+    from types import SimpleNamespace
+
+    from rlhf.core.run import print_summary
+    from rlhf.trainers.ppo_run import PPORun
+
+    run = [{**r, "reward_extra/agent_turns": 2.0 - r["step"] / 10} for r in rows() if "reward_mean" in r]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run))
+    cfg = SimpleNamespace(logging=SimpleNamespace(save_path=str(tmp_path), use_tensorboard=None))
+    print_summary(PPORun(), cfg, time.time(), 0, str(tmp_path / "no_peaks.json"))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:3] == ["  reward_mean               0.150 -> 0.950  (steps 1-2 -> 9-10)",
+                          "  reward_extra/agent_turns  1.850 -> 1.050  (steps 1-2 -> 9-10)"]
+    assert (tmp_path / "plots" / "reward_extra_agent_turns.png").is_file()
