@@ -102,10 +102,14 @@ def test_a_four_task_checkpoint_moved_to_another_directory_resumes_on_two_tasks(
     """Where users move a job: `srun -n 4` (--overcommit: CI hosts have 2 CPUs) checkpoints after steps 2 and 4; the
     step-4 one is dropped, as if preempted after step 2, and the checkpoint directory is moved elsewhere (a new
     allocation's storage). An sbatch job of 2 tasks resumes it there and continues the straight 2-task job's steps
-    (the same samples, metrics to float rounding, weights within AdamW's bound). Moves of stage and placement, with
-    PPO and DPO: tests/e2e/test_checkpoint_move.py."""
+    (the same samples, metrics to float rounding, weights within AdamW's bound); a copy resumed on 2 ranks by the
+    product's launcher (`rlhf.cli.launch`, outside SLURM) takes exactly the sbatch job's steps, bit for bit. Moves
+    of stage and placement, with PPO and DPO: tests/e2e/test_checkpoint_move.py."""
     import shutil
+    import subprocess
+    import sys
 
+    from tests.distributed import assert_clean_exit
     from tests.tiny_runs import assert_same_steps
 
     four = [*SUPERVISED[:SUPERVISED.index("--micro_train_batch_size")], "--micro_train_batch_size", "4",
@@ -119,6 +123,8 @@ def test_a_four_task_checkpoint_moved_to_another_directory_resumes_on_two_tasks(
     assert [s for s, _ in complete_checkpoints(str(ckpt))] == [2, 4]
     shutil.rmtree(ckpt / "global_step4")
     moved, out = tmp_path / "moved_ckpt", tmp_path / "resumed"
+    shutil.copytree(ckpt, tmp_path / "launcher_ckpt")
+    shutil.copytree(first, tmp_path / "launcher_resumed")
     shutil.move(ckpt, moved)
     shutil.copytree(first, out)  # the first job's save path: its metrics rows up to the checkpoint stay
     args = [*SUPERVISED, "--save_path", str(out), "--ckpt_path", str(moved), "--load_checkpoint"]
@@ -134,6 +140,19 @@ def test_a_four_task_checkpoint_moved_to_another_directory_resumes_on_two_tasks(
     assert [r["step"] for r in run[0]] == [0, 1, 2, 3, 4]
     assert_same_steps(reference, run, ("gpt_loss", "grad_norm", "lr", "eval_gpt_loss"), rel=1e-4, abs_=1e-6,
                       what="sbatch")
+    launched = tmp_path / "launcher_resumed"
+    proc = subprocess.run([sys.executable, "-m", "rlhf.cli.launch", "--nproc_per_node", "2", "--master_addr",
+                           "127.0.0.1", "--master_port", str(free_port()), "-m", "rlhf.cli.train_sft", *SUPERVISED,
+                           "--save_path", str(launched), "--ckpt_path", str(tmp_path / "launcher_ckpt"),
+                           "--load_checkpoint"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_clean_exit(proc, launched)
+    assert "the model's state moved from ZeRO-2 over 4 ranks to ZeRO-2 over 2 ranks" in proc.stdout + proc.stderr
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]  # noqa: E731
+    assert strip(read_metrics(launched)) == strip(run[0])
+    for name, w in run[1].items():
+        assert torch.equal(weights(launched)[name], w), name
 
 
 def task_pid(job_id: int, procid: int) -> int | None:
