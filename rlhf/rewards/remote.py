@@ -21,6 +21,8 @@ API_KEY_ENV = "RLHF_RM_API_KEY"
 # what the same request can pass on a later try: the server (or a proxy before it) was slow, busy or unreachable.
 # Not a 500: serve_rm answers 500 for a fault of its reward source on these samples, which a retry hits again.
 _RETRIED_HTTP = (408, 429, 502, 503, 504)
+BACKOFF_S = 0.5
+"""The first sleep between two tries; each later one doubles, up to MAX_BACKOFF_S."""
 MAX_BACKOFF_S = 2.0
 """The longest sleep between two tries: a server that comes back (a restart takes seconds to a minute) is reached
 within this of its return, not after a doubled sleep that can outlast the other ranks' --dist_timeout."""
@@ -38,7 +40,7 @@ class RemoteRewardClient:
     raises at once: ValueError for a 4xx (the request's fault), RuntimeError for a 5xx such as serve_rm's 500.
     `api_key` (default: env RLHF_RM_API_KEY) is sent as `Authorization: Bearer <key>`."""
 
-    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 0.5,
+    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = BACKOFF_S,
                  api_key: str | None = None) -> None:
         self.url, self.timeout_s, self.retries, self.backoff_s = url, timeout_s, retries, backoff_s
         self._api_key = api_key or os.environ.get(API_KEY_ENV) or None

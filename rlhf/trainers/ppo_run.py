@@ -34,6 +34,7 @@ from rlhf.engines.rollout import NO_VLLM, rollout_engine_choice
 from rlhf.models.loading import check_liger_kernel, check_local_model, load_tokenizer
 from rlhf.models.value import check_scalar_head, save_scalar_head_model
 from rlhf.rewards.base import RewardSource
+from rlhf.rewards.remote import BACKOFF_S, MAX_BACKOFF_S, backoff_schedule
 from rlhf.trainers.async_ppo_trainer import AsyncPPOTrainer
 from rlhf.trainers.ppo_build import (
     build_roles,
@@ -89,7 +90,7 @@ def build_reward_source(reward: RewardConfig, agent: AgentConfig) -> RewardSourc
     if source.startswith(("http://", "https://")):
         from rlhf.rewards.remote import RemoteRewardClient
 
-        return RemoteRewardClient(source, reward.remote_rm_timeout, reward.remote_rm_retries)
+        return RemoteRewardClient(source, reward.remote_rm_timeout, reward.remote_rm_retries, BACKOFF_S)
     from rlhf.rewards.reward_func import RewardFuncFile
 
     return RewardFuncFile(source, reward.reward_func_timeout)
@@ -128,7 +129,20 @@ def check_before_engines(cfg: TrainPPOConfig, world_size: int) -> dict[Role, tup
         check_scalar_head(path, cfg.model.value_head_prefix, "--reward_pretrain")
     if cfg.reward.source.startswith(("http://", "https://")):
         check_reachable("--remote_rm_url", cfg.reward.source, min(cfg.reward.remote_rm_timeout, 5.0))
+        warn_if_retries_outlast(cfg.reward, cfg.dist_timeout)
     return plan
+
+
+def warn_if_retries_outlast(reward: RewardConfig, dist_timeout_min: float) -> None:
+    """A warning where the reward client's sleeps between its tries alone (a server that is down refuses each try at
+    once) outlast --dist_timeout: the ranks that wait for this one in the next collective would time out first, and
+    the run would fail while the client still retries."""
+    sleeps = sum(backoff_schedule(BACKOFF_S, reward.remote_rm_retries))
+    if sleeps > dist_timeout_min * 60:
+        warnings.warn(f"--remote_rm_retries {reward.remote_rm_retries}: the reward client sleeps {sleeps:g} s in all "
+                      f"between its tries (at most {MAX_BACKOFF_S:g} s each), longer than --dist_timeout "
+                      f"{dist_timeout_min:g} min: the other ranks would time out first while a rank still retries; "
+                      "raise --dist_timeout or lower --remote_rm_retries", stacklevel=2)
 
 
 def check_reachable(flag: str, url: str, timeout_s: float) -> None:

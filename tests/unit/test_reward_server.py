@@ -155,6 +155,24 @@ def test_the_client_sleeps_at_most_two_seconds_between_tries(monkeypatch):
     assert slept == [0.5, 1.0, 2.0, 2.0]
 
 
+def test_retries_whose_sleeps_outlast_the_dist_timeout_are_warned_of():
+    """The chaos run's failure as a flag check: 20 tries sleep 0.5 + 1 + 2 x 17 = 35.5 s between them, longer than
+    --dist_timeout 0.5 (30 s), so the waiting ranks would time out while the client still retries."""
+    import warnings
+
+    from rlhf.config.ppo_config import RewardConfig
+    from rlhf.trainers.ppo_run import warn_if_retries_outlast
+
+    with pytest.warns(UserWarning, match=r"^--remote_rm_retries 20: the reward client sleeps 35.5 s in all between "
+                                         r"its tries \(at most 2 s each\), longer than --dist_timeout 0.5 min: .* "
+                                         "raise --dist_timeout or lower --remote_rm_retries"):
+        warn_if_retries_outlast(RewardConfig(remote_rm_retries=20), 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_retries_outlast(RewardConfig(remote_rm_retries=16), 0.5)  # 27.5 s
+        warn_if_retries_outlast(RewardConfig(), 30.0)  # the defaults: 3 tries, 30 minutes
+
+
 def test_value_error_from_the_source_is_a_422_that_the_client_does_not_retry():
     with serving(reward_server(Raises(ValueError("labels must be digits")))) as url:
         assert post(url, GOOD) == (422, {"error": "labels must be digits"})
