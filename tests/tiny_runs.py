@@ -33,6 +33,12 @@ def read_metrics(out_dir):
         return [json.loads(line) for line in f]
 
 
+def without_timings(row: dict) -> dict:
+    """A metrics row without its wall-clock measurements (time/*, perf/*): what two runs that took the same steps
+    share bit for bit."""
+    return {k: v for k, v in row.items() if not k.startswith(("time/", "perf/"))}
+
+
 def run_job(nproc: int, module: str, out, *args: str) -> tuple[list[dict], dict, str]:
     """`rlhf.cli.<module> args --save_path out` on `nproc` CPU ranks of a supervised job (`run_jobs` of one run):
     its metrics rows, its saved weights (model.safetensors) and its console output."""
