@@ -41,7 +41,7 @@ import sys
 import time
 
 from rlhf.cli.launch import child_pids
-from rlhf.rewards.remote import backoff_schedule
+from rlhf.rewards.remote import retry_sleeps_s
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -67,10 +67,10 @@ def ppo_flags(tiny: str, steps: int, reward_url: str, dist_timeout_min: float = 
             "--save_steps", "1", "--max_ckpt_num", "3", "--dist_timeout", str(dist_timeout_min)]
 
 
-def retries_within(window_s: float, backoff_s: float = 0.5) -> int:
-    """The most tries whose sleeps between them (the client's `backoff_schedule`) add up to at most window_s."""
+def retries_within(window_s: float) -> int:
+    """The most tries whose sleeps between them (`retry_sleeps_s`) add up to at most window_s."""
     retries = 1
-    while sum(backoff_schedule(backoff_s, retries + 1)) <= window_s:
+    while retry_sleeps_s(retries + 1) <= window_s:
         retries += 1
     return retries
 

@@ -33,6 +33,11 @@ def backoff_schedule(backoff_s: float, retries: int) -> list[float]:
     return [min(backoff_s * 2**attempt, MAX_BACKOFF_S) for attempt in range(retries - 1)]
 
 
+def retry_sleeps_s(retries: int, backoff_s: float = BACKOFF_S) -> float:
+    """How long a client of `retries` tries sleeps in all when every try fails at once (a server that is down)."""
+    return sum(backoff_schedule(backoff_s, retries))
+
+
 class RemoteRewardClient:
     """A `RewardSource` that posts each batch to `url`. Failures a retry can pass (connection errors, timeouts,
     truncated or garbled answers, HTTP 408, 429, 502, 503, 504) are retried after sleeps of backoff_s doubling

@@ -34,7 +34,7 @@ from rlhf.engines.rollout import NO_VLLM, rollout_engine_choice
 from rlhf.models.loading import check_liger_kernel, check_local_model, load_tokenizer
 from rlhf.models.value import check_scalar_head, save_scalar_head_model
 from rlhf.rewards.base import RewardSource
-from rlhf.rewards.remote import BACKOFF_S, MAX_BACKOFF_S, backoff_schedule
+from rlhf.rewards.remote import MAX_BACKOFF_S, retry_sleeps_s
 from rlhf.trainers.async_ppo_trainer import AsyncPPOTrainer
 from rlhf.trainers.ppo_build import (
     build_roles,
@@ -90,7 +90,7 @@ def build_reward_source(reward: RewardConfig, agent: AgentConfig) -> RewardSourc
     if source.startswith(("http://", "https://")):
         from rlhf.rewards.remote import RemoteRewardClient
 
-        return RemoteRewardClient(source, reward.remote_rm_timeout, reward.remote_rm_retries, BACKOFF_S)
+        return RemoteRewardClient(source, reward.remote_rm_timeout, reward.remote_rm_retries)
     from rlhf.rewards.reward_func import RewardFuncFile
 
     return RewardFuncFile(source, reward.reward_func_timeout)
@@ -100,17 +100,17 @@ def save_models(save_path: str, roles: Roles, topology: Topology, tokenizer) -> 
     """Final HF-format models under --save_path: the actor (with tokenizer) and the critic. With --lora_rank
     each is its adapter (with the critic's value head), as OpenRLHF saves it; `rlhf.cli.lora_combiner` merges
     one into its base (--is_rm for the critic)."""
-    out = save_path
     if roles.actor is not None:
-        roles.actor.model.save_hf(os.path.join(out, "model"), tokenizer, topology.leads(Role.ACTOR))
+        roles.actor.model.save_hf(os.path.join(save_path, "model"), tokenizer, topology.leads(Role.ACTOR))
     if roles.critic is not None and roles.critic.model.adapted:
-        roles.critic.model.save_hf(os.path.join(out, "critic"), tokenizer, topology.leads(Role.CRITIC))
+        roles.critic.model.save_hf(os.path.join(save_path, "critic"), tokenizer, topology.leads(Role.CRITIC))
     elif roles.critic is not None:
         is_writer = topology.leads(Role.CRITIC)
         state = roles.critic.model.gathered_state_dict(is_writer)
         if is_writer:
             module = roles.critic.model.module
-            save_scalar_head_model(state, module.config, module.head_prefix, os.path.join(out, "critic"), tokenizer)
+            save_scalar_head_model(state, module.config, module.head_prefix, os.path.join(save_path, "critic"),
+                                   tokenizer)
 
 
 def check_before_engines(cfg: TrainPPOConfig, world_size: int) -> dict[Role, tuple[int, ...]]:
@@ -137,7 +137,7 @@ def warn_if_retries_outlast(reward: RewardConfig, dist_timeout_min: float) -> No
     """A warning where the reward client's sleeps between its tries alone (a server that is down refuses each try at
     once) outlast --dist_timeout: the ranks that wait for this one in the next collective would time out first, and
     the run would fail while the client still retries."""
-    sleeps = sum(backoff_schedule(BACKOFF_S, reward.remote_rm_retries))
+    sleeps = retry_sleeps_s(reward.remote_rm_retries)
     if sleeps > dist_timeout_min * 60:
         warnings.warn(f"--remote_rm_retries {reward.remote_rm_retries}: the reward client sleeps {sleeps:g} s in all "
                       f"between its tries (at most {MAX_BACKOFF_S:g} s each), longer than --dist_timeout "
