@@ -22,11 +22,16 @@ def free_port() -> int:
 
 
 PRELOAD = ["torch", "torch.distributed", "transformers", "deepspeed", "vllm", "rlhf.core.role_models",
-           "tests.tiny_actor"]
+           "tests.tiny_actor",
+           # what a job imports later: vLLM's top level is lazy (its engine, config and CPU worker: 4-6 s a rank),
+           # the plots' matplotlib, the RL job's own modules
+           "vllm.entrypoints.llm", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "matplotlib.pyplot",
+           "transformers.trainer_utils", "rlhf.trainers.ppo_run"]
 """What the ranks' forkserver imports once per test process, so that a rank starts as a fork of an interpreter that
-has them instead of importing them again (several seconds a rank on 2 CPU cores; a module missing here, vLLM say,
-is skipped). Not where CUDA is available: importing DeepSpeed there initializes the driver, and a forked child
-could not use the GPU."""
+has them instead of importing them again (10-15 s a rank on 2 CPU cores; a module missing here, vLLM say,
+is skipped). Imported with OMP_NUM_THREADS=1 (tests/conftest.py): vLLM's engine module runs a torch operation at
+import, which would otherwise start an OpenMP pool in the forkserver before it forks. Not where CUDA is
+available: importing DeepSpeed there initializes the driver, and a forked child could not use the GPU."""
 
 
 def _context():

@@ -19,11 +19,11 @@ the weights first, loads, frees PyTorch's cache, then wakes the KV cache.
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import logging
 import os
 import warnings
-import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -221,14 +221,23 @@ def tag_cpu_shm_names(tag: str) -> None:
 
 
 def _shutdown_at_exit(llm) -> Callable[[], None]:
-    """Shuts the in-process engine core down (once: vLLM's own finalizer is detached by it) if `llm` is still
-    alive at exit; it destroys vLLM's groups and then the default group, while they all exist."""
-    client = weakref.ref(llm.llm_engine.engine_core)
+    """Shuts the in-process engine core down at exit (once: vLLM's own finalizer is detached by it); it destroys
+    vLLM's groups and then the default group, while they all exist. It holds the engine core until then: vLLM's
+    finalizer, run whenever the garbage collector reaches an engine nothing else holds, would destroy the default
+    group under a process that goes on (the next job of a process that runs several, as the tests do).
+
+    vLLM's shutdown unfreezes the garbage collector's heap and collects it twice: 1-3 s a rank on 2 CPU cores, to
+    free objects of a process that is about to end. Everything alive is frozen first and stays frozen through it
+    (as `rlhf.cli.entry_point.end_program` means it to), so those collections walk nothing."""
+    engine_core = llm.llm_engine.engine_core
 
     def shutdown() -> None:
-        engine_core = client()
-        if engine_core is not None:
+        gc.freeze()
+        unfreeze, gc.unfreeze = gc.unfreeze, lambda: None
+        try:
             engine_core.shutdown()
+        finally:
+            gc.unfreeze = unfreeze
 
     return shutdown
 
@@ -289,6 +298,10 @@ class VLLMEngine:
         torch.set_num_threads(num_threads)
         close_before_groups(_shutdown_at_exit(llm))
         self._attach(llm, sleep_enabled=on_cuda and enable_sleep)
+        # --enforce_eager on CPU means no torch.compile at all, but vLLM's sampler compiles a helper of its own (the
+        # rank of each sampled token, `batched_count_greater_than`) at the first call for log-probs: 2-4 s of
+        # Inductor per engine start on 2 cores, for a comparison and a sum
+        self.eager_sampler = enforce_eager and not on_cuda
         self.checkpoint_layout = CheckpointLayout(model_path, trust_remote_code)
 
     @classmethod
@@ -304,6 +317,7 @@ class VLLMEngine:
         self.llm = llm
         self.checkpoint_layout = CheckpointLayout(None)
         self.sleep_enabled = sleep_enabled
+        self.eager_sampler = False
         self.asleep: set[str] = set()  # sleep tags still released: "weights", "kv_cache"
         self.push_path = weight_push_path(llm.collective_rpc(_reload_weights_parameters)[0],
                                           all(llm.collective_rpc(_copy_in_place_supported)))
@@ -321,8 +335,9 @@ class VLLMEngine:
         params = [SamplingParams(n=spec.n, temperature=spec.temperature, top_p=spec.top_p,
                                  max_tokens=spec.max_tokens, repetition_penalty=spec.repetition_penalty, logprobs=0,
                                  seed=seed) for seed in seeds]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                    use_tqdm=False)
+        with torch.compiler.set_stance("force_eager") if self.eager_sampler else contextlib.nullcontext():
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                        use_tqdm=False)
         result = []
         for out in outputs:
             gens = []

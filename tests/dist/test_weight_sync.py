@@ -84,7 +84,13 @@ def _push_round_trip() -> dict:
     """An engine freshly loaded from the embedded policy W samples (fixed seeds); then, on the path the engine
     chose and again on vLLM's `reload_weights`: push W' (W plus noise) and sample, push W back and sample.
     Also the HF model's log-probs, under W', of what the engine sampled under W'."""
+    import gc
+
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
     from rlhf.assets import EMBEDDED_MODEL_DIR
+    from rlhf.distributed import launch_env
     from rlhf.engines.vllm_engine import RELOAD_IN_PLACE, VLLMEngine
     from rlhf.models.loading import load_causal_lm
 
@@ -110,6 +116,14 @@ def _push_round_trip() -> dict:
         out[f"{path} noisy"] = ids, lp, _hf_logprobs(model, ids)
         engine.load_weights(iter(weights))
         out[f"{path} back"] = _generate(engine)
+    out["compiled_frames"] = sum(counters["frames"].values())  # --enforce_eager on CPU: nothing went through Dynamo
+    # the engine's shutdown at exit: vLLM's own unfreezes and collects the whole heap, ours keeps it frozen
+    shutdown = launch_env._CLOSE_BEFORE_GROUPS.pop()
+    unfreeze = gc.unfreeze
+    gc.unfreeze()
+    shutdown()
+    out["shutdown"] = {"frozen": gc.get_freeze_count() > 0, "unfreeze_restored": gc.unfreeze is unfreeze,
+                       "default_group": dist.is_initialized()}
     return out
 
 
@@ -120,6 +134,8 @@ def test_vllm_push_reproduces_a_fresh_engine_and_changes_it():
 
     out = run_on_ranks(1, _push_round_trip)[0]
     assert out["path"] == COPY_IN_PLACE  # an unquantized Llama takes the direct copy
+    assert out["compiled_frames"] == 0  # vLLM's sampler compiles its token-rank helper unless told not to
+    assert out["shutdown"] == {"frozen": True, "unfreeze_restored": True, "default_group": False}
     # 16 MiB of 128-token blocks at 1 KiB per token (2 layers x k,v x 2 heads x 32 x fp32): 128 blocks, one per
     # 64-token sequence, fewer than the 200 sequences the engine was told one call samples
     assert out["kv_blocks"] == 128
