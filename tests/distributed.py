@@ -141,13 +141,15 @@ PORT_TAKEN = "EADDRINUSE"
 engine, say) before torchrun bound it: nothing has run yet, so the launch is retried on a new port."""
 
 
-def run_torchrun(nproc: int, target: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node nproc target args...` from the repository root; `target` is a script
-    path or `-m module`. A launch whose rendezvous port was taken in the meantime is retried (twice)."""
+def run_torchrun(nproc: int, target: str, *args: str, timeout: int = 600,
+                 launcher: str = "torch.distributed.run") -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node nproc target args...` from the repository root (`launcher`: the product's
+    `rlhf.cli.launch` in its place); `target` is a script path or `-m module`. A launch whose rendezvous port was
+    taken in the meantime is retried (twice)."""
     target_args = target.split(" ", 1) if target.startswith("-m ") else [target]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     for attempt in range(3):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        cmd = [sys.executable, "-m", launcher, f"--nproc_per_node={nproc}",
                "--master_addr=127.0.0.1", f"--master_port={free_port()}", *target_args, *args]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode == 0 or not _rendezvous_port_taken(proc.stderr) or attempt == 2:

@@ -245,6 +245,11 @@ def _shutdown_at_exit(llm) -> Callable[[], None]:
 class VLLMEngine:
     """`RolloutEngine` backed by `vllm.LLM` in this process."""
 
+    eager_sampler = False
+    """Generate with every torch.compile'd function run eagerly (`--enforce_eager` on CPU, which promises no
+    torch.compile at all): vLLM's sampler compiles a helper of its own (each sampled token's rank,
+    `batched_count_greater_than`) at the first call for log-probs, 2-4 s of Inductor per engine start on 2 cores."""
+
     def __init__(self, model_path: str, *, dtype: torch.dtype, tp_size: int, seed: int, max_model_len: int,
                  kv_cache_bytes: int, gpu_memory_utilization: float, enforce_eager: bool,
                  enable_prefix_caching: bool, enable_sleep: bool, trust_remote_code: bool = False,
@@ -298,9 +303,6 @@ class VLLMEngine:
         torch.set_num_threads(num_threads)
         close_before_groups(_shutdown_at_exit(llm))
         self._attach(llm, sleep_enabled=on_cuda and enable_sleep)
-        # --enforce_eager on CPU means no torch.compile at all, but vLLM's sampler compiles a helper of its own (the
-        # rank of each sampled token, `batched_count_greater_than`) at the first call for log-probs: 2-4 s of
-        # Inductor per engine start on 2 cores, for a comparison and a sum
         self.eager_sampler = enforce_eager and not on_cuda
         self.checkpoint_layout = CheckpointLayout(model_path, trust_remote_code)
 
@@ -317,7 +319,6 @@ class VLLMEngine:
         self.llm = llm
         self.checkpoint_layout = CheckpointLayout(None)
         self.sleep_enabled = sleep_enabled
-        self.eager_sampler = False
         self.asleep: set[str] = set()  # sleep tags still released: "weights", "kv_cache"
         self.push_path = weight_push_path(llm.collective_rpc(_reload_weights_parameters)[0],
                                           all(llm.collective_rpc(_copy_in_place_supported)))

@@ -106,10 +106,8 @@ def test_a_four_task_checkpoint_moved_to_another_directory_resumes_on_two_tasks(
     product's launcher (`rlhf.cli.launch`, outside SLURM) takes exactly the sbatch job's steps, bit for bit. Moves
     of stage and placement, with PPO and DPO: tests/e2e/test_checkpoint_move.py."""
     import shutil
-    import subprocess
-    import sys
 
-    from tests.distributed import assert_clean_exit
+    from tests.distributed import assert_clean_exit, run_torchrun
     from tests.tiny_runs import assert_same_steps
 
     four = [*SUPERVISED[:SUPERVISED.index("--micro_train_batch_size")], "--micro_train_batch_size", "4",
@@ -141,11 +139,8 @@ def test_a_four_task_checkpoint_moved_to_another_directory_resumes_on_two_tasks(
     assert_same_steps(reference, run, ("gpt_loss", "grad_norm", "lr", "eval_gpt_loss"), rel=1e-4, abs_=1e-6,
                       what="sbatch")
     launched = tmp_path / "launcher_resumed"
-    proc = subprocess.run([sys.executable, "-m", "rlhf.cli.launch", "--nproc_per_node", "2", "--master_addr",
-                           "127.0.0.1", "--master_port", str(free_port()), "-m", "rlhf.cli.train_sft", *SUPERVISED,
-                           "--save_path", str(launched), "--ckpt_path", str(tmp_path / "launcher_ckpt"),
-                           "--load_checkpoint"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
+    proc = run_torchrun(2, "-m rlhf.cli.train_sft", *SUPERVISED, "--save_path", str(launched), "--ckpt_path",
+                        str(tmp_path / "launcher_ckpt"), "--load_checkpoint", timeout=300, launcher="rlhf.cli.launch")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_clean_exit(proc, launched)
     assert "the model's state moved from ZeRO-2 over 4 ranks to ZeRO-2 over 2 ranks" in proc.stdout + proc.stderr
