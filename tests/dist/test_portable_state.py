@@ -139,7 +139,8 @@ def test_states_move_between_stages_and_world_sizes_exactly(tmp_path):
             assert (got == want) if not torch.is_tensor(want) else torch.equal(got, want), (what, key)
         for key, want in saved[frm]["next"].items():
             if torch.is_tensor(want):
-                torch.testing.assert_close(result["next"][key], want, rtol=1e-5, atol=1e-7, msg=f"{what} {key}")
+                torch.testing.assert_close(result["next"][key], want, rtol=1e-5, atol=1e-7,
+                                           msg=lambda m, what=what, key=key: f"{what} {key}: {m}")
         assert result["next"]["step"] == {3.0} and result["next"]["lr"] == saved[frm]["next"]["lr"], what
     assert os.path.isfile(os.path.join(dirs[0], "universal", "state", "zero", "0.weight", "exp_avg.pt"))
     lora_moves = {2: 3, 3: 0}  # LoRA adapters (the frozen base is --pretrain's, not in the state) both ways
@@ -155,7 +156,8 @@ def test_states_move_between_stages_and_world_sizes_exactly(tmp_path):
                 torch.equal(got["loaded"][key], value), (frm, to, key)
         for key, value in want["next"].items():
             if torch.is_tensor(value):
-                torch.testing.assert_close(got["next"][key], value, rtol=1e-5, atol=1e-7, msg=f"lora {frm}->{to} {key}")
+                torch.testing.assert_close(got["next"][key], value, rtol=1e-5, atol=1e-7,
+                                           msg=lambda m, frm=frm, to=to, key=key: f"lora {frm}->{to} {key}: {m}")
     refusals = run_variants_on_ranks(1, [(refusal, 3, dirs[2], False, 0.99), (refusal, 3, dirs[0], True, None)])
     assert refusals[0][0] == (f"{dirs[2]}: the model's --enable_ema averages were saved by ZeRO-2 over 2 ranks and "
                               "cannot move to ZeRO-3 over 1 ranks: resume with that layout, or start a new --ckpt_path")
