@@ -1,11 +1,11 @@
 """A trained model's state moves between layouts bit for bit (`rlhf.engines.portable_state` through
 `DeepSpeedModel.load_state`): saved after two AdamW steps on 2 ranks at ZeRO-0 (fp32), ZeRO-2 and ZeRO-3, loaded
 on 1 rank at ZeRO-0, -1 and -3 (ZeRO-0 to ZeRO-0 by DeepSpeed's own loader: its state is whole), and with
---use_ds_universal_ckpt on 2 ranks at the saved stage, every fp32 master
-weight, both Adam moments, the Adam step and the LR schedule equal the saved ones exactly; the next step equals the
-unmoved run's next step to float rounding; the same for LoRA adapters (ZeRO-2 -> ZeRO-3, ZeRO-3 -> ZeRO-0). A move out
-of ZeRO-0 in bf16 and one with an EMA are refused by name. A tensor-parallel state resumes at its own layout bit for
-bit and moves to another tensor-parallel size (and back, and from ZeRO-0) the same way."""
+--use_ds_universal_ckpt on 2 ranks at the saved stage, every fp32 master weight, both Adam moments, the Adam step and
+the LR schedule equal the saved ones exactly; the next step equals the unmoved run's next step to float rounding
+(`assert_next_step_close`); the same for LoRA adapters (ZeRO-2 -> ZeRO-3, ZeRO-3 -> ZeRO-0). A move out of ZeRO-0 in
+bf16 and one with an EMA are refused by name. A tensor-parallel state resumes at its own layout bit for bit and moves
+to another tensor-parallel size (and back, and from ZeRO-0) the same way."""
 
 from __future__ import annotations
 
@@ -120,6 +120,22 @@ def refusal(zero_stage: int, directory: str, bf16: bool, ema: float | None) -> s
     return "loaded"
 
 
+def assert_next_step_close(want: dict, got: dict, what: str) -> None:
+    """The step after a move against the unmoved run's next step: both start from the same state, bit for bit, and
+    their gradients differ by float32 rounding (2 ranks' halves all-reduced against 1 rank's whole batch). The
+    weights agree by AdamW's bound (lr 1e-2, one step: a near-zero gradient's move follows its rounding; measured
+    6.6e-7 on a LoRA A weight whose exp_avg was 3e-8); the moments carry the gradient's rounding, (1-β1)·δg and
+    (1-β2)·2g·δg, so they agree within 1e-5 of each tensor's largest moment (measured 6.5e-7 at most)."""
+    from tests.tiny_runs import assert_adam_weights_close
+
+    weights = {key: value for key, value in want.items() if key.endswith(":fp32")}
+    assert_adam_weights_close(weights, got, lr=1e-2, steps=1, what=what)
+    for key, value in want.items():
+        if torch.is_tensor(value) and not key.endswith(":fp32"):
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5 * float(value.abs().max()),
+                                       msg=lambda m, key=key: f"{what} {key}: {m}")
+
+
 def test_states_move_between_stages_and_world_sizes_exactly(tmp_path):
     dirs = {stage: str(tmp_path / f"zero{stage}") for stage in SAVED}
     saves = run_variants_on_ranks(2, [(save_after_two_steps, stage, dirs[stage]) for stage in SAVED])
@@ -137,10 +153,7 @@ def test_states_move_between_stages_and_world_sizes_exactly(tmp_path):
         for key, want in saved[frm]["saved"].items():
             got = result["loaded"][key]
             assert (got == want) if not torch.is_tensor(want) else torch.equal(got, want), (what, key)
-        for key, want in saved[frm]["next"].items():
-            if torch.is_tensor(want):
-                torch.testing.assert_close(result["next"][key], want, rtol=1e-5, atol=1e-7,
-                                           msg=lambda m, what=what, key=key: f"{what} {key}: {m}")
+        assert_next_step_close(saved[frm]["next"], result["next"], what)
         assert result["next"]["step"] == {3.0} and result["next"]["lr"] == saved[frm]["next"]["lr"], what
     assert os.path.isfile(os.path.join(dirs[0], "universal", "state", "zero", "0.weight", "exp_avg.pt"))
     lora_moves = {2: 3, 3: 0}  # LoRA adapters (the frozen base is --pretrain's, not in the state) both ways
@@ -154,10 +167,7 @@ def test_states_move_between_stages_and_world_sizes_exactly(tmp_path):
         for key, value in want["saved"].items():
             assert (got["loaded"][key] == value) if not torch.is_tensor(value) else \
                 torch.equal(got["loaded"][key], value), (frm, to, key)
-        for key, value in want["next"].items():
-            if torch.is_tensor(value):
-                torch.testing.assert_close(got["next"][key], value, rtol=1e-5, atol=1e-7,
-                                           msg=lambda m, frm=frm, to=to, key=key: f"lora {frm}->{to} {key}: {m}")
+        assert_next_step_close(want["next"], got["next"], f"lora ZeRO-{frm} x2 -> ZeRO-{to} x1")
     refusals = run_variants_on_ranks(1, [(refusal, 3, dirs[2], False, 0.99), (refusal, 3, dirs[0], True, None)])
     assert refusals[0][0] == (f"{dirs[2]}: the model's --enable_ema averages were saved by ZeRO-2 over 2 ranks and "
                               "cannot move to ZeRO-3 over 1 ranks: resume with that layout, or start a new --ckpt_path")
