@@ -1,10 +1,10 @@
 """The jobs under a real SLURM (tests/slurm_cluster.py: slurmctld, slurmd and munged of our own on this host, no GPUs),
-not simulated SLURM_* variables: `srun -n 2` of train_sft, an sbatch of launch/train_cpu.sbatch that ends COMPLETED,
-`scancel --signal USR1` making every task checkpoint and exit 0 with a resubmitted job reaching the straight run's
-weights bit for bit, a 4-task checkpoint moved to another directory and resumed by 2 tasks, a task killed with
-SIGKILL ending the step (--kill-on-bad-exit) with the rank named, and a task stopped with SIGSTOP named with its stage
-by its peer's heartbeat (the one test of a stopped rank under a real launcher). Each run is 4 SFT steps of the
-embedded demo on 2 CPU tasks."""
+not simulated SLURM_* variables: an sbatch of launch/train_cpu.sbatch (its `srun` of 2 train_sft tasks forms one
+world) that ends COMPLETED, `scancel --signal USR1` making every task checkpoint and exit 0 with a resubmitted job
+reaching the straight run's weights bit for bit, a 4-task checkpoint (`srun -n 4`) moved to another directory and
+resumed by 2 tasks, a task killed with SIGKILL ending the step (--kill-on-bad-exit) with the rank named, and a task
+stopped with SIGSTOP named with its stage by its peer's heartbeat (the one test of a stopped rank under a real
+launcher). Each run is 4 SFT steps of the embedded demo on 2 CPU tasks."""
 
 from __future__ import annotations
 
@@ -45,21 +45,15 @@ def weights(path):
     return load_file(os.path.join(path, "model.safetensors"))
 
 
-def test_srun_two_tasks(slurm, tmp_path):
-    out = tmp_path / "run"
-    proc = slurm.run("srun", "-n", "2", "--kill-on-bad-exit=1", "python", "-m", "rlhf.cli.train_sft", *SUPERVISED,
-                     "--save_path", str(out), timeout=240, env={"MASTER_PORT": str(free_port())})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "2 data-parallel replica(s)" in proc.stdout  # one world of the two tasks, not two worlds of one
-    assert [r["step"] for r in read_metrics(out)] == [0, 1, 2, 3, 4]
-    assert set(os.listdir(out / "logs")) >= {"rank0.log", "rank1.log"}
-
-
 def test_sbatch_cpu_variant_completes(straight):
+    """The sbatch's `srun` of 2 tasks forms one world of both (not two worlds of one) from SLURM's variables, takes
+    the 4 steps and writes each rank's log."""
     info, out = straight
-    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), (out / "job.out").read_text()[-4000:]
+    text = (out / "job.out").read_text()
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text[-4000:]
+    assert "2 data-parallel replica(s)" in text
     assert [r["step"] for r in read_metrics(out / "model")] == [0, 1, 2, 3, 4]
-    assert "2 data-parallel replica(s)" in (out / "job.out").read_text()
+    assert set(os.listdir(out / "model" / "logs")) >= {"rank0.log", "rank1.log"}
 
 
 def test_usr1_checkpoints_and_the_resubmitted_job_matches_the_straight_run(slurm, straight, tmp_path):

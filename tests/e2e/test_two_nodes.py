@@ -1,11 +1,11 @@
 """Two nodes for real: two network namespaces joined by a veth pair (10.77.0.1/24 = node0, 10.77.0.2/24 = node1,
 each with its own hostname and /etc/hosts naming both), one `python -m rlhf.cli.launch --nnodes 2 --node_rank i
---nproc_per_node 1` in each, rendezvous at node0's address: the tiny PPO demo (HF generation) takes the same
-steps as on one node with 2 ranks, exactly (metrics and final weights). The namespaces share nothing but the
-veth pair (each has its own loopback), so the rendezvous and every collective cross it. Then the same over
-SLURM: one slurmd per namespace (tests/slurm_cluster.py), an sbatch of launch/train_cpu.sbatch on both nodes,
-one task each (srun's SLURM_* variables, MASTER_ADDR from the node list), with the same steps again. Needs
-root and `ip netns`; skips with the reason otherwise."""
+--nproc_per_node 1` in each, rendezvous at node0's address: the tiny PPO demo with vLLM rollouts (one engine per
+rank, started under each node's own MASTER_ADDR/LOCAL_* variables) takes the same steps as on one node with 2
+ranks, exactly (metrics and final weights). The namespaces share nothing but the veth pair (each has its own
+loopback), so the rendezvous and every collective cross it. Then the same over SLURM with HF generation: one slurmd
+per namespace (tests/slurm_cluster.py), an sbatch of launch/train_cpu.sbatch on both nodes, one task each (srun's
+SLURM_* variables, MASTER_ADDR from the node list). Needs root and `ip netns`; skips with the reason otherwise."""
 
 from __future__ import annotations
 
@@ -116,16 +116,8 @@ def run_two_nodes(nodes, two, args=PPO) -> list[tuple[str, str]]:
     return outputs
 
 
-def test_two_nodes_take_the_steps_of_one_node(nodes, one_node, tmp_path):
-    two = tmp_path / "two_nodes"
-    run_two_nodes(nodes, two)
-    assert_same_run(one_node, two)
-
-
 @pytest.mark.vllm
 def test_two_nodes_with_vllm_rollout(nodes, tmp_path):
-    """The same with the default rollout engine (vLLM, one engine per rank, started under each node's own
-    MASTER_ADDR/LOCAL_* variables)."""
     pytest.importorskip("vllm")
     args = [*PPO[:PPO.index("--rollout_engine")], *PPO[PPO.index("--rollout_engine") + 2:], "--rollout_engine", "vllm"]
     one, two = tmp_path / "one_node", tmp_path / "two_nodes"
