@@ -14,30 +14,27 @@ import argparse
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 spec = importlib.util.spec_from_file_location("chaos", os.path.join(HERE, "chaos.py"))
 chaos = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(chaos)
 
 
 def launch(flags: list[str], save_steps: str, out: str) -> tuple[float, float]:
-    """(wall seconds, mean logged step seconds) of one launch of the job saving every `save_steps` steps."""
+    """(wall seconds, mean logged step seconds) of one launch of the job (`chaos.launch`, no restarts) saving every
+    `save_steps` steps."""
     flags = list(flags)
     flags[flags.index("--save_steps") + 1] = save_steps
-    cmd = [sys.executable, "-m", "rlhf.cli.launch", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={chaos.free_port()}", "-m", "rlhf.cli.train_ppo", *flags, "--save_path", out,
-           "--ckpt_path", os.path.join(out, "ckpt")]
+    os.makedirs(out, exist_ok=True)
     began = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    with open(os.path.join(out, "console.log"), "w") as log:
+        returncode = chaos.launch(flags, out, 0, log).wait()
     wall = time.monotonic() - began
-    if proc.returncode != 0:
-        raise SystemExit(f"checkpoint_cost: the launch with --save_steps {save_steps} failed:\n{proc.stderr[-3000:]}")
+    if returncode != 0:
+        raise SystemExit(f"checkpoint_cost: the launch with --save_steps {save_steps} failed: see {out}/console.log")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         steps = [row["time/step"] for row in map(json.loads, f) if row.get("time/step")]
     return wall, sum(steps) / len(steps)
