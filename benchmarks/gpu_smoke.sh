@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU smoke run: the CUDA paths no CPU test reaches, in at most ~8 minutes on one GPU, with no network.
 #   bash benchmarks/gpu_smoke.sh            # from the repository root; prints one JSON summary
-# Writes the summary to $SMOKE_JSON (default: $OUT/gpu_smoke.json when $OUT is set, else ./gpu_smoke.json).
+# Writes the summary to $SMOKE_JSON (default: $OUT/gpu_smoke.json when $OUT is set, else ./gpu_smoke.json), each
+# finished section to gpu_smoke.progress.jsonl and each failed section's last 300 output lines to gpu_smoke.failures.log
+# beside it.
 #
 # Needs the machine's preinstalled torch (+CUDA), transformers, accelerate, peft, ninja, py-cpuinfo and
 # msgpack (as a CUDA PyTorch image has them). The rest comes from a wheelhouse that travels with the
@@ -33,7 +35,9 @@ SMOKE_JSON=${SMOKE_JSON:-${OUT:-.}/gpu_smoke.json}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 PROGRESS=${SMOKE_JSON%.json}.progress.jsonl  # one line per finished section, written as they finish
+FAILURES=${SMOKE_JSON%.json}.failures.log  # the last 300 lines of each failed section's output, kept beside it
 : >"$PROGRESS"
+: >"$FAILURES"
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TOKENIZERS_PARALLELISM=false
 
@@ -50,6 +54,10 @@ run_section() {
   # through bash -c so the exported shell functions below can be sections too
   timeout "$limit" bash -c '"$@"' _ "$@" >"$WORK/$name.out" 2>"$WORK/$name.err"
   local rc=$?
+  if [ "$rc" != 0 ]; then
+    { echo "===== $name: exit $rc after $((SECONDS - start)) s"; cat "$WORK/$name.out" "$WORK/$name.err" | tail -n 300
+    } >>"$FAILURES"
+  fi
   WORK_PROGRESS=$PROGRESS python - "$name" "$rc" "$((SECONDS - start))" "$WORK" <<'EOF'
 import json, sys
 name, rc, secs, work = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]

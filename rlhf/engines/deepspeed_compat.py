@@ -9,6 +9,9 @@ the same forwards in the same order by construction (the trainer's stages are SP
 the check verifies. Building a transformers model under ZeRO-3 on a subgroup needs two more scopes
 (`zero3_construction`), and ZeRO++ hierarchical partitioning (--zpg) one more (`hpz_scoped_to`).
 `tests/unit/test_deepspeed_compat.py` fails if DeepSpeed or transformers move any of these.
+
+One more DeepSpeed limit lives here: its JIT op builder cannot read arch-specific TORCH_CUDA_ARCH_LIST entries
+(`9.0a`), so DeepCompile's op is built under a list without them (`arch_list_for_deepspeed_builds`).
 """
 
 from __future__ import annotations
@@ -49,6 +52,45 @@ def build_cpu_comm_op(rank: int) -> None:
               "1-2 minutes (`bash launch/install.sh cpu` builds it ahead)", flush=True)
     with watchdog.stage(f"building DeepSpeed's {builder.NAME} op", patience_s=SHM_OP_BUILD_S):
         builder.load(verbose=False)
+
+
+def arch_list_deepspeed_reads(arch_list: str) -> str:
+    """`arch_list` (TORCH_CUDA_ARCH_LIST's form: entries split by ';' or spaces, each X.Y with an optional
+    +PTX) with arch-specific suffixes dropped: `9.0a` -> `9.0`, `10.0f+PTX` -> `10.0+PTX`. DeepSpeed's JIT op
+    builder (0.19.8) reads each entry as integers and fails on `9.0a` (`invalid literal for int() with base
+    10: '0a'`), which CUDA images for Hopper set."""
+    out = []
+    for entry in arch_list.replace(" ", ";").split(";"):
+        entry = entry.strip()
+        if not entry:
+            continue
+        arch, ptx = (entry[:-4], "+PTX") if entry.endswith("+PTX") else (entry, "")
+        major, _, minor = arch.partition(".")
+        digits = "".join(c for c in minor if c.isdigit()) or "0"
+        name = f"{major}.{digits}{ptx}"
+        if name not in out:
+            out.append(name)
+    return ";".join(out)
+
+
+@contextmanager
+def arch_list_for_deepspeed_builds(rank: int) -> Iterator[None]:
+    """While DeepSpeed JIT-builds an op (DeepCompile's), TORCH_CUDA_ARCH_LIST without the arch-specific
+    suffixes its builder cannot parse (`arch_list_deepspeed_reads`); the user's value comes back afterwards.
+    Says so on rank 0 when it changes anything."""
+    value = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    readable = arch_list_deepspeed_reads(value) if value else value
+    if readable == value or value is None:
+        yield
+        return
+    if rank == 0:
+        print(f"TORCH_CUDA_ARCH_LIST={value!r} has arch-specific entries DeepSpeed's op builder cannot read: "
+              f"DeepCompile's op is built for {readable!r}", flush=True)
+    os.environ["TORCH_CUDA_ARCH_LIST"] = readable
+    try:
+        yield
+    finally:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = value
 
 
 @contextmanager

@@ -26,6 +26,7 @@ from rlhf.config.errors import UsageError
 from rlhf.config.shared_config import EngineConfig, OptimConfig
 from rlhf.engines import portable_state
 from rlhf.engines.deepspeed_compat import (
+    arch_list_for_deepspeed_builds,
     barriers_scoped_to,
     build_cpu_comm_op,
     hpz_scoped_to,
@@ -282,7 +283,11 @@ class DeepSpeedModel:
                     model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.config, mpu=mpu,
                     dist_init_required=False)
                 if engine_cfg.deepcompile:
-                    self.engine.compile()
+                    from deepspeed.compile.util import get_deepcompile_handle
+
+                    with arch_list_for_deepspeed_builds(dist.get_rank()):
+                        get_deepcompile_handle()  # DeepCompile's op, JIT-built here (once) rather than lazily
+                        self.engine.compile()
             elif self.zero_stage == 3 or self.tp_size > 1:
                 frozen = self.config if self.zero_stage == 3 else {  # no ZeRO-1/2 without an optimizer
                     **self.config, "zero_optimization": {**self.config["zero_optimization"], "stage": 0}}
