@@ -494,7 +494,7 @@ class DeepSpeedModel:
         if self.trainable and self.adam_offload:
             return
         if self.trainable and self.zero_stage == 3:
-            self._move_zero3_states(torch.device("cpu"))
+            self._move_zero3_states(torch.device("cpu"), offload=True)
         elif self.trainable and self.zero_stage > 0:
             from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 
@@ -511,17 +511,22 @@ class DeepSpeedModel:
         if self.trainable and self.adam_offload:
             return
         if self.trainable and self.zero_stage == 3:
-            self._move_zero3_states(device)
+            self._move_zero3_states(device, offload=False)
         elif self.trainable and self.zero_stage > 0:
             self.engine.reload_states()
             _steps_to_host(self.engine.optimizer.optimizer)  # DeepSpeed moved every state tensor, `step` too
         elif not self.trainable and self.zero_stage < 3:
             self.engine.to(device)
 
-    def _move_zero3_states(self, device: torch.device) -> None:
-        """ZeRO-3's own offload_states needs DeepSpeed's CUDA FusedAdam; with a torch optimizer we move the
-        fp32 master partitions and the optimizer's moment tensors ourselves (always into new buffers).
-        torch's AdamW keeps its `step` counters on the host (a device `step` costs a sync per tensor)."""
+    def _move_zero3_states(self, device: torch.device, offload: bool) -> None:
+        """ZeRO-3's own offload_states needs DeepSpeed's CUDA FusedAdam for the optimizer states and master
+        weights; with a torch optimizer we move the fp32 master partitions and the optimizer's moment tensors
+        ourselves (always into new buffers). torch's AdamW keeps its `step` counters on the host (a device
+        `step` costs a sync per tensor). The gradient shard and the reduce bucket, which the optimizer allocates
+        at start-up and would otherwise keep on the device through every stage (5e8 elements for the bucket
+        alone), go through DeepSpeed's offload_states, which needs no FusedAdam for them."""
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+
         zero = self.engine.optimizer
         zero.empty_partition_cache()
         tensors = list(zero.fp32_partitioned_groups_flat)
@@ -529,6 +534,11 @@ class DeepSpeedModel:
                     if torch.is_tensor(v) and k != "step"]
         for t in tensors:
             t.data = t.data.to(device, copy=True)
+        if offload:
+            zero.offload_states(include=[OffloadStateTypeEnum.lp_grads, OffloadStateTypeEnum.contiguous_grad_buffer],
+                                device=OffloadDeviceEnum.cpu, pin_memory=torch.cuda.is_available())
+        else:
+            zero.reload_states()
 
     def save_state(self, directory: str) -> None:
         """Weights, optimizer and LR-schedule state (DeepSpeed format); with LoRA the trainable (adapter)

@@ -37,12 +37,14 @@ def device_bytes(gpu_memory_gb: float | None) -> int | None:
     return None
 
 
-def training(cfg: Any) -> Training:
+def training(cfg: Any, device: int | None) -> Training:
+    """The engine settings of a training job's config; `device`: the GPU's bytes, None on CPU."""
     e = cfg.engine
     return Training(dtype_bytes=DTYPE_BYTES[cfg.model.param_dtype], zero_stage=e.zero_stage,
                     adam_offload=e.adam_offload, gradient_checkpointing=cfg.model.gradient_checkpointing,
                     eager_attention=cfg.model.attn == "eager", ring_size=e.ring_attn_size,
-                    tp_size=e.ds_tensor_parallel_size)
+                    tp_size=e.ds_tensor_parallel_size, cuda=device is not None, overlap_comm=e.overlap_comm,
+                    accum_bytes=DTYPE_BYTES[e.grad_accum_dtype] if e.grad_accum_dtype else 0)
 
 
 def micro_tokens(cfg: Any, samples: int, longest: int) -> int:
@@ -82,7 +84,7 @@ def ppo_memory(cfg: TrainPPOConfig, plan: dict[Role, tuple[int, ...]], device: i
               "train": tuple(Pass(n, train_tokens, longest, train=True) for n in models if models[n].trained),
               "weight_sync": ()}
     sync = min(r.weight_sync_bucket_mb << 20, actor.params() * DTYPE_BYTES[m.param_dtype])
-    return JobMemory(models, ranks, stages, training(cfg), rollout, sync_bucket_bytes=sync, device_bytes=device,
+    return JobMemory(models, ranks, stages, training(cfg, device), rollout, sync_bucket_bytes=sync, device_bytes=device,
                      reserve_bytes=CUDA_RESERVE_BYTES if device is not None else 0,
                      active={"experience": tuple(n for n in models if not models[n].trained),
                              "train": ("actor", "critic", *cfg.schedule.policy_copies)})
@@ -107,7 +109,7 @@ def supervised_memory(cfg: Any, plan: dict[Role, tuple[int, ...]], device: int |
         models[name] = Model(read_shape(path), trained=False, offload=offload,
                              replicated=ranks[name] != ranks["model"])
     passes = tuple(Pass(n, tokens, d.max_len, train=models[n].trained) for n in models)
-    return JobMemory(models, ranks, {"train": passes}, training(cfg), device_bytes=device,
+    return JobMemory(models, ranks, {"train": passes}, training(cfg, device), device_bytes=device,
                      reserve_bytes=CUDA_RESERVE_BYTES if device is not None else 0,
                      active={"train": tuple(models)})
 

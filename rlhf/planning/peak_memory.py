@@ -14,6 +14,13 @@ model's role, ZeRO partitions over all of them; ring-attention ranks included):
   (5e8 elements: every gradient of a smaller model, min(P, 5e8)·b) + the fp32 gradient partition 4·P/n, and at
   ZeRO-3 the 16-bit gradient shard P·b/n too; only during the model's own training pass (its optimizer step
   sets them to None).
+  On CUDA the reduce bucket counts whole, whatever P: DeepSpeed allocates all 5e8 elements (twice with
+  --overlap_comm) and max_memory_allocated counts the allocation, where on CPU only the pages the gradients
+  write become resident. ZeRO-1/2 allocate it at each training pass's first backward (ZeRO-1 in the
+  --grad_accum_dtype when it differs from the parameters') and free it after the pass; ZeRO-3 allocates it when
+  the engine starts and keeps it, with its 16-bit gradient shard (P·b/n), in every stage but those that
+  --deepspeed_enable_sleep offloads it from (measured on an
+  H200: a 0.5M-parameter model's ZeRO-2 training pass peaked at 954 MiB more than its other stages, 5e8·2 bytes).
 - optimizer states: Adam's two fp32 moments (8 bytes/param) and an fp32 master copy (4 bytes/param), which
   DeepSpeed keeps at ZeRO >= 1 even for fp32 parameters (a cloned flat partition) and at ZeRO-0 only for 16-bit
   ones: 12 bytes/param (8 for fp32 at ZeRO-0), over n at ZeRO >= 1; on the host with --adam_offload.
@@ -98,6 +105,9 @@ class Training:
     ring_size: int = 1
     tp_size: int = 1  # --ds_tensor_parallel_size: weights, gradients and optimizer states split (as if every
     # parameter were in a split layer), ZeRO's partitions over ranks / tp_size; activations counted whole
+    cuda: bool = False  # planned for a GPU: DeepSpeed's reduce buckets count whole (module docstring)
+    overlap_comm: bool = False  # ZeRO-1/2 double their reduce bucket
+    accum_bytes: int = 0  # --grad_accum_dtype's bytes; 0: the parameter dtype's
 
 
 @dataclass(frozen=True)
@@ -202,16 +212,33 @@ def resident(model: Model, n: int, t: Training, active: bool) -> Breakdown:
     p = model.trainable_params
     if model.offload and not active:  # --deepspeed_enable_sleep: gradients and optimizer states on the host
         return {"weights": weights, **gathered}
+    if t.cuda and t.zero_stage == 3:  # allocated when the engine starts and kept
+        gathered["buffers"] = gathered.get("buffers", 0) + zero3_resident_gradient_bytes(p, n, t)
     return {"weights": weights, "optimizer": optimizer_bytes(p, n, t), **gathered}
 
 
+def zero3_resident_gradient_bytes(p: int, n: int, t: Training) -> int:
+    """On CUDA, what a ZeRO-3 model's optimizer allocates at start-up and keeps: the whole reduce bucket and,
+    without --adam_offload (which puts it on the host), the gradient shard in the --grad_accum_dtype."""
+    shard = 0 if t.adam_offload else p * (t.accum_bytes or t.dtype_bytes) // n
+    return int(REDUCE_BUCKET_ELEMENTS * t.dtype_bytes) + shard
+
+
 def gradient_bytes(p: int, n: int, t: Training) -> int:
-    """Gradients of `p` trainable parameters on one of `n` ranks (see the module docstring)."""
+    """Gradients of `p` trainable parameters on one of `n` ranks during its training pass (see the module
+    docstring); on CUDA at ZeRO-3 the bucket and fp32 partition are resident instead (`resident`)."""
     b, stage = t.dtype_bytes, t.zero_stage
-    if stage <= 1:
+    if stage == 0:
         return p * b
+    if t.cuda and stage in (1, 2):  # DeepSpeed allocates the whole bucket (twice with --overlap_comm)
+        bucket = int(REDUCE_BUCKET_ELEMENTS * (t.accum_bytes or b if stage == 1 else b)) * (2 if t.overlap_comm else 1)
+    else:
+        bucket = int(min(p, REDUCE_BUCKET_ELEMENTS) * b)
+    if stage == 1:
+        return p * b + (bucket if t.cuda else 0)
+    if t.cuda and stage == 3:  # the fp32 copy of the shard the optimizer step reads
+        return 0 if t.adam_offload else 4 * p // n
     partition = 0 if t.adam_offload else 4 * p // n
-    bucket = int(min(p, REDUCE_BUCKET_ELEMENTS) * b)
     return bucket + partition + (p * b // n if stage == 3 else 0)
 
 

@@ -1,5 +1,6 @@
-"""DeepSpeed state offload really moves the optimizer's fp32 master weights into other buffers and
-brings them back unchanged: training with an offload/reload between steps equals training without."""
+"""DeepSpeed state offload really moves the optimizer's fp32 master weights (at ZeRO-3 its gradient shard and reduce
+bucket too) into other buffers and brings them back unchanged: training with an offload/reload between steps equals
+training without."""
 
 import torch
 
@@ -22,8 +23,14 @@ def _two_steps(zero_stage: int, offload: bool) -> dict:
                 optimizer.fp32_partitioned_groups_flat
             before = [t.data_ptr() for t in masters]
             actor.model.offload()
-            moved = [t.data_ptr() for t in masters] != before
+            moved = all(a != b for a, b in zip([t.data_ptr() for t in masters], before))
+            if zero_stage == 3:  # the gradient shard (a no-op move on CPU) and the reduce bucket leave too
+                assert {s.value for s in optimizer.offloaded_states} == {"lp_grads", "contiguous_grad_buffer"}
+                assert all(b.buffer is None for b in optimizer.ipg_buckets.values())
             actor.model.reload(torch.device("cpu"))
+            if zero_stage == 3:
+                assert not optimizer.offloaded_states
+                assert all(b.buffer is not None for b in optimizer.ipg_buckets.values())
     return {"moved": moved, "weights": dict(actor.model.full_parameters())}
 
 
