@@ -184,7 +184,12 @@ def model_config(fam: Family, tok, shape: dict | None = None):
              "head_dim": HEAD_DIM, "max_position_embeddings": 4096, "initializer_range": INIT_STD,
              "attention_dropout": 0.0, "tie_word_embeddings": False}
     config_class = getattr(transformers, fam.config_class)
-    return config_class(**{**tiny, **ids, **fam.config, **(shape or {}), "dtype": "float32"})
+    fields = {**tiny, **ids, **fam.config, **(shape or {})}
+    types = fields.get("layer_types")
+    if types and len(types) != fields["num_hidden_layers"] and "layer_types" not in (shape or {}):
+        # the family's pattern of attention kinds, repeated over the layers `shape` asks for
+        fields["layer_types"] = [types[i % len(types)] for i in range(fields["num_hidden_layers"])]
+    return config_class(**{**fields, "dtype": "float32"})
 
 
 def build_model(fam: Family, out_dir: str, seed: int = 0, tok=None, shape: dict | None = None):

@@ -3,13 +3,19 @@
 layers) equals the padded one (SDPA, eager for Gemma-2) to bf16 tolerance, log-probs and gradients; and flash-attn's
 own sliding window and soft-cap equal the fp32 reference.
 
+The mixture-of-experts families run in fp32 and must agree to 1e-4: in bf16 the two layouts' rounding sends some
+tokens to another pair of experts, a discontinuity no tolerance bounds. Measured on CPU at hidden 512 (the same
+rows): in bf16 0.1-1.9% of the tokens of a layer were routed differently and the gradients differed by 8-11%
+(relative), where in fp32 no token was routed differently and log-probs and gradients agreed to 2e-6. The flash
+kernel itself is checked in bf16 by the dense families.
+
 Shape: hidden 2048, 4 layers, 16 query heads over 4 kv heads of head dim 128 (Gemma-2: 256, as the real models),
 MLP 5632 (MoE: 8 experts of 1408, 2 per token), sliding windows of 128 tokens over sequences up to 511 tokens."""
 
 import pytest
 import torch
 
-from rlhf.models.zoo import FAMILIES
+from rlhf.models.zoo import FAMILIES, family
 
 SHAPE = {"hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 4,
          "head_dim": 128, "intermediate_size": 5632, "initializer_range": 0.02}
@@ -19,6 +25,7 @@ PER_FAMILY = {"gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "attn_lo
               "qwen3-moe": {"num_experts": 8, "moe_intermediate_size": 1408},
               "mixtral": {"num_local_experts": 8, "intermediate_size": 1408}}
 WINDOWED = ("mistral", "gemma2", "gemma3")
+MOE = tuple(n for n in FAMILIES if family(n).moe)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -33,19 +40,22 @@ def test_packed_equals_padded_at_a_realistic_shape(name, tmp_path):
     lengths, T = torch.tensor([37, 511, 120, 300]), 511
     mask = (torch.arange(T)[None] < lengths[:, None]).long().cuda()
     ids = torch.randint(3, 370, (4, T), generator=torch.Generator().manual_seed(0)).cuda() * mask
+    moe = name in MOE
     results = []
     for layout in (PADDED, SequenceLayout(packing=True)):
-        model = load_causal_lm(path, torch.bfloat16, layout.attn_implementation("sdpa")).cuda()
+        model = load_causal_lm(path, torch.float32 if moe else torch.bfloat16,
+                               layout.attn_implementation("sdpa")).cuda()
         out = policy_forward(model, ids, mask, layout=layout)
         (out.logprobs_BT1 * mask[:, 1:]).sum().backward()
         grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
         results.append((out.logprobs_BT1.detach().float() * mask[:, 1:], grads))
         del model
     (lp, grads), (lp_packed, grads_packed) = results
-    assert float((lp_packed - lp).abs().max()) < 0.15, name  # bf16 over 4 layers and a 370-word vocabulary
+    # bf16 over 4 layers and a 370-word vocabulary; fp32 (the MoE families) to float rounding
+    assert float((lp_packed - lp).abs().max()) < (1e-4 if moe else 0.15), name
     for key, grad in grads.items():
         rel = float((grads_packed[key] - grad).norm() / grad.norm().clamp_min(1e-12))
-        assert rel < 5e-2, (name, key, rel)
+        assert rel < (1e-4 if moe else 5e-2), (name, key, rel)
 
 
 def test_flash_attn_window_and_softcap_match_the_reference():

@@ -295,3 +295,15 @@ def test_zero3_marks_sparse_moe_blocks_as_leaf_modules(zoo, name):
     leaves = [n for n, m in model.named_modules() if z3_leaf_module(m)]
     assert bool(marked) == family(name).moe
     assert leaves == ([f"model.layers.{i}.mlp" for i in range(2)] if family(name).moe else [])
+
+
+def test_a_shape_with_more_layers_repeats_the_familys_attention_pattern(tmp_path):
+    """tests/gpu builds Gemma-3 with 4 layers; its family's 2-entry `layer_types` made transformers refuse the
+    config (`num_hidden_layers` (4) must be equal to the number of `layer_types` (2))."""
+    from rlhf.models.zoo import build_tokenizer, model_config
+
+    fam = family("gemma3")
+    tok = build_tokenizer(fam, str(tmp_path))
+    config = model_config(fam, tok, {"num_hidden_layers": 5})
+    assert config.layer_types == ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
+    assert model_config(fam, tok).layer_types == ["sliding_attention", "full_attention"]
