@@ -135,26 +135,6 @@ def hpz_scoped_to(group: dist.ProcessGroup | None) -> Iterator[None]:
         groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = previous
 
 
-def skip_muon_import_for_known_optimizers() -> None:
-    """DeepSpeed's engine asks `is_zero_supported_optimizer` about every trained model's optimizer, and that
-    check first imports DeepSpeed's Muon optimizer, whose module compiles its kernels with torch.compile: 2-3 s
-    of every process that trains (CPU, measured). Our optimizers (torch's AdamW) are already on DeepSpeed's
-    list, so the check answers True without the import; anything else still gets DeepSpeed's own check.
-    Idempotent. `tests/unit/test_deepspeed_compat.py` fails if DeepSpeed moves the call."""
-    from deepspeed.runtime import engine
-    from deepspeed.runtime.zero import utils
-
-    original = utils.is_zero_supported_optimizer
-    if getattr(engine.is_zero_supported_optimizer, "skips_muon_import", False):
-        return
-
-    def is_zero_supported_optimizer(optimizer) -> bool:
-        return type(optimizer) in utils.ZERO_SUPPORTED_OPTIMIZERS or original(optimizer)
-
-    is_zero_supported_optimizer.skips_muon_import = True
-    engine.is_zero_supported_optimizer = is_zero_supported_optimizer
-
-
 def use_tensor_parallel_groups(tp_group: dist.ProcessGroup | None, data_group: dist.ProcessGroup | None) -> None:
     """Give DeepSpeed's AutoTP this rank's tensor-parallel and data groups before an engine with
     `tensor_parallel.autotp_size` starts; with None, clear what an earlier job of this process left (before any

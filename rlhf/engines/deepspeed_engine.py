@@ -30,7 +30,6 @@ from rlhf.engines.deepspeed_compat import (
     barriers_scoped_to,
     build_cpu_comm_op,
     hpz_scoped_to,
-    skip_muon_import_for_known_optimizers,
     use_tensor_parallel_groups,
     zero3_construction,
 )
@@ -276,7 +275,6 @@ class DeepSpeedModel:
         use_tensor_parallel_groups(tp_group, dp_group if tp_group is not None else None)
         with barriers_scoped_to(self.mpu_group), hpz_scoped_to(self.hpz_group):
             if trainable:
-                skip_muon_import_for_known_optimizers()
                 # frozen (LoRA base) weights get no optimizer states
                 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=learning_rate,
                                               betas=tuple(optim_cfg.adam_betas), weight_decay=optim_cfg.l2)

@@ -44,30 +44,3 @@ def test_arch_lists_with_arch_specific_entries_are_built_by_deepspeed(monkeypatc
     with arch_list_for_deepspeed_builds(rank=0):
         assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0"
     assert capsys.readouterr().out == ""
-
-
-def test_the_zero_optimizer_check_skips_the_muon_import_for_adamw(monkeypatch):
-    import sys
-
-    import torch
-    from deepspeed.runtime import engine
-    from deepspeed.runtime.zero import utils
-
-    from rlhf.engines.deepspeed_compat import skip_muon_import_for_known_optimizers
-
-    assert "is_zero_supported_optimizer(basic_optimizer)" in inspect.getsource(engine.DeepSpeedEngine)
-    monkeypatch.setattr(engine, "is_zero_supported_optimizer", utils.is_zero_supported_optimizer)
-    monkeypatch.delitem(sys.modules, "deepspeed.runtime.zero.muon.muon_optimizer", raising=False)
-    skip_muon_import_for_known_optimizers()
-    skip_muon_import_for_known_optimizers()  # idempotent: one wrapper
-    check = engine.is_zero_supported_optimizer
-    assert check.skips_muon_import and check.__closure__[0].cell_contents is utils.is_zero_supported_optimizer
-    adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
-    assert check(adamw) is True
-    assert "deepspeed.runtime.zero.muon.muon_optimizer" not in sys.modules  # answered without importing Muon
-    class Unlisted(torch.optim.SGD):
-        pass
-
-    monkeypatch.setattr(utils.dist, "get_rank", lambda: 0)  # DeepSpeed's check logs on rank 0
-    assert check(Unlisted([torch.nn.Parameter(torch.zeros(2))], lr=0.1)) is False  # DeepSpeed's own check answers
-    assert "deepspeed.runtime.zero.muon.muon_optimizer" in sys.modules
