@@ -37,6 +37,8 @@ def _check_inputs(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch.Tensor,
                          f"{tuple(k_NKD.shape)}, {tuple(v_NKD.shape)}")
     if q_NHD.shape[1] % k_NKD.shape[1]:
         raise ValueError(f"{q_NHD.shape[1]} query heads are not a multiple of {k_NKD.shape[1]} kv heads")
+    if cu_seqlens.device.type != "cpu":  # reading a device tensor would stall the host once per layer
+        return
     if int(cu_seqlens[-1]) != q_NHD.shape[0] or int(cu_seqlens[0]) != 0:
         raise ValueError(f"cu_seqlens must run from 0 to the {q_NHD.shape[0]} packed tokens, got {cu_seqlens.tolist()}")
 

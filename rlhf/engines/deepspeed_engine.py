@@ -62,6 +62,9 @@ def ds_config(engine: EngineConfig, optim: OptimConfig, *, bf16: bool, micro_bat
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer synchronizes the device at every micro-batch's forward and step, for
+        # figures nothing reads (our own timers and perf/* do not sync): off, so the host can run ahead
+        "timers": {"throughput": {"enabled": False}},
     }
 
 

@@ -50,3 +50,17 @@ def test_torch_flash_varlen_matches_reference_with_gradients():
     torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
     for a, b in zip(got_grads, ref_grads):
         assert float((a.float() - b).abs().max() / b.abs().max()) < 2e-2
+
+
+def test_packed_attention_on_cuda_never_stalls_the_host():
+    """A packed forward calls the kernel once per layer: on CUDA it must not read cu_seqlens back to the host (each
+    read stalls the CPU until the GPU has caught up, once per layer and micro-batch)."""
+    lengths = [37, 5, 120, 64]
+    cu = cu_seqlens_from_lengths(lengths).cuda()
+    q, k, v = (torch.randn(sum(lengths), h, 64, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        varlen_attention(q, k, v, cu, max(lengths))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
