@@ -1,7 +1,8 @@
 """One optimizer step over a rank's micro-batches, for any loss: every loss is a token (or sequence) sum
 divided by the count over the whole global batch, so DP ranks x micro-batches add up to the global mean
 whatever the split. The step checks each term for non-finite values before the update (see
-`DeepSpeedModel.step`) and returns this rank's share of each term.
+`DeepSpeedModel.step`) and returns this rank's share of each term. Nothing is read back to the host before the
+step's last micro-batch (on CUDA each read would stall the host until the device catches up).
 
 Knows the trainable-model wrapper and process groups; nothing about what the loss means.
 """
@@ -15,7 +16,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from rlhf.engines.deepspeed_engine import DeepSpeedModel, first_nonfinite
+from rlhf.engines.deepspeed_engine import DeepSpeedModel, first_flagged, nonfinite_flags
 
 M = TypeVar("M")
 
@@ -55,17 +56,20 @@ def optimizer_step(model: DeepSpeedModel, micro_batches: Sequence[M],
     """Forward/backward every micro-batch through `loss_fn`, then one optimizer step (DeepSpeed steps at the
     last micro-batch). Collective over the model's DP group at the boundary."""
     model.train()
-    terms: dict[str, float] = {}
-    nonfinite = None  # the first non-finite term of this optimizer step on this rank
+    sums: dict[str, torch.Tensor] = {}  # float64 on the device: the same sums as Python floats, read once
+    checks = []  # each micro-batch's non-finite flags, read at the boundary (`first_flagged`)
     applied = False
+    last = len(micro_batches) - 1
     for i, micro in enumerate(micro_batches):
         out = loss_fn(micro)
         for name, value in out.terms.items():
-            terms[name] = terms.get(name, 0.0) + float(value.detach())
-        nonfinite = nonfinite or first_nonfinite({**out.terms, **out.checked, "loss": out.loss})
-        model.backward(out.loss, last_micro_batch=i == len(micro_batches) - 1)
-        applied = model.step(nonfinite)
-    return StepResult(applied, terms)
+            v = value.detach().double()
+            sums[name] = sums[name] + v if name in sums else v
+        checks.append(nonfinite_flags({**out.terms, **out.checked, "loss": out.loss}))
+        model.backward(out.loss, last_micro_batch=i == last)
+        # the first non-finite term of this optimizer step on this rank; DeepSpeedModel.step reads it at the boundary
+        applied = model.step(first_flagged(checks) if i == last else None)
+    return StepResult(applied, {name: float(v) for name, v in sums.items()})
 
 
 def step_metrics(model: DeepSpeedModel, result: StepResult, prefix: str = "", with_lr: bool = True

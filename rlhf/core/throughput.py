@@ -83,11 +83,24 @@ class WorkCounter:
         self.flops: dict[str, float] = defaultdict(float)
         self.trained_tokens = 0.0
         self.generated_tokens = 0.0
+        self.forwards: list[tuple] = []  # counted at `pop`: reading their lengths would stall the host mid-step
 
     def add(self, flops: float, stage: str) -> None:
         self.flops[stage] += flops
 
+    def add_forward(self, shape: ModelShape, stage: str, training: bool, ids: torch.Tensor, mask, position_ids
+                    ) -> None:
+        """A model forward's work, from its inputs (`sequence_lengths`), counted when the step's figures are
+        popped rather than now: on CUDA the lengths live on the device."""
+        self.forwards.append((shape, stage, training, ids, mask, position_ids))
+
     def pop(self) -> tuple[dict[str, float], float, float]:
+        for shape, stage, training, ids, mask, position_ids in self.forwards:
+            lengths = sequence_lengths(ids, mask, position_ids)
+            self.flops[stage] += shape.flops(lengths, training)
+            if training:
+                self.trained_tokens += float(lengths.sum())
+        self.forwards.clear()
         out = (dict(self.flops), self.trained_tokens, self.generated_tokens)
         self.flops.clear()
         self.trained_tokens = self.generated_tokens = 0.0
@@ -141,11 +154,8 @@ def count_work(module: torch.nn.Module, name: str) -> torch.nn.Module:
         stage = current_stage()
         if stage is None or not isinstance(ids, torch.Tensor) or ids.dim() == 0:
             return
-        lengths = sequence_lengths(ids, kwargs.get("attention_mask"), kwargs.get("position_ids"))
-        training = torch.is_grad_enabled()
-        WORK.add(shape.flops(lengths, training), stage)
-        if training:
-            WORK.trained_tokens += float(lengths.sum())
+        WORK.add_forward(shape, stage, torch.is_grad_enabled(), ids, kwargs.get("attention_mask"),
+                         kwargs.get("position_ids"))
 
     module.register_forward_hook(hook, with_kwargs=True)
     return module

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 
 import deepspeed
@@ -128,12 +128,36 @@ class NonFiniteError(RuntimeError):
 _GRADIENT_TERM = "gradient is non-finite"
 
 
+NonfiniteFlags = tuple[list[str], torch.Tensor | None]
+
+
+def nonfinite_flags(terms: dict[str, torch.Tensor | None]) -> NonfiniteFlags:
+    """The present terms' names and, on the device of the first, a bool [n, 2]: whether each holds a non-finite
+    value, and a NaN. Nothing is read back: `first_flagged` reads the flags of a whole optimizer step at once, so
+    the check costs the host no wait per micro-batch."""
+    present = {name: value.detach() for name, value in terms.items() if value is not None}
+    if not present:
+        return [], None
+    device = next(iter(present.values())).device
+    flags = torch.stack([torch.stack([~torch.isfinite(v).all(), torch.isnan(v).any()]).to(device)
+                         for v in present.values()])
+    return list(present), flags
+
+
+def first_flagged(checks: Sequence[NonfiniteFlags]) -> str | None:
+    """"<name> is nan" (or inf) for the first flagged term of the first check that has one (None: all finite)."""
+    for names, flags in checks:
+        if flags is None:
+            continue
+        for name, (bad, nan) in zip(names, flags.tolist()):
+            if bad:
+                return f"{name} is {'nan' if nan else 'inf'}"
+    return None
+
+
 def first_nonfinite(terms: dict[str, torch.Tensor | None]) -> str | None:
     """"<name> is nan" (or inf) for the first term that is not finite everywhere (None: all finite or absent)."""
-    for name, value in terms.items():
-        if value is not None and not bool(torch.isfinite(value.detach()).all()):
-            return f"{name} is {'nan' if bool(torch.isnan(value.detach()).any()) else 'inf'}"
-    return None
+    return first_flagged([nonfinite_flags(terms)])
 
 
 def mark_moe_leaf_modules(model: torch.nn.Module) -> list[str]:
