@@ -17,7 +17,8 @@
 # Environment (defaults on CUDA / on CPU):
 #   DEVICE cuda|cpu; PLAN "shape:job,job shape:job" (on CUDA, most wanted first: 1.5b SFT and its floor, 0.5b GRPO,
 #   0.5b SFT, floor and DPO, vLLM GRPO, 1.5b DPO and GRPO), or SHAPES ("0.5b 1.5b" / "tiny") x JOBS ("sft floor dpo
-#   grpo"; also grpo_vllm); ROW_TOKENS (1024 / 64), PROMPT_TOKENS (ROW_TOKENS / 4), STEPS (5 / 3), TRAIN_BATCH_SIZE
+#   grpo"; also grpo_vllm, and sft_prof / floor_prof: the job again with its last step under torch.profiler, whose
+#   summary (benchmarks/step_profile.py: device busy share, host reads and syncs, top ops) is the result); ROW_TOKENS (1024 / 64), PROMPT_TOKENS (ROW_TOKENS / 4), STEPS (5 / 3), TRAIN_BATCH_SIZE
 #   (32 / 8), TOKENS_PER_MICRO_BATCH (4096 / 4 x ROW_TOKENS), ROLLOUT_PROMPTS (16 / 4), SAMPLES_PER_PROMPT (4),
 #   NEW_TOKENS (64 / 8), PEAK_TFLOPS (the device table on CUDA; none on CPU), GRADIENT_CHECKPOINTING (0),
 #   BUDGET_S (220 / none: no job starts after it), JOB_TIMEOUT_S (150 / 300), INSTALL (1 / 0).

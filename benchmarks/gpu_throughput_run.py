@@ -26,7 +26,8 @@ sys.path.insert(0, HERE)
 
 from gpu_throughput_inputs import SHAPES, build_model_dir, write_rows  # noqa: E402
 
-JOBS = ("sft", "floor", "dpo", "grpo", "grpo_vllm")
+JOBS = ("sft", "floor", "dpo", "grpo", "grpo_vllm", "sft_prof", "floor_prof")
+"""`*_prof`: the job once more with its last step profiled (`step_profile.py`); its result is the profile's summary."""
 STAGES = ("generation", "experience", "train", "weight_sync", "step", "other")  # rlhf.core.throughput.STAGES + other
 GPU_PLAN = "1.5b:sft,floor 0.5b:grpo,sft,floor,dpo,grpo_vllm 1.5b:dpo,grpo"
 """The default order on CUDA, most wanted first: what the time budget leaves out is reported as not run."""
@@ -136,20 +137,25 @@ def job_flags(s: Settings, job: str, model: str, data: dict[str, str]) -> tuple[
 def run_job(s: Settings, job: str, model: str, data: dict[str, str], out: str, timeout: float) -> dict:
     """One job (or the floor, `sft_floor.py`) in a session of its own; its summary, or its failure and log tail."""
     log_path = out + ".log"
+    profile = job.endswith("_prof")  # the job's last step profiled (benchmarks/step_profile.py): its summary only
+    job = job.removesuffix("_prof")
     if job == "floor":
         cmd = [sys.executable, os.path.join(HERE, "sft_floor.py"), "--model", model, "--dataset", data["sft"],
                "--max_len", str(s.row_tokens + 8), "--train_batch_size", str(s.train_batch_size),
                "--max_tokens_per_micro_batch", str(s.max_tokens), "--steps", str(s.steps), "--seed", "1",
                "--dtype", "bf16" if s.bf16 else "fp32", "--device", s.device,
                *(["--gradient_checkpointing"] if s.gradient_checkpointing else []),
-               *(["--peak_tflops", str(s.peak_tflops)] if s.peak_tflops else [])]
+               *(["--peak_tflops", str(s.peak_tflops)] if s.peak_tflops else []),
+               *(["--profile_step", str(s.steps), "--profile_out", out + ".profile.json"] if profile else [])]
     else:
         module, flags = job_flags(s, job, model, data)
         # the tests' preloaded launch server when they set one (tests/launch_server.py): the same rank, forked
-        launcher = ["tests.launch_server", "--client"] if os.environ.get("RLHF_TEST_LAUNCH_SOCKET") else \
-            ["torch.distributed.run"]
+        launcher = ["tests.launch_server", "--client"] if os.environ.get("RLHF_TEST_LAUNCH_SOCKET") and not profile \
+            else ["torch.distributed.run"]
+        target = [os.path.join(HERE, "step_profile.py"), "--step", str(s.steps), "--out", out + ".profile.json",
+                  "-m"] if profile else ["-m"]
         cmd = [sys.executable, "-m", *launcher, "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
-               "--master_port", str(free_port()), "-m", f"rlhf.cli.{module}", *flags, "--save_path", out]
+               "--master_port", str(free_port()), *target, f"rlhf.cli.{module}", *flags, "--save_path", out]
     start = time.perf_counter()
     for _ in range(3):  # a rendezvous port taken between free_port() and torchrun's bind: another port
         code, text = run_logged(cmd, log_path, timeout - (time.perf_counter() - start))
@@ -162,6 +168,9 @@ def run_job(s: Settings, job: str, model: str, data: dict[str, str], out: str, t
         errors = [line for line in lines if "Error" in line or "error:" in line][:12]  # torchrun's tail hides them
         return {"status": "timeout" if code == "timeout" else "failed", "rc": code, "seconds": seconds,
                 "errors": errors, "tail": lines[-12:]}
+    if profile:
+        with open(out + ".profile.json") as f:
+            return {"status": "ok", "seconds": seconds, "profile": json.load(f)}
     result = json.loads(text.strip().splitlines()[-1]) if job == "floor" else job_summary(out)
     return {"status": "ok", "seconds": seconds, **result}
 

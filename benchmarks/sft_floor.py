@@ -24,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rlhf.kernels import varlen_attention  # noqa: E402
 
 from rlhf.core.throughput import ModelShape, shape_of_pretrained  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_profile import profiled  # noqa: E402
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -219,16 +223,17 @@ def run(args) -> dict:
     optimizer = MasterAdamW(list(model.parameters()), args.learning_rate, args.max_norm, fused=device.type == "cuda")
     shape: ModelShape = shape_of_pretrained(args.model)
     seconds, losses, tokens, flops = [], [], [], []
-    for micro_batches in steps:
+    for number, micro_batches in enumerate(steps, 1):
         num_targets = float(sum(float(mb["weights_N"].sum()) for mb in micro_batches))
         sync(device)
         start = time.perf_counter()
         loss = 0.0
-        for mb in micro_batches:
-            micro = model.loss(mb, num_targets, args.ce_chunk)
-            micro.backward()
-            loss += micro.detach()
-        optimizer.step()
+        with profiled(args.profile_out) if number == args.profile_step else nullcontext():
+            for mb in micro_batches:
+                micro = model.loss(mb, num_targets, args.ce_chunk)
+                micro.backward()
+                loss += micro.detach()
+            optimizer.step()
         sync(device)
         seconds.append(time.perf_counter() - start)
         losses.append(float(loss))
@@ -281,6 +286,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--ce_chunk", type=int, default=4096, help="rows per chunk of the linear + cross-entropy")
     parser.add_argument("--peak_tflops", type=float, default=None, help="one device's peak, for MFU")
+    parser.add_argument("--profile_step", type=int, default=None, help="profile this step (1 = the first; "
+                        "benchmarks/step_profile.py) and write its summary to --profile_out")
+    parser.add_argument("--profile_out", default="floor_profile.json")
     args = parser.parse_args(argv)
     if args.peak_tflops is None and args.device.startswith("cuda"):
         from rlhf.core.throughput import device_peak_tflops

@@ -93,3 +93,24 @@ def test_perf_summary_averages_the_steps_after_the_first():
     assert meter.summary().splitlines() == ["perf: means over 2 step(s) after the first",
                                             f"  {'perf/tflops':<32} 0", f"  {'perf/tokens_per_s':<32} 150",
                                             f"  {'time/step':<32} 3"]
+
+
+def test_step_profile_counts_the_hosts_reads_of_tensor_values(tmp_path):
+    """benchmarks/step_profile.py's summary: each `.item()`/`float()` of a tensor is one host read (on CUDA a
+    stall until the device catches up), and the step's wall time and top operators are there."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "benchmarks"))
+    from step_profile import profiled
+
+    x = torch.randn(64, 64)
+    out = tmp_path / "p.json"
+    with profiled(str(out)):
+        y = x @ x
+        total = float(y.sum()) + y.max().item() + float(y.mean())
+    summary = json.loads(out.read_text())
+    assert total == total and summary["host_reads"] == 3 and summary["syncs"] == 0
+    assert summary["wall_ms"] > 0 and summary["device_busy_share"] is None  # no CUDA here
+    assert {row["op"] for row in summary["top_host_self"]} >= {"aten::mm", "aten::_local_scalar_dense"}
