@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("usage: step_profile.py --step K --out PATH -m MODULE [ARGS...]")
     split = argv.index("-m")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--step", type=int, required=True, help="the step to profile (1: the first, as metrics.jsonl numbers them)")
+    parser.add_argument("--step", type=int, required=True,
+                        help="the step to profile (1: the first, as metrics.jsonl numbers them)")
     parser.add_argument("--out", required=True, help="where rank 0 writes the summary (JSON)")
     args = parser.parse_args(argv[:split])
     module, rest = argv[split + 1], argv[split + 2:]
