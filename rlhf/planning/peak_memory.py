@@ -19,8 +19,8 @@ model's role, ZeRO partitions over all of them; ring-attention ranks included):
   write become resident. ZeRO-1/2 allocate it at each training pass's first backward (ZeRO-1 in the
   --grad_accum_dtype when it differs from the parameters') and free it after the pass; ZeRO-3 allocates it when
   the engine starts and keeps it, with its 16-bit gradient shard (P·b/n), in every stage but those that
-  --deepspeed_enable_sleep offloads it from (measured on an
-  H200: a 0.5M-parameter model's ZeRO-2 training pass peaked at 954 MiB more than its other stages, 5e8·2 bytes).
+  --deepspeed_enable_sleep offloads it from (measured on an H200: the embedded tiny model's ZeRO-2 training pass
+  peaked 954 MiB above its other stages, 5e8·2 bytes).
 - optimizer states: Adam's two fp32 moments (8 bytes/param) and an fp32 master copy (4 bytes/param), which
   DeepSpeed keeps at ZeRO >= 1 even for fp32 parameters (a cloned flat partition) and at ZeRO-0 only for 16-bit
   ones: 12 bytes/param (8 for fp32 at ZeRO-0), over n at ZeRO >= 1; on the host with --adam_offload.
