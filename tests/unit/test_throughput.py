@@ -113,4 +113,4 @@ def test_step_profile_counts_the_hosts_reads_of_tensor_values(tmp_path):
     summary = json.loads(out.read_text())
     assert total == total and summary["host_reads"] == 3 and summary["syncs"] == 0
     assert summary["wall_ms"] > 0 and summary["device_busy_share"] is None  # no CUDA here
-    assert {row["op"] for row in summary["top_host_self"]} >= {"aten::mm", "aten::_local_scalar_dense"}
+    assert "aten::mm" in {row["op"] for row in summary["top_host_self"]}
