@@ -241,6 +241,11 @@ def assert_clean_output(stdout: str, stderr: str, *save_paths) -> None:
             assert at < 0, f"exit 0, but {where} holds {mark!r}:\n{text[max(0, at - 500):at + 3000]}"
 
 
+LAUNCHER_PORT_TAKEN = "is already in use on this machine"
+"""rlhf.cli.launch's refusal of a --master_port another process took between `free_port` and the launch."""
+
+
 def _rendezvous_port_taken(stderr: str) -> bool:
-    """torchrun failed binding its rendezvous store (before any worker started)."""
-    return PORT_TAKEN in stderr and "next_rendezvous" in stderr
+    """torchrun failed binding its rendezvous store, or rlhf.cli.launch refused the taken port (before any
+    worker started)."""
+    return (PORT_TAKEN in stderr and "next_rendezvous" in stderr) or LAUNCHER_PORT_TAKEN in stderr

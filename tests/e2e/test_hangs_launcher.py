@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.distributed import ROOT, free_port
+from tests.distributed import LAUNCHER_PORT_TAKEN, ROOT, free_port
 
 HANGING_REWARD = """
 import os, threading
@@ -70,15 +70,24 @@ def _launch_worker(tmp_path, grace: str, checkpoint_s: str, worker: str = WORKER
     """Two ranks of `worker` under rlhf.cli.launch, once both are ready (each wrote tmp_path/readyR)."""
     script = tmp_path / "worker.py"
     script.write_text(worker)
-    cmd = [sys.executable, "-m", "rlhf.cli.launch", "--grace_period", grace, "--nproc_per_node=2", *launcher_flags,
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), str(tmp_path), checkpoint_s]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": ROOT}, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.1)
-    return proc
+    for attempt in range(3):  # a port taken between free_port() and the launch (the launcher refuses it): another
+        cmd = [sys.executable, "-m", "rlhf.cli.launch", "--grace_period", grace, "--nproc_per_node=2",
+               *launcher_flags, "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), str(tmp_path),
+               checkpoint_s]
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": ROOT}, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
+            if proc.poll() is not None or time.monotonic() >= deadline:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                stderr = proc.communicate()[1]
+                assert LAUNCHER_PORT_TAKEN in stderr and attempt < 2, stderr[-3000:]
+                break
+            time.sleep(0.1)
+        else:
+            return proc
+    raise AssertionError("unreachable: the last attempt returns or fails above")
 
 
 @pytest.mark.parametrize("sig,target", [(signal.SIGTERM, "launcher"), (signal.SIGUSR1, "launcher"),
