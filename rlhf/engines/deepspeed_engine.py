@@ -155,10 +155,6 @@ def first_flagged(checks: Sequence[NonfiniteFlags]) -> str | None:
     return None
 
 
-def first_nonfinite(terms: dict[str, torch.Tensor | None]) -> str | None:
-    """"<name> is nan" (or inf) for the first term that is not finite everywhere (None: all finite or absent)."""
-    return first_flagged([nonfinite_flags(terms)])
-
 
 def mark_moe_leaf_modules(model: torch.nn.Module) -> list[str]:
     """ZeRO-3: gather each sparse MoE block's parameters whole at the block's entry (DeepSpeed's z3 leaf modules,
