@@ -7,13 +7,12 @@ Within `serving()` (tests/examples/conftest.py), RLHF_TEST_LAUNCH_SOCKET is set 
 sends each launch to this server instead (`python -m tests.launch_server --client ...`, which imports nothing
 heavy): the server, which imported `tests.distributed.PRELOAD` once, forks the launch's ranks with the environment
 a launcher gives them (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and LD_PRELOAD as
-`rlhf.cli.launch` sets it, loaded since the server's start), the server's CPU affinity (a fork of a process with
-Intel OpenMP loaded keeps only one CPU), the client's working directory, environment and standard streams, and
-OMP_NUM_THREADS applied to torch (its thread pool was sized at the server's start: a server started with two
-threads gave every rank two, and the 4-rank PPO example's steps took 0.94 s instead of 0.53 s), and returns the
-worst exit code. Like torchrun, a rank that fails ends the others. The quickstart (the README's first command, its
-own launch line) keeps the real launcher, and so do the e2e tests of the launcher itself (signals, grace periods,
-restarts: tests/e2e/test_preemption.py, test_hangs_launcher.py, test_slurm.py).
+`rlhf.cli.launch` sets it, loaded since the server's start), the client's working directory, environment and
+standard streams, and what `rlhf.cli.warm_start.become_worker` gives a forked worker (as the product's launcher
+forks its own: the server's CPU affinity, OMP_NUM_THREADS applied to torch, default signal handlers, fresh random
+state), and returns the worst exit code. Like torchrun, a rank that fails ends the others. The quickstart (the
+README's first command, its own launch line) keeps the real launcher, and so do the e2e tests of the launcher itself
+(signals, grace periods, restarts: tests/e2e/test_preemption.py, test_hangs_launcher.py, test_slurm.py).
 
     python -m tests.launch_server SOCKET              # serve (until killed)
     python -m tests.launch_server --client [launcher flags] -m MODULE [args...]   # one stage, as rlhf.cli.launch
@@ -59,37 +58,16 @@ def parse_launch(argv: list[str]) -> tuple[int, str, int, str, list[str]]:
 
 
 def _rank(fds: list[int], request: dict, rank: int) -> None:
-    """The body of a forked rank: the client's streams, directory and environment, then the module as __main__."""
-    import runpy
-    import traceback
+    """The body of a forked rank: the client's streams, directory and environment, then the module as __main__
+    (`rlhf.cli.warm_start.become_worker`: what a new interpreter would have)."""
+    from rlhf.cli.warm_start import become_worker
 
-    os.sched_setaffinity(0, request["cpus"])  # the fork may have left only the CPU the forking thread ran on
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
     os.chdir(request["cwd"])
     nproc, addr, port, module, args = parse_launch(request["argv"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
-                      MASTER_ADDR=addr, MASTER_PORT=str(port), LD_PRELOAD=request["ld_preload"])
-    if os.environ.get("OMP_NUM_THREADS"):  # the OpenMP pool was sized at the server's start, from its environment
-        import torch
-
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    sys.argv = [module, *args]
-    code = 0
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        if not isinstance(stop.code, int) and stop.code is not None:
-            print(stop.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    env = {**request["env"], "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
+           "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": addr, "MASTER_PORT": str(port),
+           "LD_PRELOAD": request["ld_preload"]}
+    become_worker(module, args, env, dict(enumerate(fds)), request["cpus"])
 
 
 def _session(conn: socket.socket, ld_preload: str, cpus: set[int]) -> None:

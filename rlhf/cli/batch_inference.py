@@ -13,9 +13,21 @@ from __future__ import annotations
 from rlhf.cli.entry_point import deferred, main_for
 from rlhf.config.inference_config import BatchInferenceConfig
 
+JOB_MODULE = "rlhf.jobs.inference_run"  # the run, imported once the flags have parsed (and by rlhf.cli.warm_start)
+PROG = "python -m rlhf.cli.batch_inference"
+
 
 def main(argv: list[str] | None = None) -> None:
-    main_for(BatchInferenceConfig, deferred("rlhf.jobs.inference_run"), "python -m rlhf.cli.batch_inference", argv)
+    main_for(BatchInferenceConfig, deferred(JOB_MODULE), PROG, argv)
+
+
+def warm_imports(argv: list[str]) -> list[str]:
+    """What a worker of this command imports (`rlhf.cli.warm_start`): the run, and vLLM's engine for
+    --eval_task generate_vllm."""
+    from rlhf.cli.warm_start import VLLM_ENGINE_MODULES, quietly_parsed
+
+    cfg = quietly_parsed(BatchInferenceConfig, argv, PROG)
+    return [JOB_MODULE, *(VLLM_ENGINE_MODULES if cfg is not None and cfg.eval_task == "generate_vllm" else [])]
 
 
 if __name__ == "__main__":

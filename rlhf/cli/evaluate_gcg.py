@@ -9,9 +9,11 @@ from __future__ import annotations
 from rlhf.cli.entry_point import deferred, main_for
 from rlhf.repulse.gcg_config import EvaluateGCGConfig
 
+JOB_MODULE = "rlhf.repulse.gcg_run"  # the run, imported once the flags have parsed (and by rlhf.cli.warm_start)
+
 
 def main(argv: list[str] | None = None) -> None:
-    main_for(EvaluateGCGConfig, deferred("rlhf.repulse.gcg_run"), "python -m rlhf.cli.evaluate_gcg", argv)
+    main_for(EvaluateGCGConfig, deferred(JOB_MODULE), "python -m rlhf.cli.evaluate_gcg", argv)
 
 
 if __name__ == "__main__":

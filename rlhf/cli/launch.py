@@ -19,6 +19,12 @@ into the workers' LD_PRELOAD, where installed (tcmalloc: the OS package libtcmal
 its first line; `--no_preload` keeps LD_PRELOAD as it is. `benchmarks/cpu_preload.py` measures the step time
 with and without each.
 
+On a machine without CUDA the workers are forked from the launcher after it has imported their libraries once
+(`rlhf.cli.warm_start`: a restart skips the imports, and the ranks share one copy of them), said in one line; the
+launcher then starts itself again with the libraries above preloaded, so that its workers have them.
+`--no_warm_start` starts each worker as a new interpreter, as torchrun does and as the launcher always does with
+CUDA.
+
 With torchrun's --max-restarts, failed workers are started again, but not once a signal has asked them to stop:
 their exit ends the run. A --master_port in use is one line naming it. When a worker fails, torchrun stops the
 others and raises with a traceback and a table; this launcher prints one line instead, naming the first rank that
@@ -33,6 +39,7 @@ It knows nothing about training: it only relays signals, times the grace period 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import signal
@@ -43,6 +50,7 @@ from collections.abc import Sequence
 
 from rlhf.cli import exit_barrier
 from rlhf.cli.entry_point import end_program
+from rlhf.cli.warm_start import PROGRAM_PACKAGE
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"  # torchrun keeps these; ours are PREEMPT_SIGNALS
@@ -235,6 +243,62 @@ def no_restarts_once_signalled(relay: SignalRelay) -> None:
     SimpleElasticAgent._invoke_run = _invoke_run
 
 
+def training_program(torchrun_args: list[str]) -> tuple[str | None, list[str]]:
+    """(the module of `-m module`, its arguments) in torchrun's arguments; (None, []) for a script."""
+    for i, arg in enumerate(torchrun_args):
+        if arg in ("-m", "--module") and i + 1 < len(torchrun_args):
+            return torchrun_args[i + 1], torchrun_args[i + 2:]
+        if arg.endswith(".py"):
+            break
+    return None, []
+
+
+def torch_has_cuda_libraries() -> bool:
+    """Whether the installed torch is a CUDA build (its CUDA libraries are beside it), found without importing it."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return False
+    lib = os.path.join(os.path.dirname(spec.origin), "lib")
+    return any(n.startswith(("libtorch_cuda", "libc10_cuda")) for n in (os.listdir(lib) if os.path.isdir(lib) else ()))
+
+
+def preload_workers(reexec: bool) -> None:
+    """tcmalloc and libiomp5 into LD_PRELOAD for the workers, said in one line (nothing when they are there
+    already). `reexec`: the workers will be forked from this process (`rlhf.cli.warm_start`), so it starts again
+    with them preloaded: a library is preloaded only when a program starts, before torch loads its own."""
+    preload, added = cpu_preload(os.environ.get("LD_PRELOAD", ""), (os.path.join(sys.prefix, "lib"), *LIBRARY_DIRS))
+    if not added:
+        return
+    os.environ["LD_PRELOAD"] = preload
+    _say(f"LD_PRELOAD for the workers: {', '.join(added)} (vLLM's CPU backend asks for them; --no_preload "
+         "to keep LD_PRELOAD as it is)")
+    if reexec:
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
+def warm_start(program: str, program_args: list[str]) -> None:
+    """Import what `program`'s workers will import, and have torchrun fork them from this process
+    (`rlhf.cli.warm_start`), said in one line; where an import fails, the workers start as new interpreters
+    and the line says why."""
+    from rlhf.cli import warm_start as warm
+
+    started = time.monotonic()
+    modules: list[str] = []
+    try:
+        with warm.imports_held(verbose="--verbose" in program_args):
+            modules = warm.warm_modules(program, program_args)
+            for module in modules:
+                importlib.import_module(module)
+    except Exception as err:  # noqa: BLE001 -- the workers import it again, and report it where it matters
+        _say(f"workers start as new interpreters: importing {modules[-1] if modules else program} here failed "
+             f"({type(err).__name__}: {err})")
+        return
+    warm.install(program)
+    _say(f"workers are forked from this launcher, which imported {', '.join(['torch', *modules])} in "
+         f"{time.monotonic() - started:.1f} s: a restart skips the imports (--no_warm_start starts each worker as "
+         "a new interpreter)")
+
+
 def _say(message: str) -> None:
     print(f"[rlhf.cli.launch] {message}", file=sys.stderr, flush=True)
 
@@ -242,23 +306,27 @@ def _say(message: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     """argv None: the program (the process ends here after torchrun returns, as `end_program` says)."""
     no_preload, args = split_flag(list(sys.argv[1:] if argv is None else argv), "--no_preload")
+    no_warm_start, args = split_flag(args, "--no_warm_start")
     try:
         grace, torchrun_args = split_grace_period(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    program, program_args = training_program(torchrun_args)
+    warm = argv is None and not no_warm_start and program is not None and program.startswith(PROGRAM_PACKAGE)
+    if not no_preload and not torch_has_cuda_libraries():  # decided before torch loads: see `preload_workers`
+        preload_workers(reexec=warm)
     import torch
     from torch.distributed import DistNetworkError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    if not no_preload and not torch.cuda.is_available():
-        preload, added = cpu_preload(os.environ.get("LD_PRELOAD", ""), (os.path.join(sys.prefix, "lib"), *LIBRARY_DIRS))
-        if added:
-            os.environ["LD_PRELOAD"] = preload
-            _say(f"LD_PRELOAD for the workers: {', '.join(added)} (vLLM's CPU backend asks for them; --no_preload "
-                 "to keep LD_PRELOAD as it is)")
+    cuda = torch.cuda.is_available()
+    if not no_preload and not cuda:
+        preload_workers(reexec=warm)
+    if warm and not cuda:
+        warm_start(program, program_args)
 
     exit_barrier.install()
     relay = SignalRelay(grace)

@@ -10,9 +10,11 @@ from __future__ import annotations
 from rlhf.cli.entry_point import deferred, main_for
 from rlhf.config.preference_config import TrainCPOConfig
 
+JOB_MODULE = "rlhf.jobs.cpo"  # the run, imported once the flags have parsed (and by rlhf.cli.warm_start)
+
 
 def main(argv: list[str] | None = None) -> None:
-    main_for(TrainCPOConfig, deferred("rlhf.jobs.cpo"), "python -m rlhf.cli.train_cpo", argv)
+    main_for(TrainCPOConfig, deferred(JOB_MODULE), "python -m rlhf.cli.train_cpo", argv)
 
 
 if __name__ == "__main__":

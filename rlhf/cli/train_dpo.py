@@ -11,9 +11,11 @@ from __future__ import annotations
 from rlhf.cli.entry_point import deferred, main_for
 from rlhf.config.preference_config import TrainDPOConfig
 
+JOB_MODULE = "rlhf.jobs.dpo"  # the run, imported once the flags have parsed (and by rlhf.cli.warm_start)
+
 
 def main(argv: list[str] | None = None) -> None:
-    main_for(TrainDPOConfig, deferred("rlhf.jobs.dpo"), "python -m rlhf.cli.train_dpo", argv)
+    main_for(TrainDPOConfig, deferred(JOB_MODULE), "python -m rlhf.cli.train_dpo", argv)
 
 
 if __name__ == "__main__":

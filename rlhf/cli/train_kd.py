@@ -10,9 +10,11 @@ from __future__ import annotations
 from rlhf.cli.entry_point import deferred, main_for
 from rlhf.config.supervised_config import TrainKDConfig
 
+JOB_MODULE = "rlhf.jobs.kd"  # the run, imported once the flags have parsed (and by rlhf.cli.warm_start)
+
 
 def main(argv: list[str] | None = None) -> None:
-    main_for(TrainKDConfig, deferred("rlhf.jobs.kd"), "python -m rlhf.cli.train_kd", argv)
+    main_for(TrainKDConfig, deferred(JOB_MODULE), "python -m rlhf.cli.train_kd", argv)
 
 
 if __name__ == "__main__":

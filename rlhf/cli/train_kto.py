@@ -10,9 +10,11 @@ from __future__ import annotations
 from rlhf.cli.entry_point import deferred, main_for
 from rlhf.config.preference_config import TrainKTOConfig
 
+JOB_MODULE = "rlhf.jobs.kto"  # the run, imported once the flags have parsed (and by rlhf.cli.warm_start)
+
 
 def main(argv: list[str] | None = None) -> None:
-    main_for(TrainKTOConfig, deferred("rlhf.jobs.kto"), "python -m rlhf.cli.train_kto", argv)
+    main_for(TrainKTOConfig, deferred(JOB_MODULE), "python -m rlhf.cli.train_kto", argv)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,11 @@ from __future__ import annotations
 from rlhf.cli.entry_point import deferred, main_for
 from rlhf.config.preference_config import TrainORPOConfig
 
+JOB_MODULE = "rlhf.jobs.orpo"  # the run, imported once the flags have parsed (and by rlhf.cli.warm_start)
+
 
 def main(argv: list[str] | None = None) -> None:
-    main_for(TrainORPOConfig, deferred("rlhf.jobs.orpo"), "python -m rlhf.cli.train_orpo", argv)
+    main_for(TrainORPOConfig, deferred(JOB_MODULE), "python -m rlhf.cli.train_orpo", argv)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ from rlhf.cli.entry_point import deferred, main_for
 from rlhf.config.flags import fork_flags_in
 from rlhf.config.ppo_config import TrainPPOConfig
 
+JOB_MODULE = "rlhf.trainers.ppo_run"  # the run, imported once the flags have parsed (and by rlhf.cli.warm_start)
+PROG = "python -m rlhf.cli.train_ppo"
+
 
 def main(argv: list[str] | None = None) -> None:
     """A command with the RePULSe fork's flags is the fork's `train_ppo` (`openrlhf.cli.train_ppo` there): it runs
@@ -27,7 +30,19 @@ def main(argv: list[str] | None = None) -> None:
                   flush=True)
         train_repulse.main(argv)
         return
-    main_for(TrainPPOConfig, deferred("rlhf.trainers.ppo_run"), "python -m rlhf.cli.train_ppo", argv)
+    main_for(TrainPPOConfig, deferred(JOB_MODULE), PROG, argv)
+
+
+def warm_imports(argv: list[str]) -> list[str]:
+    """What a worker of this command imports (`rlhf.cli.warm_start`): the run, and vLLM's engine where it
+    generates with vLLM; a fork command's as `rlhf.cli.train_repulse` says."""
+    from rlhf.cli.warm_start import rollout_modules
+
+    if fork_flags_in(argv):
+        from rlhf.cli import train_repulse
+
+        return train_repulse.warm_imports(argv)
+    return [JOB_MODULE, *rollout_modules(TrainPPOConfig, argv, PROG)]
 
 
 if __name__ == "__main__":

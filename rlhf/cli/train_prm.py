@@ -9,9 +9,11 @@ from __future__ import annotations
 from rlhf.cli.entry_point import deferred, main_for
 from rlhf.config.supervised_config import TrainPRMConfig
 
+JOB_MODULE = "rlhf.jobs.prm"  # the run, imported once the flags have parsed (and by rlhf.cli.warm_start)
+
 
 def main(argv: list[str] | None = None) -> None:
-    main_for(TrainPRMConfig, deferred("rlhf.jobs.prm"), "python -m rlhf.cli.train_prm", argv)
+    main_for(TrainPRMConfig, deferred(JOB_MODULE), "python -m rlhf.cli.train_prm", argv)
 
 
 if __name__ == "__main__":

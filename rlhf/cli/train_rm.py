@@ -10,9 +10,11 @@ from __future__ import annotations
 from rlhf.cli.entry_point import deferred, main_for
 from rlhf.config.supervised_config import TrainRMConfig
 
+JOB_MODULE = "rlhf.jobs.rm"  # the run, imported once the flags have parsed (and by rlhf.cli.warm_start)
+
 
 def main(argv: list[str] | None = None) -> None:
-    main_for(TrainRMConfig, deferred("rlhf.jobs.rm"), "python -m rlhf.cli.train_rm", argv)
+    main_for(TrainRMConfig, deferred(JOB_MODULE), "python -m rlhf.cli.train_rm", argv)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ from __future__ import annotations
 from rlhf.cli.entry_point import deferred, main_for
 from rlhf.config.supervised_config import TrainSFTConfig
 
+JOB_MODULE = "rlhf.jobs.sft"  # the run, imported once the flags have parsed (and by rlhf.cli.warm_start)
+
 
 def main(argv: list[str] | None = None) -> None:
-    main_for(TrainSFTConfig, deferred("rlhf.jobs.sft"), "python -m rlhf.cli.train_sft", argv)
+    main_for(TrainSFTConfig, deferred(JOB_MODULE), "python -m rlhf.cli.train_sft", argv)
 
 
 if __name__ == "__main__":

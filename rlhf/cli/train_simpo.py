@@ -10,9 +10,11 @@ from __future__ import annotations
 from rlhf.cli.entry_point import deferred, main_for
 from rlhf.config.preference_config import TrainSimPOConfig
 
+JOB_MODULE = "rlhf.jobs.simpo"  # the run, imported once the flags have parsed (and by rlhf.cli.warm_start)
+
 
 def main(argv: list[str] | None = None) -> None:
-    main_for(TrainSimPOConfig, deferred("rlhf.jobs.simpo"), "python -m rlhf.cli.train_simpo", argv)
+    main_for(TrainSimPOConfig, deferred(JOB_MODULE), "python -m rlhf.cli.train_simpo", argv)
 
 
 if __name__ == "__main__":

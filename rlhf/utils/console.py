@@ -342,8 +342,17 @@ def route_library_output(log: LoggingConfig, rank: int) -> LibraryOutputRouting 
     if _active is not None:
         _active.uninstall()
     if log.verbose:
+        _replay_launcher_imports()
         return None
     if "VLLM_LOGGING_CONFIG_PATH" not in os.environ:
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's loggers are then ours to route
     _active = LibraryOutputRouting(os.path.join(log.save_path, "logs", f"rank{rank}.log"), rank)
+    _replay_launcher_imports()
     return _active
+
+
+def _replay_launcher_imports() -> None:
+    """In a worker forked from the launcher (`rlhf.cli.warm_start`): what the imports said there, shown now."""
+    warm_start = sys.modules.get("rlhf.cli.warm_start")
+    if warm_start is not None:
+        warm_start.replay_held()
