@@ -148,7 +148,9 @@ COMPARED = ("reward_mean", "kl", "kl_coef", "policy_loss", "grad_norm", "lr")
 def test_sigterm_mid_step_abandons_it_and_the_resumed_run_equals_the_straight_one(tmp_path):
     """SIGTERM (rank 0 only) 1 s into a 10-minute reward call of step 3's experience: the call is interrupted, every
     rank drops the step, rolls back what it had changed (RNG, reward statistics, KL controller), checkpoints step 2
-    and exits 0; resumed, steps 3-4 and the weights equal a run never interrupted."""
+    and exits 0; resumed, steps 3-4 and the weights equal a run never interrupted. The resumed run's workers are
+    forked from `rlhf.cli.launch` (its warm start) and the others are new interpreters: the equality holds across
+    the two starts too."""
     from safetensors.torch import load_file
 
     reward = tmp_path / "reward.py"
@@ -160,11 +162,14 @@ def test_sigterm_mid_step_abandons_it_and_the_resumed_run_equals_the_straight_on
     for name, env in (("abandoned", {"SIGTERM_AT_CALL": "3"}), ("resumed", {})):
         out, ckpt = tmp_path / "run", tmp_path / "ckpt"
         extra = ["--load_checkpoint"] if name == "resumed" else []
-        proc = launch(out, ckpt, *ABANDON, "--remote_rm_url", str(reward), *extra, env=env)
+        launcher = ("rlhf.cli.launch",) if name == "resumed" else ("torch.distributed.run",)
+        proc = launch(out, ckpt, *ABANDON, "--remote_rm_url", str(reward), *extra, env=env, launcher=launcher)
         stdout, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-4000:]
         assert_clean_output(stdout, err, out)
         runs[name] = stdout, out
+        if name == "resumed":
+            assert "[rlhf.cli.launch] workers are forked from this launcher" in err, err[-3000:]
     said = "preempted (SIGTERM) during step 3: its work dropped; checkpoint after step 2 written"
     assert said in runs["abandoned"][0]
     assert f"resumed from {tmp_path / 'ckpt'}/global_step2" in runs["resumed"][0]
