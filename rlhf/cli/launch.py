@@ -316,17 +316,21 @@ def main(argv: list[str] | None = None) -> None:
     warm = argv is None and not no_warm_start and program is not None and program.startswith(PROGRAM_PACKAGE)
     if not no_preload and not torch_has_cuda_libraries():  # decided before torch loads: see `preload_workers`
         preload_workers(reexec=warm)
-    import torch
-    from torch.distributed import DistNetworkError
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    try:
+        import torch
+        from torch.distributed import DistNetworkError
+        from torch.distributed import run as torchrun
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    cuda = torch.cuda.is_available()
-    if not no_preload and not cuda:
-        preload_workers(reexec=warm)
-    if warm and not cuda:
-        warm_start(program, program_args)
+        cuda = torch.cuda.is_available()
+        if not no_preload and not cuda:
+            preload_workers(reexec=warm)
+        if warm and not cuda:
+            warm_start(program, program_args)
+    except KeyboardInterrupt:
+        _say("interrupted by Ctrl-C while importing the workers' libraries: no worker had started")
+        raise SystemExit(INTERRUPTED_STATUS) from None
 
     exit_barrier.install()
     relay = SignalRelay(grace)

@@ -208,3 +208,20 @@ def test_ctrl_c_checkpoints_and_exits_130_and_a_second_press_stops_at_once(tmp_p
         assert not any((tmp_path / f"{name}{r}").exists() for name in ("hurry", "calm") for r in range(2))
         assert "[rlhf.cli.launch] Ctrl-C again: stopping the workers without a checkpoint" in err, err[-3000:]
         assert seconds < 15, seconds
+
+
+def test_ctrl_c_while_the_launcher_imports_is_one_line_and_status_130(tmp_path):
+    """On a CPU machine the launcher imports the workers' libraries before torchrun starts (its warm start, 5 s and
+    more): a Ctrl-C then ends it with one line and status 130, no traceback, no worker started."""
+    cmd = [sys.executable, "-m", "rlhf.cli.launch", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "-m", "rlhf.cli.train_sft", "--max_steps", "1",
+           "--save_path", str(tmp_path / "run")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "[rlhf.cli.launch] interrupted by Ctrl-C while importing the workers' libraries: no worker had started" \
+        in err, err[-3000:]
+    assert "Traceback" not in err and not (tmp_path / "run").exists(), err[-3000:]
