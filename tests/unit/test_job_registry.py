@@ -40,7 +40,7 @@ def test_every_job_is_fully_registered(job, monkeypatch):
 def test_the_registry_names_every_entry_point_and_console_script():
     """A job's entry point or console script that the registry lacks fails here (tools have no config root)."""
     tools = {"build_tiny", "build_zoo", "entry_point", "evaluate_gcg", "evaluate_gcg_sz", "exit_barrier", "launch",
-             "lora_combiner", "plot", "plot_repulse", "serve_rm"}
+             "lora_combiner", "plot", "plot_repulse", "serve_rm", "warm_start"}
     cli = {name[:-3] for name in os.listdir(os.path.join(ROOT, "rlhf", "cli")) if name.endswith(".py")} - {"__init__"}
     assert cli - tools == {job.name for job in JOBS}
     jobs = {script for script, target in console_scripts().items() if script.startswith("rlhf-train-")
