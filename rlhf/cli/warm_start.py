@@ -127,9 +127,10 @@ def fork_worker(program: str, program_args: list[str], env: dict[str, str], stdo
         os.setsid()
         streams = {fd: target.fileno() for fd, target in ((1, stdout), (2, stderr)) if target is not None}
         become_worker(program, program_args, env, streams, cpus)
-    finally:  # only if the worker could not be set up: it never returns into the launcher's code
+    except BaseException:  # noqa: BLE001 -- the worker could not be set up
         with contextlib.suppress(BaseException):
             traceback.print_exc()
+    finally:  # it never returns into the launcher's code
         os._exit(1)
 
 
