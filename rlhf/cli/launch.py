@@ -60,10 +60,16 @@ INTERRUPTED_STATUS = 130  # a shell's status for a program ended by Ctrl-C
 DEFAULT_GRACE_S = 600.0
 
 
+def program_start(argv: Sequence[str]) -> int:
+    """Where the training program begins in the launcher's arguments (`-m module` or a script); their length when
+    there is none. Only the flags before it are the launcher's and torchrun's."""
+    return next((i for i, a in enumerate(argv) if a in ("-m", "--module") or a.endswith(".py")), len(argv))
+
+
 def split_grace_period(argv: list[str]) -> tuple[float, list[str]]:
     """(`--grace_period` seconds, the remaining arguments for torchrun). Only flags before the training
     program (`-m module` or a script) are ours to read."""
-    end = next((i for i, a in enumerate(argv) if a in ("-m", "--module") or a.endswith(".py")), len(argv))
+    end = program_start(argv)
     if any(a.startswith(("--signals_to_handle", "--signals-to-handle")) for a in argv[:end]):
         raise ValueError("--signals_to_handle: this launcher handles SIGTERM and SIGUSR1 itself and leaves "
                          f"{TORCHRUN_SIGNALS} to torchrun; drop the flag")
@@ -89,7 +95,7 @@ LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr
 
 def split_flag(argv: list[str], flag: str) -> tuple[bool, list[str]]:
     """(whether the switch `flag` is among the launcher's own flags, before the training program; the rest)."""
-    end = next((i for i, a in enumerate(argv) if a in ("-m", "--module") or a.endswith(".py")), len(argv))
+    end = program_start(argv)
     return flag in argv[:end], [a for i, a in enumerate(argv) if not (i < end and a == flag)]
 
 
@@ -245,11 +251,9 @@ def no_restarts_once_signalled(relay: SignalRelay) -> None:
 
 def training_program(torchrun_args: list[str]) -> tuple[str | None, list[str]]:
     """(the module of `-m module`, its arguments) in torchrun's arguments; (None, []) for a script."""
-    for i, arg in enumerate(torchrun_args):
-        if arg in ("-m", "--module") and i + 1 < len(torchrun_args):
-            return torchrun_args[i + 1], torchrun_args[i + 2:]
-        if arg.endswith(".py"):
-            break
+    i = program_start(torchrun_args)
+    if i + 1 < len(torchrun_args) and torchrun_args[i] in ("-m", "--module"):
+        return torchrun_args[i + 1], torchrun_args[i + 2:]
     return None, []
 
 

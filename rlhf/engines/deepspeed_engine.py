@@ -155,7 +155,6 @@ def first_flagged(checks: Sequence[NonfiniteFlags]) -> str | None:
     return None
 
 
-
 def mark_moe_leaf_modules(model: torch.nn.Module) -> list[str]:
     """ZeRO-3: gather each sparse MoE block's parameters whole at the block's entry (DeepSpeed's z3 leaf modules,
     microsoft/DeepSpeed#4966), as OpenRLHF does for every `*SparseMoeBlock`: a rank whose tokens reach other experts
