@@ -39,6 +39,7 @@ It knows nothing about training: it only relays signals, times the grace period 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -46,7 +47,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from rlhf.cli import exit_barrier
 from rlhf.cli.entry_point import end_program
@@ -280,10 +281,10 @@ def preload_workers(reexec: bool) -> None:
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
-def warm_start(program: str, program_args: list[str]) -> None:
+def warm_start(program: str, program_args: list[str], interrupted: Callable[[], bool]) -> None:
     """Import what `program`'s workers will import, and have torchrun fork them from this process
     (`rlhf.cli.warm_start`), said in one line; where an import fails, the workers start as new interpreters
-    and the line says why."""
+    and the line says why. `interrupted`: whether a Ctrl-C came meanwhile (`sigint_noted`)."""
     from rlhf.cli import warm_start as warm
 
     started = time.monotonic()
@@ -294,6 +295,8 @@ def warm_start(program: str, program_args: list[str]) -> None:
             for module in modules:
                 importlib.import_module(module)
     except Exception as err:  # noqa: BLE001 -- the workers import it again, and report it where it matters
+        if interrupted():  # a library turned the Ctrl-C into an error of its own (transformers' lazy modules do)
+            raise KeyboardInterrupt from None
         _say(f"workers start as new interpreters: importing {modules[-1] if modules else program} here failed "
              f"({type(err).__name__}: {err})")
         return
@@ -301,6 +304,24 @@ def warm_start(program: str, program_args: list[str]) -> None:
     _say(f"workers are forked from this launcher, which imported {', '.join(['torch', *modules])} in "
          f"{time.monotonic() - started:.1f} s: a restart skips the imports (--no_warm_start starts each worker as "
          "a new interpreter)")
+
+
+@contextlib.contextmanager
+def sigint_noted() -> Iterator[Callable[[], bool]]:
+    """Within: a Ctrl-C raises KeyboardInterrupt as by default, and is remembered; yields whether one came. An
+    import cut by it may end in another error of the library's (or none), and the Ctrl-C must still end the
+    launch."""
+    seen: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: bool(seen)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _say(message: str) -> None:
@@ -321,20 +342,25 @@ def main(argv: list[str] | None = None) -> None:
     if not no_preload and not torch_has_cuda_libraries():  # decided before torch loads: see `preload_workers`
         preload_workers(reexec=warm)
     try:
-        import torch
-        from torch.distributed import DistNetworkError
-        from torch.distributed import run as torchrun
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        with sigint_noted() as interrupted:
+            import torch
+            from torch.distributed import DistNetworkError
+            from torch.distributed import run as torchrun
+            from torch.distributed.elastic.multiprocessing.api import SignalException
+            from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-        cuda = torch.cuda.is_available()
-        if not no_preload and not cuda:
-            preload_workers(reexec=warm)
-        if warm and not cuda:
-            warm_start(program, program_args)
+            cuda = torch.cuda.is_available()
+            if not no_preload and not cuda:
+                preload_workers(reexec=warm)
+            if warm and not cuda:
+                warm_start(program, program_args, interrupted)
+            if interrupted():  # swallowed by a library
+                raise KeyboardInterrupt
     except KeyboardInterrupt:
         _say("interrupted by Ctrl-C while importing the workers' libraries: no worker had started")
-        raise SystemExit(INTERRUPTED_STATUS) from None
+        # not SystemExit: where the Ctrl-C cut into a library's import, the interpreter may still end itself by
+        # SIGINT at its exit (status -2 instead of 130, one time in six here)
+        end_program(INTERRUPTED_STATUS)
 
     exit_barrier.install()
     relay = SignalRelay(grace)

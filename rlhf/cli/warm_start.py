@@ -23,6 +23,7 @@ everywhere.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import importlib
 import io
@@ -143,6 +144,7 @@ def become_worker(program: str, program_args: list[str], env: dict[str, str], st
     # Intel OpenMP (libiomp5, preloaded for vLLM) pins a forked child to the CPU its parent ran on: the worker gets
     # its parent's CPUs back, as a new process has them (two ranks on one core run at half speed)
     os.sched_setaffinity(0, cpus)
+    _name_as_exec_gives()
     for fd, source in streams.items():
         os.dup2(source, fd)
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))
@@ -158,6 +160,16 @@ def become_worker(program: str, program_args: list[str], env: dict[str, str], st
     sys.argv = ["-m", *program_args]
     sys.modules.pop(program, None)  # imported by the parent; `python -m` runs it as __main__ only
     run_as_main(lambda: runpy.run_module(program, run_name="__main__", alter_sys=True))
+
+
+PR_SET_NAME = 15  # prctl(2)
+
+
+def _name_as_exec_gives() -> None:
+    """The process's name (what top and ps show) as the interpreter's exec gives it: the executable's file name,
+    not the name of the launcher's thread that forked it (torchrun's `pt_elastic`)."""
+    name = os.path.basename(sys.executable).encode()[:15]  # the kernel keeps 15 bytes
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
 
 
 def _fresh_process_state() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import random
@@ -28,6 +29,7 @@ print(json.dumps({
     "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
     "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
     "session": os.getsid(0) == os.getpid(), "random": random.random(),
+    "comm": open("/proc/self/comm").read().strip(),
 }))
 sys.stderr.write("to stderr")
 sys.exit(int(sys.argv[1]))
@@ -55,11 +57,13 @@ def test_a_forked_worker_starts_as_a_new_interpreter_would(tmp_path, probe):
     random.seed(0)
     kept = os.dup2(os.open(os.devnull, os.O_RDONLY), 100)  # a descriptor of the launcher's
     previous = signal.signal(signal.SIGTERM, lambda *_: None)  # a handler of the launcher's
+    named = set_thread_name(b"pt_elastic")  # torchrun forks from a thread of that name
     try:
         code, out, err = run_probe(tmp_path, probe, "3", "--flag")
     finally:
         signal.signal(signal.SIGTERM, previous)
         os.close(kept)
+        set_thread_name(named)
     seen = json.loads(out)
     assert code == 3
     assert err == "to stderr"
@@ -69,6 +73,15 @@ def test_a_forked_worker_starts_as_a_new_interpreter_would(tmp_path, probe):
     assert 100 not in seen["fds"] and max(seen["fds"]) <= 3, seen["fds"]  # 0-2, and the listing's own
     assert seen["sigterm"] and seen["sigint"] and seen["session"]
     assert seen["random"] != drawn  # drawn anew, not the launcher's state
+    assert seen["comm"] == os.path.basename(sys.executable)[:15]  # what top and ps show, as after an exec
+
+
+def set_thread_name(name: bytes) -> bytes:
+    """Names this thread as the kernel shows it (comm); returns the name it had."""
+    with open("/proc/thread-self/comm", "rb") as f:
+        before = f.read().strip()
+    ctypes.CDLL(None).prctl(warm_start.PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
+    return before
 
 
 def test_a_forked_worker_ends_as_the_interpreter_would(tmp_path, probe):
@@ -119,3 +132,29 @@ def test_warm_modules_are_the_programs_job_and_vllm_where_it_generates_with_it()
     generate = ["--eval_task", "generate_vllm", "--output_path", "o"]
     assert warm_start.warm_modules("rlhf.cli.batch_inference", generate) == \
         ["rlhf.jobs.inference_run", *warm_start.VLLM_ENGINE_MODULES]
+
+
+SWALLOWING_IMPORT = '''
+import os, signal, time
+try:
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while this library imports
+    time.sleep(5)
+except KeyboardInterrupt:  # as transformers' lazy modules report it
+    raise ModuleNotFoundError("Could not import module 'AttentionInterface'") from None
+'''
+
+
+def test_a_ctrl_c_a_library_turns_into_an_import_error_still_ends_the_launch(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C while the launcher imports the workers' libraries ends it, even where the library cut by it
+    raised an error of its own: not "workers start as new interpreters" and a run that goes on."""
+    from rlhf.cli import launch
+
+    (tmp_path / "swallowing_library.py").write_text(SWALLOWING_IMPORT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(warm_start, "warm_modules", lambda program, args: ["swallowing_library"])
+    monkeypatch.setattr(warm_start, "install", lambda program: pytest.fail("workers would be forked"))
+    with pytest.raises(KeyboardInterrupt):
+        with launch.sigint_noted() as interrupted:
+            launch.warm_start("rlhf.cli.train_sft", [], interrupted)
+    assert "workers start as new interpreters" not in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the launcher's own is restored
