@@ -152,13 +152,14 @@ class PPOTrainer:
                     batch, scored, filtering, generated = self._informative_groups(step,
                                                                                    all_gather_rollout(local, pad))
             self.engine.sleep()  # vLLM frees its memory until the next weight push
-        abandon_point(rollback)
-        with self.timer.stage("experience"), abandonable():  # a reward function's or server's call may be cut short
-            if batch is None:
-                batch = all_gather_rollout(local, pad)
-                generated = batch.num_samples
-            experience, metrics = self._experience(batch, scored)
-        abandon_point(rollback)
+            abandon_point(rollback)  # collective: the stage ends when the slowest rank's generation does
+        with self.timer.stage("experience"):
+            with abandonable():  # a reward function's or server's call may be cut short
+                if batch is None:
+                    batch = all_gather_rollout(local, pad)
+                    generated = batch.num_samples
+                experience, metrics = self._experience(batch, scored)
+            abandon_point(rollback)
         metrics.update(filtering)
         self.records.samples_drawn += generated
         self.records.keep_negatives(batch, experience.raw_rewards_B, "policy", step)
