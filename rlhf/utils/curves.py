@@ -18,6 +18,11 @@ MAIN_METRICS = (
 )
 """The metrics plotted when present, after the caller's own keys; every held-out metric (`eval...`) too."""
 
+MARGINS = dict(left=0.12, right=0.97, bottom=0.12, top=0.92)
+"""The axes' place in each 6.4 x 4 inch figure: room for tick labels of up to 8 characters, the axis labels and the
+title. Fixed rather than `tight_layout`, which measures every tick label's text and took a third of a run's plotting
+time (0.16 s a figure on one CPU core, 11 figures at the end of a typical run)."""
+
 STAGE_TIMES = "stage_time"
 """The figure of seconds per stage (`time/<stage>`), every stage one line."""
 
@@ -126,7 +131,7 @@ def _finish(ax, fig, ylabel: str, title: str) -> None:
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
-    fig.tight_layout()
+    fig.subplots_adjust(**MARGINS)
 
 
 def _save(fig, out_dir: str, name: str) -> str:
