@@ -301,7 +301,8 @@ def warm_start(program: str, program_args: list[str], interrupted: Callable[[], 
              f"({type(err).__name__}: {err})")
         return
     warm.install(program)
-    _say(f"workers are forked from this launcher, which imported {', '.join(['torch', *modules])} in "
+    shown = [m for m in modules if not any(m.startswith(f"{other}.") for other in modules)]  # vllm, not its parts
+    _say(f"workers are forked from this launcher, which imported {', '.join(['torch', *shown])} in "
          f"{time.monotonic() - started:.1f} s: a restart skips the imports (--no_warm_start starts each worker as "
          "a new interpreter)")
 
