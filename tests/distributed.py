@@ -14,6 +14,8 @@ from contextlib import contextmanager
 
 import torch.multiprocessing as mp
 
+from rlhf.cli.warm_start import VLLM_ENGINE_MODULES
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -21,12 +23,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-PRELOAD = ["torch", "torch.distributed", "transformers", "deepspeed", "vllm", "rlhf.core.role_models",
-           "tests.tiny_actor",
-           # what a job imports later: vLLM's top level is lazy (its engine, config and CPU worker: 4-6 s a rank),
-           # the plots' matplotlib, the RL job's own modules
-           "vllm.entrypoints.llm", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "matplotlib.pyplot",
-           "transformers.trainer_utils", "rlhf.trainers.ppo_run"]
+PRELOAD = ["torch", "torch.distributed", "transformers", "deepspeed", "rlhf.core.role_models", "tests.tiny_actor",
+           # what a job imports later: vLLM's top level is lazy (its engine, config and CPU worker: 4-6 s a rank;
+           # the product launcher's warm start imports the same), the plots' matplotlib, the RL job's own modules
+           *VLLM_ENGINE_MODULES, "matplotlib.pyplot", "transformers.trainer_utils", "rlhf.trainers.ppo_run"]
 """What the ranks' forkserver imports once per test process, so that a rank starts as a fork of an interpreter that
 has them instead of importing them again (10-15 s a rank on 2 CPU cores; a module missing here, vLLM say,
 is skipped). Imported with OMP_NUM_THREADS=1 (tests/conftest.py): vLLM's engine module runs a torch operation at
