@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch.multiprocessing as mp
 
-from rlhf.cli.warm_start import VLLM_ENGINE_MODULES
+from rlhf.cli.warm_start import TRAINING_RUN_MODULES, VLLM_ENGINE_MODULES
 
 
 def free_port() -> int:
@@ -25,11 +25,14 @@ def free_port() -> int:
 
 PRELOAD = ["torch", "torch.distributed", "transformers", "deepspeed", "rlhf.core.role_models", "tests.tiny_actor",
            # what a job imports later: vLLM's top level is lazy (its engine, config and CPU worker: 4-6 s a rank;
-           # the product launcher's warm start imports the same), the plots' matplotlib, the RL job's own modules
-           *VLLM_ENGINE_MODULES, "matplotlib.pyplot", "transformers.trainer_utils", "rlhf.trainers.ppo_run"]
+           # the product launcher's warm start imports the same), the plots' matplotlib, the RL job's own modules,
+           # what a training run imports as it runs
+           *VLLM_ENGINE_MODULES, "matplotlib.pyplot", "transformers.trainer_utils", "rlhf.trainers.ppo_run",
+           *TRAINING_RUN_MODULES, "tests.preloaded"]
 """What the ranks' forkserver imports once per test process, so that a rank starts as a fork of an interpreter that
 has them instead of importing them again (10-15 s a rank on 2 CPU cores; a module missing here, vLLM say,
-is skipped). Imported with OMP_NUM_THREADS=1 (tests/conftest.py): vLLM's engine module runs a torch operation at
+is skipped); `tests.preloaded`, last, then does what the ranks would each do again with them (the product launcher's
+`prepare_workers`). Imported with OMP_NUM_THREADS=1 (tests/conftest.py): vLLM's engine module runs a torch operation at
 import, which would otherwise start an OpenMP pool in the forkserver before it forks. Not where CUDA is
 available: importing DeepSpeed there initializes the driver, and a forked child could not use the GPU."""
 

@@ -288,20 +288,24 @@ def warm_start(program: str, program_args: list[str], interrupted: Callable[[], 
     from rlhf.cli import warm_start as warm
 
     started = time.monotonic()
-    modules: list[str] = []
+    doing = f"importing {program}"
     try:
         with warm.imports_held(verbose="--verbose" in program_args):
             modules = warm.warm_modules(program, program_args)
             for module in modules:
+                doing = f"importing {module}"
                 importlib.import_module(module)
+            doing = "preparing the libraries for the workers"
+            warm.prepare_workers(modules)
     except Exception as err:  # noqa: BLE001 -- the workers import it again, and report it where it matters
         if interrupted():  # a library turned the Ctrl-C into an error of its own (transformers' lazy modules do)
             raise KeyboardInterrupt from None
-        _say(f"workers start as new interpreters: importing {modules[-1] if modules else program} here failed "
-             f"({type(err).__name__}: {err})")
+        _say(f"workers start as new interpreters: {doing} here failed ({type(err).__name__}: {err})")
         return
     warm.install(program)
-    shown = [m for m in modules if not any(m.startswith(f"{other}.") for other in modules)]  # vllm, not its parts
+    # the job's module and the libraries: vllm, not its parts; not the modules its run imports later
+    shown = [m for m in modules if not any(m.startswith(f"{other}.") for other in modules)
+             and m not in warm.TRAINING_RUN_MODULES]
     _say(f"workers are forked from this launcher, which imported {', '.join(['torch', *shown])} in "
          f"{time.monotonic() - started:.1f} s: a restart skips the imports (--no_warm_start starts each worker as "
          "a new interpreter)")

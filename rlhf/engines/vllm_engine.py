@@ -242,6 +242,24 @@ def _shutdown_at_exit(llm) -> Callable[[], None]:
     return shutdown
 
 
+def register_cpu_kernels_once() -> None:
+    """Register vLLM's C++ stand-ins for its Triton kernels (its CPU platform's `register_triton_kernel_overrides`)
+    in this process once; later calls, vLLM's own at each engine's worker start among them, do nothing. vLLM
+    registers them at every worker start, each time with a scan of every attribute of every module loaded (about
+    6000 with torch, transformers and DeepSpeed: 0.3-0.7 s a rank on 2 CPU cores) and each time over the stand-ins
+    of the last time (with a warning per kernel). The launcher's warm start calls this before it forks the workers
+    (`rlhf.cli.warm_start.prepare_workers`), so they inherit the registration; a new interpreter registers them at
+    its first engine. A no-op where the platform has no stand-ins (CUDA)."""
+    from vllm.platforms import current_platform
+
+    register = getattr(current_platform, "register_triton_kernel_overrides", None)  # vLLM >= 0.32
+    if register is None or getattr(current_platform, "_rlhf_kernels_registered", False):
+        return
+    register()
+    current_platform.register_triton_kernel_overrides = lambda: None  # this process's platform object only
+    current_platform._rlhf_kernels_registered = True
+
+
 class VLLMEngine:
     """`RolloutEngine` backed by `vllm.LLM` in this process."""
 
@@ -283,6 +301,7 @@ class VLLMEngine:
             kwargs.update(kv_cache_memory_bytes=kv_cache_bytes)
         if not on_cuda and tp_size > 1:
             tag_cpu_shm_names(os.environ.get("RLHF_RUN_TAG", ""))
+        register_cpu_kernels_once()
         set_num_threads = torch.set_num_threads
         num_threads = torch.get_num_threads()
         # on CPU vLLM's extension warns of its NUMA binding from C++ on every rank: routed as library output

@@ -27,9 +27,12 @@ def check_outputs(out_dir, steps):
         assert REQUIRED_KEYS <= set(row), REQUIRED_KEYS - set(row)
         quarters = row["reward_mean"] * 4 * SAMPLES_PER_STEP
         assert abs(quarters - round(quarters)) < 1e-6 and 0 <= quarters <= 4 * SAMPLES_PER_STEP, row["reward_mean"]
-        # the stages account for rank 0's step: its waits for a slower rank fall in the stage they end
+        # the stages account for rank 0's step: its waits for a slower rank fall in the stage they end (when they
+        # did not, 0.37 s of a 1.4 s step was in none). What is left between the stages is a few lines of Python,
+        # where a loaded machine can still take the CPU away from the rank for a scheduler period or two (14.5 ms
+        # of a 0.6 s step seen with the profiler beside the two test workers)
         stages = sum(v for k, v in row.items() if k.startswith("time/") and k != "time/step")
-        assert abs(row["time/step"] - stages) <= 0.005 + 0.01 * row["time/step"], row
+        assert -1e-6 <= row["time/step"] - stages <= 0.03 + 0.02 * row["time/step"], row
     before = load_file(os.path.join(EMBEDDED_MODEL_DIR, "model.safetensors"))
     after = load_file(os.path.join(out_dir, "model", "model.safetensors"))
     assert after.keys() == before.keys()

@@ -124,11 +124,14 @@ def test_worker_target_is_torchruns_command_for_the_program():
 
 
 def test_warm_modules_are_the_programs_job_and_vllm_where_it_generates_with_it():
-    assert warm_start.warm_modules("rlhf.cli.train_sft", []) == ["rlhf.jobs.sft"]
+    run = warm_start.TRAINING_RUN_MODULES  # a training program's: its schedules and memory plan
+    assert warm_start.warm_modules("rlhf.cli.train_sft", []) == ["rlhf.jobs.sft", *run]
     assert warm_start.warm_modules("somewhere.else", []) == []
     assert warm_start.warm_modules("rlhf.cli.train_ppo", ["--pretrain", "x", "--rollout_engine", "hf"]) == \
-        ["rlhf.trainers.ppo_run"]
-    assert warm_start.warm_modules("rlhf.cli.train_ppo", ["--not_a_flag"]) == ["rlhf.trainers.ppo_run"]
+        ["rlhf.trainers.ppo_run", *run]
+    assert warm_start.warm_modules("rlhf.cli.train_ppo", ["--not_a_flag"]) == ["rlhf.trainers.ppo_run", *run]
+    assert warm_start.warm_modules("rlhf.cli.train_ppo", []) == \
+        ["rlhf.trainers.ppo_run", *warm_start.VLLM_ENGINE_MODULES, *run]
     generate = ["--eval_task", "generate_vllm", "--output_path", "o"]
     assert warm_start.warm_modules("rlhf.cli.batch_inference", generate) == \
         ["rlhf.jobs.inference_run", *warm_start.VLLM_ENGINE_MODULES]
