@@ -5,18 +5,22 @@ import os
 
 CPU = ["--param_dtype", "fp32", "--attn_implementation", "sdpa"]
 """What the tests run in (the defaults are OpenRLHF's: bf16 and flash-attn)."""
+TRAIN = [*CPU, "--no_plots"]
+"""What the tests' training runs add: no plots at the end (a tenth of a second per figure, and the e2e runs would draw
+hundreds that nothing reads). The examples' runs draw theirs, and tests/examples/test_rl_examples.py checks the
+quickstart's."""
 EAGER = ["--enforce_eager"]
 """vLLM without torch.compile in the e2e runs: each runs a few steps, and loading the compiled model from vLLM's
 cache still costs a few CPU-seconds per rank (the first compile on a machine 15-20 s); the compiled default runs in
 tests/examples (every learning run) and in the e2e runs of OpenRLHF's own commands
 (tests/e2e/test_openrlhf_command_run.py)."""
-SMALL = [*CPU, *EAGER, "--init_kl_coef", "0", "--advantage_estimator", "group_norm",
+SMALL = [*TRAIN, *EAGER, "--init_kl_coef", "0", "--advantage_estimator", "group_norm",
          "--rollout_batch_size", "4", "--n_samples_per_prompt", "4", "--train_batch_size", "8",
          "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "4", "--generate_max_len", "6",
          "--prompt_max_len", "16", "--label_key", "label", "--actor_learning_rate", "1e-3", "--max_steps", "3"]
-SUPERVISED = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_len", "32", "--max_epochs", "1",
-              "--learning_rate", "3e-3", "--lr_warmup_ratio", "0.1", "--max_steps", "4", "--eval_steps", "2",
-              "--zero_stage", "2"]
+SUPERVISED = [*TRAIN, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_len", "32",
+              "--max_epochs", "1", "--learning_rate", "3e-3", "--lr_warmup_ratio", "0.1", "--max_steps", "4",
+              "--eval_steps", "2", "--zero_stage", "2"]
 """4 steps of a supervised job on 2 ranks (ZeRO-2, padded), evaluated at steps 0, 2 and 4."""
 SUPERVISED_LAYOUTS = {  # name -> (ranks, flags); the ring runs one data-parallel replica: twice the micro-batch
     "dp1": (1, ()),

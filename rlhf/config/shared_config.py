@@ -302,6 +302,8 @@ class LoggingConfig:
                      "stage, averaged over the steps after the first (every step logs them as perf/* and time/*)")
     peak_tflops: float | None = opt(None, "one device's peak TFLOP/s for perf/mfu (not an OpenRLHF flag; default: "
                                     "the GPU's dense bf16 peak from a table of common GPUs; on CPU no MFU)")
+    no_plots: bool = opt(False, "do not draw the main curves into SAVE_PATH/plots at the end (not an OpenRLHF flag; "
+                         "metrics.jsonl keeps them: `python -m rlhf.cli.plot SAVE_PATH` draws them later)")
 
     def __post_init__(self) -> None:
         require(self.logging_steps >= 1, "--logging_steps must be >= 1")

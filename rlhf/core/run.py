@@ -373,15 +373,16 @@ def run_job(parts: JobParts, cfg: Any, parse_warnings: Sequence[warnings.Warning
 
 
 def print_summary(parts: JobParts, cfg: Any, started_at: float, begin_step: int, peaks_path: str) -> None:
-    """Rank 0, at the end of a run: its plots (SAVE_PATH/plots) from metrics.jsonl, then the summary block."""
+    """Rank 0, at the end of a run: its plots (SAVE_PATH/plots, unless --no_plots) from metrics.jsonl, then the
+    summary block."""
     save_path = cfg.logging.save_path
     metrics_path = os.path.join(save_path, "metrics.jsonl")
     rows = read_rows(metrics_path) if os.path.isfile(metrics_path) else []
     extras = sorted({k for row in rows for k in row if k.startswith(parts.summary_prefixes)}) \
         if parts.summary_prefixes else []
     keys = (*parts.bar.values(), *parts.summary, *extras)
-    plots = os.path.join(save_path, "plots")
-    if rows:
+    plots = "" if cfg.logging.no_plots else os.path.join(save_path, "plots")  # "": not listed as an output
+    if rows and plots:
         plot_runs({os.path.basename(os.path.abspath(save_path)): rows}, plots, keys)
     memory = None
     if os.path.isfile(peaks_path):

@@ -7,9 +7,9 @@ import pytest
 
 def _agent_ppo(out, *extra: str) -> tuple[str, list[str]]:
     from rlhf.assets import TINY_DIR
-    from tests.tiny_runs import CPU, EAGER
+    from tests.tiny_runs import EAGER, TRAIN
 
-    return "train_ppo", [*CPU, *EAGER, "--agent_func_path", f"{TINY_DIR}/guess_agent.py",
+    return "train_ppo", [*TRAIN, *EAGER, "--agent_func_path", f"{TINY_DIR}/guess_agent.py",
                          "--prompt_data", f"{TINY_DIR}/guess_prompts.jsonl", "--input_key", "input",
                          "--label_key", "label", "--agent_max_turns", "2", "--agent_turn_max_tokens", "4",
                          "--generate_max_len", "8", "--prompt_max_len", "8", "--rollout_batch_size", "4",

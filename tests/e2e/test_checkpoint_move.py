@@ -10,9 +10,9 @@ from safetensors.torch import load_file
 
 from rlhf.assets import TINY_DIR
 from tests.distributed import run_job_variants
-from tests.tiny_runs import CPU, EAGER, assert_adam_weights_close, read_metrics
+from tests.tiny_runs import EAGER, TRAIN, assert_adam_weights_close, read_metrics
 
-PPO = [*CPU, *EAGER, "--pretrain", f"{TINY_DIR}/policy", "--reward_pretrain", f"{TINY_DIR}/reward_model",
+PPO = [*TRAIN, *EAGER, "--pretrain", f"{TINY_DIR}/policy", "--reward_pretrain", f"{TINY_DIR}/reward_model",
        "--prompt_data", f"{TINY_DIR}/prompts.jsonl", "--advantage_estimator", "gae", "--n_samples_per_prompt", "1",
        "--rollout_batch_size", "8", "--micro_rollout_batch_size", "4", "--train_batch_size", "4",
        "--micro_train_batch_size", "2", "--generate_max_len", "6", "--prompt_max_len", "16",

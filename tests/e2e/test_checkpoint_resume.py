@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from rlhf.assets import TINY_DIR
 from rlhf.utils.checkpoint_files import complete_checkpoints, pick_checkpoint
 from tests.distributed import ROOT, run_job_variants
-from tests.tiny_runs import CPU, EAGER
+from tests.tiny_runs import EAGER, TRAIN
 
-PPO = [*CPU, *EAGER, "--pretrain", f"{TINY_DIR}/policy", "--reward_pretrain", f"{TINY_DIR}/reward_model",
+PPO = [*TRAIN, *EAGER, "--pretrain", f"{TINY_DIR}/policy", "--reward_pretrain", f"{TINY_DIR}/reward_model",
        "--prompt_data", f"{TINY_DIR}/prompts.jsonl", "--advantage_estimator", "gae", "--init_kl_coef", "0.01",
        "--kl_target", "0.01", "--kl_horizon", "50", "--normalize_reward", "--n_samples_per_prompt", "1",
        "--rollout_batch_size", "8", "--micro_rollout_batch_size", "4", "--train_batch_size", "4",

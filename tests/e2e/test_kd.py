@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_runs import CPU, assert_same_steps, run_job, run_jobs, without_timings
+from tests.tiny_runs import TRAIN, assert_same_steps, run_job, run_jobs, without_timings
 
-BASE = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_len", "32", "--max_epochs", "1",
+BASE = [*TRAIN, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_len", "32", "--max_epochs", "1",
         "--learning_rate", "3e-3", "--lr_warmup_ratio", "0.1", "--zero_stage", "2"]
 COMPARED = ("gpt_loss", "distil_loss", "grad_norm", "lr", "eval_gpt_loss", "eval_distil_loss")
 

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from rlhf.assets import EMBEDDED_MODEL_DIR
 from tests.distributed import run_job_variants, run_on_ranks
 from tests.tiny_lora import lora_batch, vllm_parity_worker
-from tests.tiny_runs import CPU, SMALL
+from tests.tiny_runs import SMALL, TRAIN
 
-SFT = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_len", "32", "--max_epochs", "1",
+SFT = [*TRAIN, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_len", "32", "--max_epochs", "1",
        "--learning_rate", "1e-2", "--lr_warmup_ratio", "0.1", "--max_steps", "16", "--zero_stage", "2",
        "--lora_rank", "8", "--lora_alpha", "16", "--eval_steps", "8"]
 

@@ -18,12 +18,12 @@ from rlhf.assets import TINY_DIR
 from rlhf.cli.launch import child_pids
 from rlhf.utils.checkpoint_files import complete_checkpoints, verify_checkpoint
 from tests.distributed import ROOT, assert_clean_output, free_port, run_job_variants
-from tests.tiny_runs import CPU, EAGER
+from tests.tiny_runs import EAGER, TRAIN
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-GRPO = [*CPU, *EAGER, "--init_kl_coef", "0", "--advantage_estimator", "group_norm",
+GRPO = [*TRAIN, *EAGER, "--init_kl_coef", "0", "--advantage_estimator", "group_norm",
         "--pretrain", f"{TINY_DIR}/policy", "--remote_rm_url", f"{TINY_DIR}/reward.py",
         "--prompt_data", f"{TINY_DIR}/prompts.jsonl", "--label_key", "label", "--n_samples_per_prompt", "4",
         "--rollout_batch_size", "4", "--train_batch_size", "16", "--micro_train_batch_size", "4",

@@ -14,9 +14,9 @@ import shutil
 
 import pytest
 
-from tests.tiny_runs import CPU, assert_same_steps, run_job, run_jobs
+from tests.tiny_runs import TRAIN, assert_same_steps, run_job, run_jobs
 
-BASE = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "4", "--max_len", "32", "--max_epochs", "1",
+BASE = [*TRAIN, "--train_batch_size", "16", "--micro_train_batch_size", "4", "--max_len", "32", "--max_epochs", "1",
         "--learning_rate", "1e-3", "--lr_warmup_ratio", "0.1", "--zero_stage", "2", "--max_steps", "3",
         "--eval_steps", "3", "--max_samples", "128", "--eval_split", "train"]
 DPO_COMPARED = ("loss", "acc", "chosen_reward", "reject_reward", "margin", "nll_loss", "grad_norm", "lr",

@@ -11,9 +11,9 @@ import torch
 
 from rlhf.assets import EMBEDDED_PRM_EVAL, EMBEDDED_PRM_PLACEHOLDER, EMBEDDED_PRM_REWARD_TOKENS
 from tests.distributed import run_job_variants
-from tests.tiny_runs import CPU
+from tests.tiny_runs import TRAIN
 
-PRM = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_len", "32", "--max_epochs", "1",
+PRM = [*TRAIN, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_len", "32", "--max_epochs", "1",
        "--learning_rate", "3e-3", "--lr_warmup_ratio", "0.1", "--max_steps", "64", "--zero_stage", "2",
        "--eval_steps", "32"]
 

@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from rlhf.assets import TINY_DIR, TOY_BAD_WORDS, TOY_PROMPT, TOY_REWARD
 from rlhf.utils.checkpoint_files import complete_checkpoints
 from tests.distributed import run_job_variants
-from tests.tiny_runs import CPU, assert_adam_weights_close
+from tests.tiny_runs import TRAIN, assert_adam_weights_close
 
-TOY = [*CPU, "--pretrain", f"{TINY_DIR}/policy", "--remote_rm_url", TOY_REWARD, "--new_custom_single_prompt",
+TOY = [*TRAIN, "--pretrain", f"{TINY_DIR}/policy", "--remote_rm_url", TOY_REWARD, "--new_custom_single_prompt",
        "--custom_prompt", TOY_PROMPT, "--input_template", "{} ", "--do_harmlessness_training",
        "--generate_max_len", "2", "--prompt_max_len", "8", "--init_kl_coef", "0", "--rollout_engine", "hf",
        "--lr_scheduler", "constant", "--lr_warmup_ratio", "0", "--adam_betas", "0.9", "0.999",

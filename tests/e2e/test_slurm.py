@@ -19,7 +19,7 @@ import torch
 from rlhf.utils.checkpoint_files import complete_checkpoints, verify_checkpoint
 from tests.distributed import ROOT, free_port
 from tests.slurm_cluster import private_slurm
-from tests.tiny_runs import CPU, SUPERVISED, read_metrics, without_timings
+from tests.tiny_runs import SUPERVISED, TRAIN, read_metrics, without_timings
 
 SBATCH = os.path.join(ROOT, "launch", "train_cpu.sbatch")
 
@@ -168,7 +168,7 @@ def task_pid(job_id: int, procid: int) -> int | None:
 def endless_sft_job(slurm, tmp_path, dist_timeout: str, *extra: str) -> str:
     """An sbatch of SFT on 2 tasks that would run for hours, once it has logged 3 steps; returns the job id."""
     out = tmp_path / "run"
-    args = [*CPU, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_len", "32",
+    args = [*TRAIN, "--train_batch_size", "16", "--micro_train_batch_size", "8", "--max_len", "32",
             "--max_steps", "100000", "--max_epochs", "100000", "--zero_stage", "2", "--dist_timeout", dist_timeout,
             "--save_path", str(out), *extra]
     job = slurm.sbatch(f"--output={tmp_path}/job.out", SBATCH, *args,

@@ -33,6 +33,7 @@ def check_outputs(out_dir, steps):
         # of a 0.6 s step seen with the profiler beside the two test workers)
         stages = sum(v for k, v in row.items() if k.startswith("time/") and k != "time/step")
         assert -1e-6 <= row["time/step"] - stages <= 0.03 + 0.02 * row["time/step"], row
+    assert not os.path.exists(out_dir / "plots")  # --no_plots (SMALL's)
     before = load_file(os.path.join(EMBEDDED_MODEL_DIR, "model.safetensors"))
     after = load_file(os.path.join(out_dir, "model", "model.safetensors"))
     assert after.keys() == before.keys()

@@ -28,7 +28,7 @@ def _fifths(rows: list[dict], key: str) -> tuple[float, float]:
     return sum(r[key] for r in rows[:fifth]) / fifth, sum(r[key] for r in rows[-fifth:]) / fifth
 
 
-def _reward_by_fifths(cmd: list[str], out) -> tuple[float, float]:
+def _reward_by_fifths(cmd: list[str], out) -> tuple[float, float, str]:
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500,
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -40,18 +40,22 @@ def _reward_by_fifths(cmd: list[str], out) -> tuple[float, float]:
     for key in ("reward_extra/first_guess_right", "reward_extra/agent_turns"):  # the agent's
         if key in rows[0]:
             print(f"{cmd[1]}: {key} first fifth {_fifths(rows, key)[0]:.3f}, last fifth {_fifths(rows, key)[1]:.3f}")
-    return first, last
+    return first, last, proc.stdout
 
 
 def test_quickstart_learns(tmp_path):
-    """The README's quickstart: GRPO on the copy task."""
-    first, last = _reward_by_fifths(["bash", "launch/quickstart.sh", str(tmp_path / "quick")], tmp_path / "quick")
+    """The README's quickstart: GRPO on the copy task; its curves drawn at the end and named in the summary."""
+    first, last, stdout = _reward_by_fifths(["bash", "launch/quickstart.sh", str(tmp_path / "quick")],
+                                            tmp_path / "quick")
     assert last > first + MIN_GAIN
+    plots = tmp_path / "quick" / "plots"
+    assert {"reward_mean.png", "response_length.png", "stage_time.png"} <= set(os.listdir(plots))
+    assert f"; plots {plots};" in stdout
 
 
 @pytest.mark.parametrize("script", ["ppo_tiny_cpu.sh", "reinforce_pp_tiny_cpu.sh", "agent_tiny_cpu.sh"])
 def test_example_reward_rises(tmp_path, script):
-    first, last = _reward_by_fifths(["bash", f"launch/examples/{script}", str(tmp_path / "run")], tmp_path / "run")
+    first, last, _ = _reward_by_fifths(["bash", f"launch/examples/{script}", str(tmp_path / "run")], tmp_path / "run")
     assert last > first + MIN_GAIN
     if script == "agent_tiny_cpu.sh":  # the hint turn learned too: the reward ends well above the first answers'
         with open(tmp_path / "run" / "metrics.jsonl") as f:  # share (at most half: half the prompts hide the digit)

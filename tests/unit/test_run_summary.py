@@ -101,9 +101,17 @@ def test_ppo_summary_shows_the_rewards_own_logs(tmp_path, capsys):
 
     run = [{**r, "reward_extra/agent_turns": 2.0 - r["step"] / 10} for r in rows() if "reward_mean" in r]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run))
-    cfg = SimpleNamespace(logging=SimpleNamespace(save_path=str(tmp_path), use_tensorboard=None))
+    cfg = SimpleNamespace(logging=SimpleNamespace(save_path=str(tmp_path), use_tensorboard=None, no_plots=False))
     print_summary(PPORun(), cfg, time.time(), 0, str(tmp_path / "no_peaks.json"))
     lines = capsys.readouterr().out.splitlines()
     assert lines[1:3] == ["  reward_mean               0.150 -> 0.950  (steps 1-2 -> 9-10)",
                           "  reward_extra/agent_turns  1.850 -> 1.050  (steps 1-2 -> 9-10)"]
     assert (tmp_path / "plots" / "reward_extra_agent_turns.png").is_file()
+    assert f"plots {tmp_path / 'plots'}" in lines[-1]
+    # --no_plots: none drawn, and the plots of an earlier run in the directory are not named as this run's
+    (tmp_path / "plots" / "reward_extra_agent_turns.png").unlink()
+    cfg = SimpleNamespace(logging=SimpleNamespace(save_path=str(tmp_path), use_tensorboard=None, no_plots=True))
+    print_summary(PPORun(), cfg, time.time(), 0, str(tmp_path / "no_peaks.json"))
+    again = capsys.readouterr().out.splitlines()
+    assert again[1:3] == lines[1:3] and "outputs: " in again[-1] and "plots" not in again[-1], again
+    assert not (tmp_path / "plots" / "reward_extra_agent_turns.png").exists()
