@@ -261,12 +261,16 @@ logged beside the measured peaks (0.4-0.5 s a rank on a 2-core machine)."""
 def prepare_workers(modules: list[str]) -> None:
     """What each worker would do again at its start with `modules` imported, done once here, before the workers
     are forked: vLLM's CPU kernel stand-ins registered (`register_cpu_kernels_once`, 0.3-0.7 s a rank) where
-    `modules` hold vLLM's CPU worker, and transformers' table of checkpoint conversions built (every model load
-    reads it: 0.1-0.2 s a process)."""
+    `modules` hold vLLM's CPU worker; DeepSpeed's Muon optimizer imported, which its `initialize` imports to check
+    the optimizer, and with it torch's Inductor (1.3 s a rank of a job without vLLM); and transformers' table of
+    checkpoint conversions built (every model load reads it: 0.1-0.2 s a process)."""
     if "vllm.v1.worker.cpu_worker" in modules:
         from rlhf.engines.vllm_engine import register_cpu_kernels_once
 
         register_cpu_kernels_once()
+    if "deepspeed" in sys.modules:
+        with contextlib.suppress(ImportError):  # a DeepSpeed without it (< 0.18) does not import it either
+            importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
     conversion = sys.modules.get("transformers.conversion_mapping")
     if conversion is not None and hasattr(conversion, "get_checkpoint_conversion_mapping"):  # transformers >= 5
         conversion.get_checkpoint_conversion_mapping("llama")  # builds the table, cached for the process
