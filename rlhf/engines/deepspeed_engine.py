@@ -203,7 +203,8 @@ def layout_words(layout: dict) -> str:
     """A saved or running layout (`DeepSpeedModel.layout`) in words: "ZeRO-2 over 2 ranks", or with tensor
     parallelism "ZeRO-2 over 1 x 2 ranks (data x tensor parallel)"."""
     tp = layout.get("tp_size", 1)
-    ranks = f"{layout['dp_size']} x {tp} ranks (data x tensor parallel)" if tp > 1 else f"{layout['dp_size']} ranks"
+    dp = layout["dp_size"]
+    ranks = f"{dp} x {tp} ranks (data x tensor parallel)" if tp > 1 else f"{dp} rank{'s' if dp != 1 else ''}"
     return f"ZeRO-{layout['zero_stage']} over {ranks}"
 
 

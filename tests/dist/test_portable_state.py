@@ -147,7 +147,8 @@ def test_states_move_between_stages_and_world_sizes_exactly(tmp_path):
     pairs += [((frm, 2), (to, 1), r[0]) for (frm, to), r in zip([(f, t) for f in SAVED for t in LOADED], moved)]
     for (frm, _), (to, dp), result in pairs:
         what = f"ZeRO-{frm} x2 -> ZeRO-{to} x{dp}"
-        line = (f"the model's state moved from ZeRO-{frm} over 2 ranks to ZeRO-{to} over {dp} ranks (through "
+        ranks = f"{dp} rank{'s' if dp > 1 else ''}"
+        line = (f"the model's state moved from ZeRO-{frm} over 2 ranks to ZeRO-{to} over {ranks} (through "
                 f"{dirs[frm]}/universal)")
         assert result["line"] == (None if frm == to == 0 and dp == 1 else line), what  # stage 0 states are whole
         for key, want in saved[frm]["saved"].items():
@@ -170,7 +171,7 @@ def test_states_move_between_stages_and_world_sizes_exactly(tmp_path):
         assert_next_step_close(want["next"], got["next"], f"lora ZeRO-{frm} x2 -> ZeRO-{to} x1")
     refusals = run_variants_on_ranks(1, [(refusal, 3, dirs[2], False, 0.99), (refusal, 3, dirs[0], True, None)])
     assert refusals[0][0] == (f"{dirs[2]}: the model's --enable_ema averages were saved by ZeRO-2 over 2 ranks and "
-                              "cannot move to ZeRO-3 over 1 ranks: resume with that layout, or start a new --ckpt_path")
+                              "cannot move to ZeRO-3 over 1 rank: resume with that layout, or start a new --ckpt_path")
     assert refusals[1][0].startswith(f"{dirs[0]}: the model's state cannot move between --zero_stage 0 and "
                                      "--zero_stage 3 in bf16")
 

@@ -53,14 +53,14 @@ def test_ppo_resumes_at_another_world_size_stage_and_placement(tmp_path):
     resume = ["--load_checkpoint", "--ckpt_path", ckpt, "--save_steps", "2", "--save_path", str(moved)]
     to_one, = run_job_variants(1, [("train_ppo", [*PPO, "--max_steps", "4", "--zero_stage", "3", *resume])],
                                tmp_path / "consoles-b", moved)
-    assert "the actor's state moved from ZeRO-2 over 2 ranks to ZeRO-3 over 1 ranks" in to_one
-    assert "the critic's state moved from ZeRO-2 over 2 ranks to ZeRO-3 over 1 ranks" in to_one
+    assert "the actor's state moved from ZeRO-2 over 2 ranks to ZeRO-3 over 1 rank" in to_one
+    assert "the critic's state moved from ZeRO-2 over 2 ranks to ZeRO-3 over 1 rank" in to_one
     assert "the run moved from 2 ranks to 1" in to_one
     assert f"after 2 steps; step 3 trains on samples {expected_ids(2)}" in to_one  # the straight run's step 3
     to_split, = run_job_variants(2, [("train_ppo", [*PPO, "--max_steps", "6", "--zero_stage", "2", *SPLIT,
                                                     *resume])],
                                  tmp_path / "consoles-c", moved)
-    assert "the actor's state moved from ZeRO-3 over 1 ranks to ZeRO-2 over 1 ranks" in to_split
+    assert "the actor's state moved from ZeRO-3 over 1 rank to ZeRO-2 over 1 rank" in to_split
     assert f"after 4 steps; step 5 trains on samples {expected_ids(4)}" in to_split
     (ref_metrics, ref_actor, ref_critic), (metrics, actor, critic) = ppo_results(straight), ppo_results(moved)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]

@@ -82,7 +82,7 @@ def test_dpo_resumed_on_one_rank_at_zero3_continues_the_two_rank_zero2_run(runs)
     """The 2-rank ZeRO-2 run's checkpoint after step 2, resumed on 1 rank at ZeRO-3: its step 3 and final evaluation
     are the straight run's (rounding aside), with no conversion step by the user."""
     ref, moved = runs["dpo"], runs["dpo_moved"]
-    assert "the model's state moved from ZeRO-2 over 2 ranks to ZeRO-3 over 1 ranks" in moved[2]
+    assert "the model's state moved from ZeRO-2 over 2 ranks to ZeRO-3 over 1 rank" in moved[2]
     assert "resumed from" in moved[2] and "after 2 steps" in moved[2]
     assert [r["step"] for r in moved[0]] == [3]
     assert_same_steps((ref[0][3:], ref[1]), moved, DPO_COMPARED, rel=1e-4, abs_=1e-6, what="moved")

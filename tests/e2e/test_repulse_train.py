@@ -99,8 +99,8 @@ def test_repulse_resume_equals_uninterrupted(tmp_path):
     moved_run[moved_run.index("--zero_stage") + 1] = "3"
     moved, = _train_variants(1, [(moved_dir, [*moved_run, "--load_checkpoint", "--ckpt_path",
                                               str(tmp_path / "ckpt_moved")])])
-    assert "the actor's state moved from ZeRO-2 over 2 ranks to ZeRO-3 over 1 ranks" in moved[3]
-    assert "the proposal's state moved from ZeRO-2 over 2 ranks to ZeRO-3 over 1 ranks" in moved[3]
+    assert "the actor's state moved from ZeRO-2 over 2 ranks to ZeRO-3 over 1 rank" in moved[3]
+    assert "the proposal's state moved from ZeRO-2 over 2 ranks to ZeRO-3 over 1 rank" in moved[3]
     assert [r["step"] for r in moved[0]] == steps
     for a, b in zip(straight[0][3:], moved[0][3:]):
         for key in ("loss", "policy_loss", "reward_mean", "log_p_bad", "lr"):
