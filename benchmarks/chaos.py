@@ -24,7 +24,7 @@ Reported: the faults and how each ended, the steps done twice (the steps a fault
 time lost against the straight run, and whether the final weights (every tensor, bit for bit) and every step's
 metrics equal the straight run's. Each relaunch pays the job's start (imports, about 10 s in the launcher on 2 CPU
 cores, then the engines); a torchrun restart forks its workers from the warm launcher and pays the engines only
-(`rlhf.cli.warm_start`). 20 faults take about 8 minutes. tests/e2e/test_chaos.py runs a handful of faults on the
+(`rlhf.cli.warm_start`). 20 faults take about 7.5 minutes on 2 CPU cores. tests/e2e/test_chaos.py runs a handful of faults on the
 same job.
 """
 
