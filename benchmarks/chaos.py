@@ -22,10 +22,10 @@ scheduler requeues a job. The faults, each once the run has logged a step since 
 
 Reported: the faults and how each ended, the steps done twice (the steps a fault's restart had to redo), the
 time lost against the straight run, and whether the final weights (every tensor, bit for bit) and every step's
-metrics equal the straight run's. Each relaunch pays the job's start (imports, about 10 s in the launcher on 2 CPU
+metrics equal the straight run's. Each relaunch pays the job's start (imports, 10-14 s in the launcher on 2 CPU
 cores, then the engines); a torchrun restart forks its workers from the warm launcher and pays the engines only
-(`rlhf.cli.warm_start`). 20 faults take about 7.5 minutes on 2 CPU cores. tests/e2e/test_chaos.py runs a handful of faults on the
-same job.
+(`rlhf.cli.warm_start`). 20 faults take about 7.5 minutes on 2 CPU cores. tests/e2e/test_chaos.py runs a handful of
+faults on the same job.
 """
 
 from __future__ import annotations

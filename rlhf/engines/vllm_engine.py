@@ -252,7 +252,7 @@ def register_cpu_kernels_once() -> None:
     its first engine. A no-op where the platform has no stand-ins (CUDA)."""
     from vllm.platforms import current_platform
 
-    register = getattr(current_platform, "register_triton_kernel_overrides", None)  # vLLM >= 0.32
+    register = getattr(current_platform, "register_triton_kernel_overrides", None)  # None: a vLLM without them
     if register is None or getattr(current_platform, "_rlhf_kernels_registered", False):
         return
     register()
