@@ -252,8 +252,10 @@ def register_cpu_kernels_once() -> None:
     its first engine. A no-op where the platform has no stand-ins (CUDA)."""
     from vllm.platforms import current_platform
 
-    register = getattr(current_platform, "register_triton_kernel_overrides", None)  # None: a vLLM without them
-    if register is None or getattr(current_platform, "_rlhf_kernels_registered", False):
+    # read from the class and the instance's own attributes: a vLLM platform answers any other attribute through
+    # torch's device module, with a warning where it has none
+    register = getattr(type(current_platform), "register_triton_kernel_overrides", None)  # None: a vLLM without
+    if register is None or vars(current_platform).get("_rlhf_kernels_registered", False):
         return
     register()
     current_platform.register_triton_kernel_overrides = lambda: None  # this process's platform object only

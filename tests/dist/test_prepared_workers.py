@@ -30,6 +30,32 @@ def _inherited() -> dict:
             "conversion_table": conversion._checkpoint_conversion_mapping_cache is not None}
 
 
+class _Platform:
+    """A vLLM platform whose unknown attributes fail loudly (vLLM's answer them through torch's device module, with
+    a warning on the console where there is none)."""
+
+    registered = 0
+
+    @classmethod
+    def register_triton_kernel_overrides(cls) -> None:
+        cls.registered += 1
+
+    def __getattr__(self, key: str):
+        raise AssertionError(f"read through the platform's __getattr__: {key}")
+
+
+def _registers_once_on_a_new_platform() -> int:
+    import vllm.platforms
+
+    from rlhf.engines.vllm_engine import register_cpu_kernels_once
+
+    vllm.platforms._current_platform = platform = _Platform()
+    for _ in range(3):  # ours, then vLLM's own at each worker start
+        register_cpu_kernels_once()
+        platform.register_triton_kernel_overrides()
+    return _Platform.registered
+
+
 def test_a_forked_rank_inherits_the_kernel_stand_ins_and_the_conversion_table():
     [state] = run_on_ranks(1, _inherited, init_group=False)
     if state["has_triton"]:  # a Triton with a CPU backend: vLLM registers no stand-ins
@@ -37,3 +63,7 @@ def test_a_forked_rank_inherits_the_kernel_stand_ins_and_the_conversion_table():
     else:
         assert state["registered"] and state["wrapped_once"], state
     assert state["unchanged"] and state["conversion_table"], state
+
+
+def test_the_stand_ins_are_registered_once_per_process_without_the_platforms_fallback_attributes():
+    assert run_on_ranks(1, _registers_once_on_a_new_platform, init_group=False) == [1]
