@@ -1,6 +1,7 @@
 """Chaos: a PPO run that faults keep hitting ends on the weights and metrics of the run nothing hit.
 
     python benchmarks/chaos.py [--faults 20] [--steps 100] [--seed 0] [--kinds kill9,sigstop,...] [--out DIR]
+                               [--async_save]
 
 PPO with a critic (GAE, the embedded tiny policy, rewards from the embedded reward model behind `serve_rm`, ZeRO-2,
 2 CPU ranks, a checkpoint after every step, `--load_checkpoint`) runs twice through `rlhf.cli.launch`: once
@@ -25,7 +26,8 @@ time lost against the straight run, and whether the final weights (every tensor,
 metrics equal the straight run's. Each relaunch pays the job's start (imports, 10-14 s in the launcher on 2 CPU
 cores, then the engines); a torchrun restart forks its workers from the warm launcher and pays the engines only
 (`rlhf.cli.warm_start`). 20 faults take about 7.5 minutes on 2 CPU cores. tests/e2e/test_chaos.py runs a handful of
-faults on the same job.
+faults on the same job. `--async_save`: the chaos run writes its checkpoints in the background (faults then also
+meet checkpoints still being written), and must still end on the straight run's weights.
 """
 
 from __future__ import annotations
@@ -319,6 +321,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--out", default=None, help="work directory (default: a new temporary one)")
+    parser.add_argument("--async_save", action="store_true",
+                        help="the chaos run writes its checkpoints in the background (the straight run at once)")
     args = parser.parse_args()
     import tempfile
 
@@ -349,7 +353,9 @@ def main() -> None:
         straight_s = time.monotonic() - began
         if code != 0:
             raise SystemExit(f"the straight run failed (exit {code}): see {work}/straight_console.log")
-        chaos = Chaos(flags, os.path.join(work, "chaos"), args.steps, args.faults, kinds, args.seed, reward, ckpt)
+        chaos_flags = [*flags, "--async_save"] if args.async_save else flags
+        chaos = Chaos(chaos_flags, os.path.join(work, "chaos"), args.steps, args.faults, kinds, args.seed, reward,
+                      ckpt)
         chaos_s = chaos.run()
     finally:
         reward.stop()
@@ -369,6 +375,7 @@ def main() -> None:
               "chaos_s": round(chaos_s, 1), "time_lost_s": round(chaos_s - straight_s, 1),
               "time_lost_per_fault_s": round((chaos_s - straight_s) / max(1, len(chaos.events)), 1),
               "identical_weights": same_weights, "identical_metrics": same_metrics, "work": work}
+    report["async_save"] = args.async_save
     print(f"chaos: {report['faults']} faults ({', '.join(f'{k} {n}' for k, n in by_kind.items())}) over "
           f"{args.steps} PPO steps: {chaos.launches} launches, {report['torchrun_restarts']} torchrun restarts, "
           f"{report['resumes']} resumes, {chaos.redone} steps done twice; {report['time_lost_s']} s lost against "

@@ -322,6 +322,10 @@ class CheckpointConfig:
     max_ckpt_mem: float = opt(1e8, "keep checkpoints within this many GiB (the newest is always kept)")
     disable_ds_ckpt: bool = opt(False, "do not write optimizer states (the run then cannot resume exactly)")
     save_hf_ckpt: bool = opt(False, "also write the trained model in HF format into each checkpoint")
+    async_save: bool = opt(False, "write each checkpoint in the background: the step waits only while its state "
+                           "is copied into host memory (one checkpoint's size per rank, held until written), and the "
+                           "checkpoint is complete once every rank has written it, at a later step's end or the "
+                           "run's; the HF export (--save_hf_ckpt) is still written at once (not an OpenRLHF flag)")
     use_ds_universal_ckpt: bool = opt(False, "resume through DeepSpeed's universal checkpoint form (one file per "
                                       "parameter, made from the checkpoint on first use and kept beside it) even "
                                       "when the layout is unchanged; a resume at another world size, ZeRO stage or "

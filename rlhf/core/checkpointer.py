@@ -5,21 +5,27 @@ metrics truncation). Knows nothing about any job: engines and components arrive 
 
 from __future__ import annotations
 
+import json
 import os
 
+import torch
 import torch.distributed as dist
 
 from rlhf.config.shared_config import CheckpointConfig
 from rlhf.core.state import CheckpointedState
 from rlhf.utils.checkpoint_files import (
+    TRAINER_STATE,
     CheckpointWriter,
     decided_by_rank0,
     load_rank_state,
     load_trainer_state,
     pick_checkpoint,
     prune,
+    rng_state,
 )
 from rlhf.utils.logging import MetricsLogger
+from rlhf.utils.snapshot import Snapshot
+from rlhf.utils.write_failure import CheckpointWriteError
 
 
 def restarted_by_launcher() -> bool:
@@ -39,28 +45,76 @@ class Checkpointer:
         self.cfg, self.rank, self.world_size, self.logger = cfg, rank, world_size, logger
         self.identity = identity
         self.explicit_path = cfg.ckpt_path != default_ckpt_path
+        self.pending: tuple[CheckpointWriter, Snapshot] | None = None  # --async_save: the checkpoint being written
 
-    def save(self, state: CheckpointedState, done_steps: int) -> str:
-        """Everything needed to continue after `done_steps` steps."""
+    def save(self, state: CheckpointedState, done_steps: int) -> str | None:
+        """Everything needed to continue after `done_steps` steps; returns the checkpoint's directory. With
+        --async_save the state is copied and written in the background (one checkpoint in flight: a save first
+        waits for the previous one), completed by a later `settle`, and None is returned."""
         c = self.cfg
+        if c.async_save:
+            self.settle(wait=True)
         writer = CheckpointWriter(c.ckpt_path, done_steps, is_writer=self.rank == 0)
         tmp = writer.begin()
+        snapshot = Snapshot(writer.writing) if c.async_save else None
         for name, engine in state.engines.items():
             if engine is not None and not c.disable_ds_ckpt:
-                with writer.writing(f"the {name}'s DeepSpeed state"):
-                    engine.save_state(os.path.join(tmp, name))
+                what = f"the {name}'s DeepSpeed state"
+                with writer.writing(what):
+                    engine.save_state(os.path.join(tmp, name), snapshot, what)
         if c.save_hf_ckpt and state.hf_export is not None:
             with writer.writing("the model in HF format"):
                 state.hf_export(os.path.join(tmp, "hf"))
-        writer.save_rank_state(self.rank)
         trainer_state = {"step": done_steps, "world_size": self.world_size, "has_engine_states": not c.disable_ds_ckpt,
                          "identity": self.identity}
         for name, component in state.components.items():
             trainer_state[name] = component.state_dict() if component is not None else None
-        writer.save_trainer_state(trainer_state)
+        if snapshot is None:
+            writer.save_rank_state(self.rank)
+            writer.save_trainer_state(trainer_state)
+            return self._commit(writer)
+        snapshot.save(rng_state(), writer.rank_state_file(self.rank), f"rng/rank{self.rank}.pt")
+        if writer.is_writer:
+            snapshot.save_text(json.dumps(trainer_state), os.path.join(tmp, TRAINER_STATE), TRAINER_STATE)
+        snapshot.start()
+        self.pending = (writer, snapshot)
+        return None
+
+    def settle(self, wait: bool) -> str | None:
+        """With a checkpoint being written in the background (--async_save): once every rank has written its part
+        (`wait`: wait for this rank's), complete it (manifest, COMPLETE, rename) and return its directory; None
+        while a rank is still writing, or when none is pending. A rank whose write failed raises its
+        `CheckpointWriteError` and the others one naming it. Collective over the world (every rank has the same
+        checkpoint pending); the loop calls it at every step's end."""
+        if self.pending is None:
+            return None
+        writer, snapshot = self.pending
+        if wait:
+            snapshot.wait()
+        done = snapshot.done()
+        failed = done and snapshot.error is not None
+        flags = torch.tensor([0.0 if done else 1.0, self.rank + 1.0 if failed else 0.0])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        writing, failed_rank = bool(flags[0].item()), int(flags[1].item()) - 1
+        if failed_rank < 0 and writing:
+            return None
+        self.pending = None
+        if failed:
+            raise snapshot.error if isinstance(snapshot.error, CheckpointWriteError) else \
+                CheckpointWriteError(f"writing {writer.tmp} failed: {snapshot.error}")
+        if failed_rank >= 0:
+            raise CheckpointWriteError(f"rank {failed_rank} could not write its part of {writer.tmp} (its error line "
+                                       "says why); the checkpoint was not completed, earlier ones are intact")
+        return self._commit(writer)
+
+    def finish(self) -> str | None:
+        """Complete the checkpoint being written in the background, if any (see `settle`)."""
+        return self.settle(wait=True)
+
+    def _commit(self, writer: CheckpointWriter) -> str:
         final = writer.commit()
         if self.rank == 0:
-            prune(c.ckpt_path, c.max_ckpt_num, c.max_ckpt_mem)
+            prune(self.cfg.ckpt_path, self.cfg.max_ckpt_num, self.cfg.max_ckpt_mem)
         dist.barrier()
         return final
 

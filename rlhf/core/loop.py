@@ -53,7 +53,14 @@ class Loop:
 
     def fit(self, job: Job, start_step: int = 0, preemption: PreemptionWatch | None = None) -> bool:
         """Run steps until the end (True) or until a preemption signal, after checkpointing (False). A fresh
-        run with evaluation also evaluates the initial model (logged as step 0), the baseline of the curve."""
+        run with evaluation also evaluates the initial model (logged as step 0), the baseline of the curve.
+        A checkpoint still being written in the background (--async_save) is completed before it returns."""
+        finished = self._fit(job, start_step, preemption)
+        with watchdog.stage("checkpoint"):
+            self.checkpointer.finish()
+        return finished
+
+    def _fit(self, job: Job, start_step: int, preemption: PreemptionWatch | None) -> bool:
         if self.eval_every and start_step == 0:
             with watchdog.stage("evaluate"):
                 self.logger.log(0, job.evaluate())
@@ -83,9 +90,13 @@ class Loop:
             if self.save_steps > 0 and done % self.save_steps == 0:
                 self.save(job, done)
                 saved_at = done
+            else:
+                self.checkpointer.settle(wait=False)  # completes one written in the background, once it is
             if preemption is not None and preemption.should_stop():
                 if saved_at != done:
                     self.save(job, done)
+                with watchdog.stage("checkpoint"):
+                    self.checkpointer.finish()
                 if self.rank == 0:
                     print(f"{preemption.cause()}: checkpoint after step {done} written, exiting", flush=True)
                 return False
@@ -96,12 +107,14 @@ class Loop:
         checkpoint already holds them."""
         if step > saved_at:
             self.save(job, step)
+        with watchdog.stage("checkpoint"):
+            self.checkpointer.finish()
         if self.rank == 0:
             kept = (f"checkpoint after step {step} written" if step > saved_at else
                     f"the checkpoint after step {step} holds every step done" if step else "no step was done")
             print(f"{cause} during step {step + 1}: its work dropped; {kept}, exiting", flush=True)
 
-    def save(self, job: Job, done_steps: int) -> str:
+    def save(self, job: Job, done_steps: int) -> str | None:
         with watchdog.stage("checkpoint"):
             return self.checkpointer.save(job.checkpointed(), done_steps)
 

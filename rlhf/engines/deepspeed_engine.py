@@ -36,6 +36,7 @@ from rlhf.engines.deepspeed_compat import (
 from rlhf.engines.weight_ema import WeightEMA
 from rlhf.models import lora
 from rlhf.utils.checkpoint_files import decided_by_rank0
+from rlhf.utils.snapshot import Snapshot
 
 
 def ds_config(engine: EngineConfig, optim: OptimConfig, *, bf16: bool, micro_batch_size: int,
@@ -563,14 +564,20 @@ class DeepSpeedModel:
         else:
             zero.reload_states()
 
-    def save_state(self, directory: str) -> None:
+    def save_state(self, directory: str, snapshot: Snapshot | None = None, what: str = "") -> None:
         """Weights, optimizer and LR-schedule state (DeepSpeed format); with LoRA the trainable (adapter)
-        weights only, the frozen base being the --pretrain model. Collective over the DP group."""
-        with barriers_scoped_to(self.mpu_group):
+        weights only, the frozen base being the --pretrain model. Collective over the DP group. With a
+        `snapshot` (--async_save) the files are copied into it, to be written in the background; `what` names
+        them in a failed write's line."""
+        capture = snapshot.capturing(self.engine, what) if snapshot is not None else nullcontext()
+        with barriers_scoped_to(self.mpu_group), capture:
             self.engine.save_checkpoint(directory, tag="state", save_latest=False,
                                         exclude_frozen_parameters=self.adapted)
         if self.ema is not None:  # this rank's averages (its partitions under ZeRO-3)
-            torch.save(self.ema.state_dict(), self._ema_file(directory))
+            if snapshot is not None:
+                snapshot.save(self.ema.state_dict(), self._ema_file(directory), what)
+            else:
+                torch.save(self.ema.state_dict(), self._ema_file(directory))
         if dist.get_rank(self.dp_group) == 0 and (self.tp_group is None or dist.get_rank(self.tp_group) == 0):
             portable_state.write_layout(directory, **self.layout)
 

@@ -46,6 +46,7 @@ T = TypeVar("T")
 STEP_DIR = re.compile(r"^global_step(\d+)$")
 TMP_DIR = re.compile(r"^\.tmp-global_step(\d+)$")
 MANIFEST = "MANIFEST.json"
+TRAINER_STATE = "trainer_state.json"
 CHECKSUM_MAX_BYTES = 64 << 20
 """Files up to this size get a CRC-32 in the manifest; larger ones (DeepSpeed weight and optimizer
 shards) only their size. Truncation, zero-length files after a crash and missing files all change sizes;
@@ -359,13 +360,16 @@ class CheckpointWriter:
             shutil.rmtree(self.tmp, ignore_errors=True)  # a full disk gets its space back; nothing loads a .tmp-*
             raise CheckpointWriteError(message) from err
 
+    def rank_state_file(self, rank: int) -> str:
+        return os.path.join(self.tmp, "rng", f"rank{rank}.pt")
+
     def save_rank_state(self, rank: int) -> None:
         with self.writing(f"rng/rank{rank}.pt"):
-            torch.save(rng_state(), os.path.join(self.tmp, "rng", f"rank{rank}.pt"))
+            torch.save(rng_state(), self.rank_state_file(rank))
 
     def save_trainer_state(self, state: dict) -> None:
         if self.is_writer:
-            with self.writing("trainer_state.json"), open(os.path.join(self.tmp, "trainer_state.json"), "w") as f:
+            with self.writing(TRAINER_STATE), open(os.path.join(self.tmp, TRAINER_STATE), "w") as f:
                 json.dump(state, f)
 
     def commit(self) -> str:

@@ -51,13 +51,28 @@ def test_resume_equals_uninterrupted(tmp_path):
     """The straight and the saving run share one process start (`run_job_variants`); the resume
     runs in processes of its own, as after a real stop."""
     pytest.importorskip("vllm")
-    ckpt = tmp_path / "ckpt"
+    ckpt, in_background = tmp_path / "ckpt", tmp_path / "ckpt_async"
+    saving = [*PPO, "--save_steps", "2", *SLEEP]
     run_job_variants(2, [("train_ppo", [*PPO, "--save_path", str(tmp_path / "straight")]),
-                         ("train_ppo", [*PPO, "--save_path", str(tmp_path / "saving"), "--save_steps", "2",
-                                        "--ckpt_path", str(ckpt), *SLEEP])],
-                     tmp_path / "consoles", tmp_path / "straight", tmp_path / "saving")
+                         ("train_ppo", [*saving, "--save_path", str(tmp_path / "saving"), "--ckpt_path", str(ckpt)]),
+                         ("train_ppo", [*saving, "--save_path", str(tmp_path / "async"), "--ckpt_path",
+                                        str(in_background), "--async_save"])],
+                     tmp_path / "consoles", tmp_path / "straight", tmp_path / "saving", tmp_path / "async")
     (straight_metrics, straight), (saved_metrics, saved) = results(tmp_path / "straight"), results(tmp_path / "saving")
     assert [s for s, _ in complete_checkpoints(str(ckpt))] == [2, 4]
+    # --async_save: the same checkpoints, file for file and byte for byte (step 4's completed as the run ended),
+    # and the same training
+    assert [s for s, _ in complete_checkpoints(str(in_background))] == [2, 4]
+    for step in (2, 4):
+        files = {os.path.relpath(os.path.join(d, f), ckpt / f"global_step{step}")
+                 for d, _, names in os.walk(ckpt / f"global_step{step}") for f in names}
+        assert {os.path.relpath(os.path.join(d, f), in_background / f"global_step{step}")
+                for d, _, names in os.walk(in_background / f"global_step{step}") for f in names} == files
+        for rel in files:
+            assert (in_background / f"global_step{step}" / rel).read_bytes() == \
+                (ckpt / f"global_step{step}" / rel).read_bytes(), (step, rel)
+    assert [{k: m[k] for k in COMPARED} for m in results(tmp_path / "async")[0]] == \
+        [{k: m[k] for k in COMPARED} for m in saved_metrics]
     # as if the job died while writing step 6's checkpoint, and step 4's lost rank 1's RNG state: resume
     # falls back to step 2, removes the leftover, and metrics.jsonl (the saving run's) keeps steps 1, 2
     rank1 = ckpt / "global_step4" / "rng" / "rank1.pt"

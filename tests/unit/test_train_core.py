@@ -45,6 +45,12 @@ class FakeCheckpointer:
         self.saved.append(done_steps)
         return f"global_step{done_steps}"
 
+    def settle(self, wait: bool) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
 
 class StopAfter:
     def __init__(self, calls: int, cause: str = "preempted (SIGTERM)") -> None:
