@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+WRITER_NICENESS = 10
+"""The writing thread's nice value (Linux: per thread): where every core is busy, the rank's own work goes first
+and the writing takes what is left."""
 
 
 def host_copy(obj: Any, storages: dict | None = None) -> Any:
@@ -124,6 +129,8 @@ class Snapshot:
         self._thread.start()
 
     def _write(self) -> None:
+        with contextlib.suppress(OSError):  # the step's thread first where the cores are all busy
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
         try:
             for _, what, write in self._files:
                 with self._writing(what):
