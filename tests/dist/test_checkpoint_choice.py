@@ -1,4 +1,6 @@
-"""Every rank resumes from rank 0's choice of checkpoint and reports rank 0's errors (2 gloo ranks)."""
+"""Every rank resumes from rank 0's choice of checkpoint and reports rank 0's errors; a checkpoint written in the
+background (--async_save) is completed once every rank wrote its part, and one rank's failed write ends every rank
+with a line (2 gloo ranks)."""
 
 import json
 

@@ -1,7 +1,8 @@
 """Checkpoints of a PPO run (critic, reference, adaptive KL controller, reward normalisation, ptx data): 4 steps
 straight == 2 steps, checkpoint, resume, 2 steps (weights and metrics), where the checkpointed and resumed runs
 also have every sleep/offload switch on, and the resume skips a damaged newer checkpoint, removes a leftover
-temporary one and drops the lost attempt's rows from metrics.jsonl; a process killed while writing a checkpoint
+temporary one and drops the lost attempt's rows from metrics.jsonl; a third run writes the same checkpoints in the
+background (--async_save): every file byte for byte the saving run's; a process killed while writing a checkpoint
 leaves the previous one loadable."""
 
 import json
