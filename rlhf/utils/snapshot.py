@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,11 +24,6 @@ import torch
 WRITER_NICENESS = 10
 """The writing thread's nice value (Linux: per thread): where every core is busy, the rank's own work goes first
 and the writing takes what is left."""
-
-WRITER_SWITCH_INTERVAL_S = 0.0002
-"""Python's thread switch interval while the thread writes (5 ms by default): the step's thread, which gives up the
-GIL around every torch operation, gets it back within this long from the writer's pickling."""
-
 
 def host_copy(obj: Any, storages: dict | None = None) -> Any:
     """`obj` with every tensor copied into host memory (tensors sharing a storage share its one copy, at the
@@ -136,8 +130,6 @@ class Snapshot:
     def _write(self) -> None:
         with contextlib.suppress(OSError):  # the step's thread first where the cores are all busy
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(interval, WRITER_SWITCH_INTERVAL_S))
         try:
             for _, what, write in self._files:
                 with self._writing(what):
@@ -145,7 +137,6 @@ class Snapshot:
         except BaseException as err:  # noqa: BLE001 -- kept for the trainer's thread to raise
             self.error = err
         finally:
-            sys.setswitchinterval(interval)
             self._files = []  # the copies are freed as soon as they are written
 
     def done(self) -> bool:
