@@ -25,6 +25,7 @@ WRITER_NICENESS = 10
 """The writing thread's nice value (Linux: per thread): where every core is busy, the rank's own work goes first
 and the writing takes what is left."""
 
+
 def host_copy(obj: Any, storages: dict | None = None) -> Any:
     """`obj` with every tensor copied into host memory (tensors sharing a storage share its one copy, at the
     same offsets), containers rebuilt and any other object deep-copied; an object reached twice is copied once,
