@@ -355,10 +355,18 @@ class CheckpointWriter:
             if isinstance(err, CheckpointWriteError):
                 raise
             present = os.path.isdir(self.tmp)
-            removed = not present and what != "the checkpoint directory"  # `begin` failed: it was never made
+            # gone, or going (a path inside it missing while another rank's failure removes it); `begin` failed:
+            # it was never made
+            removed = (not present or self._inside_missing(err)) and what != "the checkpoint directory"
             message = describe_write_failure(self.tmp if present else os.path.dirname(self.tmp), what, err, removed)
             shutil.rmtree(self.tmp, ignore_errors=True)  # a full disk gets its space back; nothing loads a .tmp-*
             raise CheckpointWriteError(message) from err
+
+    def _inside_missing(self, err: BaseException) -> bool:
+        """Whether `err` says a path inside the temporary directory does not exist (DeepSpeed's and torch.save's
+        'Parent directory ... does not exist', or a FileNotFoundError)."""
+        text = str(err)
+        return self.tmp in text and (isinstance(err, FileNotFoundError) or "does not exist" in text)
 
     def rank_state_file(self, rank: int) -> str:
         return os.path.join(self.tmp, "rng", f"rank{rank}.pt")

@@ -7,7 +7,6 @@ import json
 import os
 import pickle
 import random
-import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -160,12 +159,13 @@ def test_full_disk_is_reported_as_no_space_left_in_one_line(tmp_path, monkeypatc
     def parent_gone(*args, **kwargs):  # DeepSpeed's writer, after the rank that met the full disk removed the dir
         raise RuntimeError(f"Parent directory {tmp_path}/.tmp-global_step2/actor/state does not exist.")
 
-    shutil.rmtree(tmp_path / ".tmp-global_step2")
     monkeypatch.setattr(torch, "save", parent_gone)
-    with pytest.raises(CheckpointWriteError, match=r"^writing rng/rank1.pt into .* failed: the unfinished "
-                                                   "checkpoint's directory was removed by another rank whose write "
-                                                   r"failed first \(its error line says why\)"):
-        writer.save_rank_state(1)
+    for still_there in (True, False):  # caught while the other rank's removal is under way, or after it
+        assert (tmp_path / ".tmp-global_step2").is_dir() == still_there  # the first failure removed it
+        with pytest.raises(CheckpointWriteError, match=r"^writing rng/rank1.pt into .* failed: the unfinished "
+                                                       "checkpoint's directory was removed by another rank whose "
+                                                       r"write failed first \(its error line says why\)"):
+            writer.save_rank_state(1)
     (tmp_path / ".tmp-global_step2" / "rng").mkdir(parents=True)
 
     def peer_gone(*args, **kwargs):  # another rank's view: the rank that met the full disk left the collective
