@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -83,29 +84,35 @@ class Checkpointer:
     def settle(self, wait: bool) -> str | None:
         """With a checkpoint being written in the background (--async_save): once every rank has written its part
         (`wait`: wait for this rank's), complete it (manifest, COMPLETE, rename) and return its directory; None
-        while a rank is still writing, or when none is pending. A rank whose write failed raises its
-        `CheckpointWriteError` and the others one naming it. Collective over the world (every rank has the same
-        checkpoint pending); the loop calls it at every step's end."""
+        while a rank is still writing, or when none is pending. Once a rank's write has failed, every rank waits
+        for its own writing to end and the unfinished directory is removed; then the rank that failed raises its
+        `CheckpointWriteError`, and the others their own error or one naming it. Collective over the world (every
+        rank has the same checkpoint pending); the loop calls it at every step's end."""
         if self.pending is None:
             return None
         writer, snapshot = self.pending
         if wait:
             snapshot.wait()
         done = snapshot.done()
-        failed = done and snapshot.error is not None
-        flags = torch.tensor([0.0 if done else 1.0, self.rank + 1.0 if failed else 0.0])
+        flags = torch.tensor([0.0 if done else 1.0, self.rank + 1.0 if done and snapshot.error is not None else 0.0])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         writing, failed_rank = bool(flags[0].item()), int(flags[1].item()) - 1
         if failed_rank < 0 and writing:
             return None
         self.pending = None
-        if failed:
-            raise snapshot.error if isinstance(snapshot.error, CheckpointWriteError) else \
-                CheckpointWriteError(f"writing {writer.tmp} failed: {snapshot.error}")
-        if failed_rank >= 0:
-            raise CheckpointWriteError(f"rank {failed_rank} could not write its part of {writer.tmp} (its error line "
-                                       "says why); the checkpoint was not completed, earlier ones are intact")
-        return self._commit(writer)
+        if failed_rank < 0:
+            return self._commit(writer)
+        snapshot.wait()  # this rank's writing ends too (it may fail now that the directory is being removed)
+        dist.barrier()
+        if self.rank == 0:  # what ranks still wrote while the failed one removed the directory
+            shutil.rmtree(writer.tmp, ignore_errors=True)
+        error = snapshot.error
+        if isinstance(error, CheckpointWriteError):
+            raise error
+        if error is not None:
+            raise CheckpointWriteError(f"writing {writer.tmp} failed: {error}")
+        raise CheckpointWriteError(f"rank {failed_rank} could not write its part of {writer.tmp} (its error line "
+                                   "says why); the checkpoint was not completed, earlier ones are intact")
 
     def finish(self) -> str | None:
         """Complete the checkpoint being written in the background, if any (see `settle`)."""
