@@ -55,12 +55,6 @@ class Loop:
         """Run steps until the end (True) or until a preemption signal, after checkpointing (False). A fresh
         run with evaluation also evaluates the initial model (logged as step 0), the baseline of the curve.
         A checkpoint still being written in the background (--async_save) is completed before it returns."""
-        finished = self._fit(job, start_step, preemption)
-        with watchdog.stage("checkpoint"):
-            self.checkpointer.finish()
-        return finished
-
-    def _fit(self, job: Job, start_step: int, preemption: PreemptionWatch | None) -> bool:
         if self.eval_every and start_step == 0:
             with watchdog.stage("evaluate"):
                 self.logger.log(0, job.evaluate())
@@ -95,11 +89,11 @@ class Loop:
             if preemption is not None and preemption.should_stop():
                 if saved_at != done:
                     self.save(job, done)
-                with watchdog.stage("checkpoint"):
-                    self.checkpointer.finish()
+                self.finish_saving()
                 if self.rank == 0:
                     print(f"{preemption.cause()}: checkpoint after step {done} written, exiting", flush=True)
                 return False
+        self.finish_saving()
         return True
 
     def _abandoned(self, job: Job, step: int, saved_at: int, cause: str) -> None:
@@ -107,8 +101,7 @@ class Loop:
         checkpoint already holds them."""
         if step > saved_at:
             self.save(job, step)
-        with watchdog.stage("checkpoint"):
-            self.checkpointer.finish()
+        self.finish_saving()
         if self.rank == 0:
             kept = (f"checkpoint after step {step} written" if step > saved_at else
                     f"the checkpoint after step {step} holds every step done" if step else "no step was done")
@@ -117,6 +110,11 @@ class Loop:
     def save(self, job: Job, done_steps: int) -> str | None:
         with watchdog.stage("checkpoint"):
             return self.checkpointer.save(job.checkpointed(), done_steps)
+
+    def finish_saving(self) -> None:
+        """Complete the checkpoint still being written in the background (--async_save), if any."""
+        with watchdog.stage("checkpoint"):
+            self.checkpointer.finish()
 
     def resume(self, job: Job) -> int:
         """Steps already done (0 for a fresh run); see `Checkpointer.resume`."""

@@ -71,7 +71,7 @@ class Snapshot:
 
     def __init__(self, writing: Callable[[str], contextlib.AbstractContextManager]) -> None:
         self._writing = writing
-        self._files: list[tuple[str, str, Callable[[], None]]] = []  # (path, what, write)
+        self._files: list[tuple[str, Callable[[], None]]] = []  # (what, write)
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.bytes = 0  # host memory the copies hold
@@ -81,14 +81,14 @@ class Snapshot:
         storages: dict = {}
         copied = host_copy(obj, storages)
         self.bytes += sum(s.nbytes() for s in storages.values())
-        self._files.append((path, what or path, lambda: torch.save(copied, path, **torch_save_kwargs)))
+        self._files.append((what or path, lambda: torch.save(copied, path, **torch_save_kwargs)))
 
     def save_text(self, text: str, path: str, what: str | None = None) -> None:
         def write() -> None:
             with open(path, "w") as f:
                 f.write(text)
 
-        self._files.append((path, what or path, write))
+        self._files.append((what or path, write))
 
     @contextlib.contextmanager
     def capturing(self, engine: Any, what: str) -> Iterator[None]:
@@ -132,7 +132,7 @@ class Snapshot:
         with contextlib.suppress(OSError):  # the step's thread first where the cores are all busy
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
         try:
-            for _, what, write in self._files:
+            for what, write in self._files:
                 with self._writing(what):
                     write()
         except BaseException as err:  # noqa: BLE001 -- kept for the trainer's thread to raise
