@@ -1,10 +1,12 @@
 """The hybrid-engine PPO command of OpenRLHF v0.9.5's example scripts, replayed with every flag verbatim except model
-and data paths and sizes, trains at tiny scale on 2 CPU ranks, with the values that follow from its flags."""
+and data paths and sizes, trains at tiny scale on 2 CPU ranks, with the values that follow from its flags. (The ranks
+are forks of the tests' preloaded server, `run_job_variants`: the command's flags are what is under test; torchrun
+and the product's launcher have tests of their own.)"""
 
 
 import pytest
 
-from tests.distributed import run_torchrun
+from tests.distributed import run_job_variants
 from tests.openrlhf_commands import PPO_HYBRID_ENGINE, at_tiny_scale
 from tests.tiny_runs import read_metrics
 
@@ -13,11 +15,11 @@ from tests.tiny_runs import read_metrics
 def test_openrlhf_hybrid_engine_ppo_command_trains_at_tiny_scale(tmp_path):
     pytest.importorskip("vllm")
     argv = at_tiny_scale(PPO_HYBRID_ENGINE, tmp_path)
-    proc = run_torchrun(2, "-m rlhf.cli.train_ppo", *argv, "--max_steps", "2")
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    (console,) = run_job_variants(2, [("train_ppo", [*argv, "--max_steps", "2"])], tmp_path / "console",
+                                  tmp_path / "save")
     assert "algorithm: --advantage_estimator gae, 1 sample per prompt, KL k1 x 0.01 (fixed) in the reward" \
-        in proc.stdout
-    assert ", generation: vLLM (installed)\n" in proc.stdout
+        in console
+    assert ", generation: vLLM (installed)\n" in console
     rows = read_metrics(tmp_path / "save")
     assert [r["step"] for r in rows] == [1, 2]
     # before the first update the policy is its reference, and --normalize_reward's running moments hold only
