@@ -54,9 +54,9 @@ C = TypeVar("C")
 
 
 def begin(logging: LoggingConfig) -> tuple[LaunchEnv, PreemptionWatch]:
-    """Route library output (each distinct library warning once on the console, everything in
-    SAVE_PATH/logs), then from here on treat SIGTERM/SIGUSR1 as "checkpoint at the next step boundary and
-    stop" (one during setup is remembered, not fatal)."""
+    """Route library output (each distinct library warning once on the console, the notices that ask nothing of
+    the user in one line, everything in SAVE_PATH/logs), then from here on treat SIGTERM/SIGUSR1 as "checkpoint at
+    the next step boundary and stop" (one during setup is remembered, not fatal)."""
     launch = read_launch_env()
     route_library_output(logging, launch.rank)
     return launch, PreemptionWatch()

@@ -4,8 +4,12 @@ Libraries (vLLM, DeepSpeed, torch, transformers, accelerate, huggingface_hub) re
 warnings on every rank and often every step. `route_library_output` sends their output to this
 rank's `<save_path>/logs/rank<N>.log` (log records at WARNING and above, warnings, direct writes), and
 rank 0 prints the first occurrence of each distinct warning as `[vllm] WARNING: ... (repeats are
-logged to FILE)`; other ranks print none of it. Our own prints, `rlhf` warnings and the progress bar
-stay on the console. `--verbose` leaves every library as it set itself up.
+logged to FILE)`; other ranks print none of it. Notices that ask nothing of the user go to the file
+only, with one console line saying so the first time: a deprecation raised inside a library (one
+library calling another's old API: only a new release of it can change that) and `KNOWN_NOTICES`,
+vLLM's and torch's notes on the CPU build and on settings this product makes on purpose. Our own
+prints, `rlhf` warnings and the progress bar stay on the console. `--verbose` leaves every library as
+it set itself up.
 
 Three channels are routed:
 - python `logging`: the console handlers of the libraries' loggers are replaced by a routing handler.
@@ -49,6 +53,33 @@ LOGGER_ROOTS = {"vllm": "vllm", "DeepSpeed": "deepspeed", "deepspeed": "deepspee
 """Root of a library's logger hierarchy -> the library (DeepSpeed logs under "DeepSpeed")."""
 
 
+DEPRECATIONS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+"""Warning categories that, raised inside a library, are one library's use of another's (or its own) old API."""
+
+KNOWN_NOTICES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    # vLLM's CPU build runs no Triton kernel: a Triton without a CPU backend, no triton-cpu, and the V1 model runner
+    # it then uses (the one this product drives on CPU) are its normal state
+    ("vllm", re.compile(r"Triton is installed, but doesn't include CPU backend|Triton is not installed\. "
+                        r"triton-cpu is expected|Model Runner V2 requires Triton")),
+    # the engine runs inside the trainer's process on purpose (rlhf.engines.vllm_engine): the trainer draws from
+    # streams it seeds itself, so a resumed run still equals the straight one (tests/e2e/test_checkpoint_resume.py)
+    ("vllm", re.compile(r"The global random seed is set to -?\d+\. Since VLLM_ENABLE_V1_MULTIPROCESSING is set to "
+                        r"False")),
+    # vLLM restating --enforce_eager
+    ("vllm", re.compile(r"Enforce eager set, disabling torch\.compile|Inductor compilation was disabled by user "
+                        r"settings")),
+    # vLLM's CPU worker binds its threads and memory to its NUMA node; the engine puts torch's thread count back
+    ("vllm", re.compile(r"CPU backend doesn't allow to use `torch\.set_num_threads` after the thread binding")),
+    ("torch", re.compile(r"NUMA binding: Using MEMBIND policy")),
+)
+"""(library, message pattern) of the notices known to need nothing from the user, each with its reason above."""
+
+
+def known_notice(library: str, message: str) -> bool:
+    """Whether `library`'s `message` is one of `KNOWN_NOTICES`."""
+    return any(owner == library and pattern.search(message) for owner, pattern in KNOWN_NOTICES)
+
+
 class _Owners:
     """Which package a source file belongs to: "rlhf", one of LIBRARIES, or None (stdlib, others)."""
 
@@ -80,6 +111,7 @@ class _RunLog:
         self.console_mid_line = False
         self._file: TextIO | None = None
         self._shown: set[tuple[str, str]] = set()
+        self._quiet_said = False
         self._lock = threading.Lock()
 
     def write(self, text: str) -> None:
@@ -100,17 +132,24 @@ class _RunLog:
             self.console.write(text)
             self.console.flush()
 
-    def report(self, library: str, kind: str, message: str, line: str) -> None:
-        """Append `line` to the file; on the console, show `[library] kind: message` the first time."""
+    def report(self, library: str, kind: str, message: str, line: str, quiet: bool = False) -> None:
+        """Append `line` to the file; on the console, show `[library] kind: message` the first time. A `quiet`
+        one (a notice that asks nothing of the user) is not shown: the first of them says where they go."""
         self.write(line)
         key = (library, message)
         with self._lock:
-            if self.console is None or key in self._shown:
+            if self.console is None or key in self._shown or (quiet and self._quiet_said):
                 return
-            self._shown.add(key)
+            if quiet:
+                self._quiet_said = True
+                text = (f"[libraries] notices that ask nothing of you (deprecations inside the libraries, vLLM's "
+                        f"CPU-build notes: rlhf.utils.console) are logged to {self.path} only; --verbose shows them")
+            else:
+                self._shown.add(key)
+                text = f"[{library}] {kind}: {message} (repeats are logged to {self.path})"
             newline = "\n" if self.console_mid_line else ""
             self.console_mid_line = False
-        self.console.write(f"{newline}[{library}] {kind}: {message} (repeats are logged to {self.path})\n")
+        self.console.write(f"{newline}{text}\n")
         self.console.flush()
 
     def close(self) -> None:
@@ -132,7 +171,9 @@ class _LibraryLogHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.run_log.report(self.library, record.levelname, record.getMessage(), self.format(record) + "\n")
+            message = record.getMessage()
+            self.run_log.report(self.library, record.levelname, message, self.format(record) + "\n",
+                                quiet=known_notice(self.library, message))
         except Exception:
             self.handleError(record)
 
@@ -230,7 +271,8 @@ def _route_warnings(run_log: _RunLog, owners: _Owners, console: TextIO, rank: in
             return
         text = str(message)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        run_log.report(library, category.__name__, text, f"{stamp} {category.__name__} [{filename}:{lineno}] {text}\n")
+        run_log.report(library, category.__name__, text, f"{stamp} {category.__name__} [{filename}:{lineno}] {text}\n",
+                       quiet=issubclass(category, DEPRECATIONS) or known_notice(library, text))
 
     warnings.showwarning = showwarning
 
@@ -281,7 +323,8 @@ class LibraryOutputRouting:
         for line in text.splitlines(keepends=True):
             match = NATIVE_WARNING.match(line)
             if match:
-                self._run_log.report("torch", "WARNING", match.group(1), line)
+                self._run_log.report("torch", "WARNING", match.group(1), line,
+                                     quiet=known_notice("torch", match.group(1)))
             else:
                 stderr.write(line)
         stderr.flush()

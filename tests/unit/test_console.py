@@ -20,7 +20,7 @@ from rlhf.config.ppo_config import TrainPPOConfig
 from rlhf.config.shared_config import LoggingConfig
 from rlhf.core.run import show_parse_warnings
 from rlhf.distributed.launch_env import read_launch_env
-from rlhf.utils.console import native_output_routed, route_library_output
+from rlhf.utils.console import KNOWN_NOTICES, known_notice, native_output_routed, route_library_output
 
 TORCH_FILE = os.path.join(os.path.dirname(torch.__file__), "fake_module.py")
 RLHF_FILE = os.path.join(os.path.dirname(rlhf.__file__), "fake_module.py")
@@ -141,11 +141,11 @@ def library_logger(monkeypatch):
     logger.propagate = True
 
 
-def warn_from(filename, message, times=1):
+def warn_from(filename, message, times=1, category=FutureWarning):
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         for _ in range(times):
-            warnings.warn_explicit(message, FutureWarning, filename, 1)
+            warnings.warn_explicit(message, category, filename, 1)
 
 
 def show_on_file(message, category, filename, lineno, file=None, line=None):
@@ -154,16 +154,26 @@ def show_on_file(message, category, filename, lineno, file=None, line=None):
 
 
 def test_library_output_once_on_console_all_in_file(tmp_path, capsys, monkeypatch, library_logger):
+    """Each distinct library warning once on the console, every one in the file; the notices that ask nothing of
+    the user (a deprecation inside a library, `KNOWN_NOTICES`: here vLLM's CPU-build Triton note and torch's
+    native NUMA line) only in the file, with one console line, the first time, saying where they go."""
     library_logger = library_logger()
     monkeypatch.setattr(warnings, "showwarning", show_on_file)
     routing = route_library_output(LoggingConfig(save_path=str(tmp_path)), rank=0)
+    numa = ("[W1201 08:00:00.000000000 utils.cpp:120] Warning: NUMA binding: Using MEMBIND policy for memory "
+            "allocation on the NUMA nodes (0). Memory allocations will be strictly bound to these NUMA nodes. "
+            "(function operator())\n")
     try:
         assert os.environ["VLLM_CONFIGURE_LOGGING"] == "0"
         for _ in range(5):
             library_logger.warning("same thing again")
             logging.getLogger("vllm.worker.cpu_worker").warning("cpu worker noise")
+            logging.getLogger("vllm.triton_utils").warning(
+                "Triton is installed, but doesn't include CPU backend. Disabling Triton.")
         warn_from(TORCH_FILE, "deprecated op", times=5)
+        warn_from(TORCH_FILE, "odd input", times=5, category=UserWarning)
         warn_from(RLHF_FILE, "our own warning")
+        routing.replay_native(numa)
         exec(compile("print('a library print')", TORCH_FILE, "exec"))
         print("our own print")
     finally:
@@ -175,13 +185,39 @@ def test_library_output_once_on_console_all_in_file(tmp_path, capsys, monkeypatc
     assert [line for line in captured.err.splitlines() if "our own warning" not in line] == [
         "[accelerate] WARNING: same thing again" + suffix,
         "[vllm] WARNING: cpu worker noise" + suffix,
-        "[torch] FutureWarning: deprecated op" + suffix,
+        "[libraries] notices that ask nothing of you (deprecations inside the libraries, vLLM's CPU-build notes: "
+        f"rlhf.utils.console) are logged to {path} only; --verbose shows them",
+        "[torch] UserWarning: odd input" + suffix,
     ]
     assert "FutureWarning: our own warning\n" in captured.err and RLHF_FILE not in captured.err
     logged = path.read_text()
     assert logged.count("same thing again") == 5 and logged.count("cpu worker noise") == 5
-    assert logged.count("deprecated op") == 5 and "a library print" in logged
+    assert logged.count("deprecated op") == 5 and logged.count("odd input") == 5 and "a library print" in logged
+    assert logged.count("Disabling Triton") == 5 and logged.count("MEMBIND") == 1
     assert "our own" not in logged
+
+
+def test_every_known_notice_matches_the_text_the_libraries_print():
+    """Each pattern of KNOWN_NOTICES against the line as vLLM 0.32 and torch 2.13 print it (copied from a run's
+    console); a message merely near one (another library, another notice) stays shown."""
+    printed = [
+        ("vllm", "Triton is installed, but doesn't include CPU backend. Disabling Triton."),
+        ("vllm", "Triton is not installed. triton-cpu is expected on x86 CPUs."),
+        ("vllm", "Model Runner V2 requires Triton; using the V1 model runner instead."),
+        ("vllm", "The global random seed is set to 42. Since VLLM_ENABLE_V1_MULTIPROCESSING is set to False, this "
+                 "may affect the random state of the Python process that launched vLLM."),
+        ("vllm", "Enforce eager set, disabling torch.compile, CUDAGraphs, and JIT kernel warmup. This is equivalent "
+                 "to setting -cc.mode=none -cc.cudagraph_mode=none and --kernel_config.enable_jit_warmup=False"),
+        ("vllm", "Inductor compilation was disabled by user settings, optimizations settings that are only active "
+                 "during inductor compilation will be ignored."),
+        ("vllm", "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it."),
+        ("torch", "NUMA binding: Using MEMBIND policy for memory allocation on the NUMA nodes (0). Memory "
+                  "allocations will be strictly bound to these NUMA nodes."),
+    ]
+    assert [known_notice(library, message) for library, message in printed] == [True] * len(printed)
+    assert len(KNOWN_NOTICES) == 5 and all(any(p.search(m) for _, m in printed) for _, p in KNOWN_NOTICES)
+    assert not known_notice("torch", printed[0][1])
+    assert not known_notice("vllm", "Not enough KV cache blocks: the model cannot run at max_model_len 4096")
 
 
 def test_library_warning_does_not_land_inside_a_progress_bar(tmp_path, capsys, library_logger):
