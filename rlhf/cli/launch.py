@@ -25,6 +25,9 @@ launcher then starts itself again with the libraries above preloaded, so that it
 `--no_warm_start` starts each worker as a new interpreter, as torchrun does and as the launcher always does with
 CUDA.
 
+A worker that torchrun stops is also continued (SIGCONT), so that a stopped one (SIGSTOP, a frozen process) acts on
+the signal at once instead of sitting out torchrun's 30 s shutdown timeout.
+
 With torchrun's --max-restarts, failed workers are started again, but not once a signal has asked them to stop:
 their exit ends the run. A --master_port in use is one line naming it. When a worker fails, torchrun stops the
 others and raises with a traceback and a table; this launcher prints one line instead, naming the first rank that
@@ -48,6 +51,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from rlhf.cli import exit_barrier
 from rlhf.cli.entry_point import end_program
@@ -250,6 +254,24 @@ def no_restarts_once_signalled(relay: SignalRelay) -> None:
     SimpleElasticAgent._invoke_run = _invoke_run
 
 
+def stopped_workers_continue() -> None:
+    """torchrun ends its workers with a signal (SIGTERM after another worker failed, or the signal it was given),
+    waits up to its shutdown timeout (30 s) and then kills them. A stopped worker (SIGSTOP: a frozen process, a
+    debugger, `kill -STOP`) acts on no signal but SIGKILL until it is continued, so it sat out the whole timeout.
+    Each process group torchrun signals is now also continued (SIGCONT after the signal, as SLURM's slurmstepd
+    does): a stopped worker then acts on the signal at once; a running one is unaffected."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+
+    close = SubprocessHandler.close
+
+    def _close(handler: Any, death_sig: signal.Signals | None = None) -> None:
+        close(handler, death_sig)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(handler.proc.pid, signal.SIGCONT)
+
+    SubprocessHandler.close = _close
+
+
 def training_program(torchrun_args: list[str]) -> tuple[str | None, list[str]]:
     """(the module of `-m module`, its arguments) in torchrun's arguments; (None, []) for a script."""
     i = program_start(torchrun_args)
@@ -370,6 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     exit_barrier.install()
     relay = SignalRelay(grace)
     no_restarts_once_signalled(relay)
+    stopped_workers_continue()
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropFailureRecord())
     try:
         torchrun.main([f"--signals_to_handle={TORCHRUN_SIGNALS}", *torchrun_args])

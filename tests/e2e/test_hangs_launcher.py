@@ -149,6 +149,35 @@ def test_a_failed_rank_is_one_line_naming_it_not_torchruns_traceback(tmp_path, h
     assert "Traceback" not in proc.stderr and "failed (exitcode" not in proc.stderr, proc.stderr[-3000:]
 
 
+STOPPED_PEER_WORKER = """
+import os, signal, sys, time
+if os.environ["RANK"] == "1":
+    os.kill(os.getpid(), signal.SIGSTOP)  # a frozen rank: it stays stopped until someone continues it
+    time.sleep(600)
+time.sleep(1)
+sys.exit(3)
+"""
+
+
+def test_a_stopped_rank_is_ended_at_once_when_another_fails(tmp_path):
+    """Rank 1 is stopped (SIGSTOP) when rank 0 fails: torchrun ends the other workers with SIGTERM and waits up to
+    its shutdown timeout (30 s) before SIGKILL, and a stopped process acts on no signal but SIGKILL until it is
+    continued. The launcher continues each worker it stops (SIGCONT after the signal, as SLURM does), so rank 1
+    ends at once and the run ends in seconds, naming rank 0."""
+    script = tmp_path / "worker.py"
+    script.write_text(STOPPED_PEER_WORKER)
+    cmd = [sys.executable, "-m", "rlhf.cli.launch", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(script)]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    seconds = time.monotonic() - start
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("[rlhf.cli.launch] the run failed: ")]
+    assert len(lines) == 1 and lines[0].startswith("[rlhf.cli.launch] the run failed: rank 0 (pid "), lines
+    assert seconds < 20, seconds  # the launcher's start, rank 0's 1 s; not torchrun's 30 s shutdown timeout
+
+
 def test_a_master_port_in_use_is_one_line_naming_it(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text("print('never run')\n")
