@@ -6,11 +6,13 @@
 PPO with a critic (GAE, the embedded tiny policy, rewards from the embedded reward model behind `serve_rm`, ZeRO-2,
 2 CPU ranks, a checkpoint after every step, `--load_checkpoint`) runs twice through `rlhf.cli.launch`: once
 straight, once while a random schedule of faults hits it. The chaos run is relaunched whenever a fault ends it, as a
-scheduler requeues a job. The faults, each once the run has logged a step since the last one, a random 0-1 s later:
+scheduler requeues a job. The faults, spread evenly over the steps (fault k of N once the run has logged step
+k*(steps-1)/(N+1) and a step since the last fault), each a random 0-1 s after its step:
 
     kill9     SIGKILL of a random rank: torchrun restarts the workers (--max-restarts), which resume
     sigstop   SIGSTOP of a random rank: the other rank's heartbeat names it and ends the run within
-              --dist_timeout (0.5 min here), torchrun restarts the workers
+              --dist_timeout (0.5 min here: after 15 s), the launcher continues the stopped rank so that it
+              acts on torchrun's SIGTERM at once, torchrun restarts the workers
     sigterm   SIGTERM to the launcher: the workers checkpoint and exit 0; relaunched
     sigusr1   SIGUSR1 to the launcher (SLURM's warning signal): the same
     sigint    Ctrl-C to the launcher: the step's work is dropped, a checkpoint written, exit 130; relaunched
@@ -21,13 +23,14 @@ scheduler requeues a job. The faults, each once the run has logged a step since 
     diskfull  the checkpoints' filesystem (a tmpfs mounted for the run: needs root) filled until a save fails
               ("no space left"), then freed: torchrun restarts the workers, which resume
 
-Reported: the faults and how each ended, the steps done twice (the steps a fault's restart had to redo), the
-time lost against the straight run, and whether the final weights (every tensor, bit for bit) and every step's
-metrics equal the straight run's. Each relaunch pays the job's start (imports, 10-14 s in the launcher on 2 CPU
-cores, then the engines); a torchrun restart forks its workers from the warm launcher and pays the engines only
-(`rlhf.cli.warm_start`). 20 faults take about 7.5 minutes on 2 CPU cores. tests/e2e/test_chaos.py runs a handful of
-faults on the same job. `--async_save`: the chaos run writes its checkpoints in the background (faults then also
-meet checkpoints still being written), and must still end on the straight run's weights.
+Reported: the faults and how each ended, the steps done twice (the steps a fault's restart had to redo), the time
+lost against the straight run, the seconds from each fault to the next new step (by kind), and whether the final
+weights (every tensor, bit for bit) and every step's metrics equal the straight run's. Each relaunch pays the job's
+start (imports, 10-14 s in the launcher on 2 CPU cores, then the engines); a torchrun restart forks its workers from
+the warm launcher and pays the engines only (`rlhf.cli.warm_start`). 20 faults take about 6 minutes on 2 CPU
+cores. tests/e2e/test_chaos.py runs a handful of faults on the same job. `--async_save`: the chaos run writes its
+checkpoints in the background (faults then also meet checkpoints still being written), and must still end on the
+straight run's weights.
 """
 
 from __future__ import annotations
@@ -54,9 +57,9 @@ LAUNCHER_SIGNALS = {"sigterm": signal.SIGTERM, "sigusr1": signal.SIGUSR1, "sigin
 
 
 def ppo_flags(tiny: str, steps: int, reward_url: str, dist_timeout_min: float = 0.5) -> list[str]:
-    """The chaos job. dist_timeout_min: 0.5 makes the heartbeat name a stopped rank after 7.5 s (the sigstop
-    fault); a run without that fault can give a slow reward-server restart longer. The reward client retries
-    for most of that timeout (`retries_within`): a restarted server (7-8 s on an idle machine, 20 s and more
+    """The chaos job. dist_timeout_min: 0.5 makes the heartbeat name a stopped rank after 15 s (the sigstop fault:
+    half the timeout); a run without that fault can give a slow reward-server restart longer. The reward client
+    retries for most of that timeout (`retries_within`): a restarted server (7-8 s on an idle machine, 20 s and more
     on a loaded one) is waited for, and the ranks that wait in the next collective meanwhile do not time out."""
     retries = retries_within(0.8 * dist_timeout_min * 60)
     return ["--pretrain", f"{tiny}/policy", "--remote_rm_url", reward_url, "--remote_rm_retries", str(retries),
@@ -192,15 +195,17 @@ class Chaos:
     reward server the flags point at; `ckpt`: the checkpoints' directory (a tmpfs for diskfull)."""
 
     def __init__(self, flags: list[str], out: str, steps: int, faults: int, kinds: list[str], seed: int,
-                 reward: RewardServer, ckpt: str, in_order: bool = False) -> None:
+                 reward: RewardServer, ckpt: str, in_order: bool = False, spread: bool = True) -> None:
         self.flags, self.out, self.steps, self.faults, self.kinds = flags, out, steps, faults, kinds
         self.in_order = in_order  # the faults are `kinds` in turn, not drawn at random
+        self.spread = spread  # the faults spread evenly over the steps, not each at the first new step
         self.reward, self.ckpt = reward, ckpt
         self.rng = random.Random(seed)
         self.events: list[dict] = []
         self.redone = 0
         self.launches = 0
         self.resumes: list[int] = []
+        self.progress: list[tuple[float, int]] = []  # (time, newest logged step) at each rise of the newest step
         self.console = os.path.join(os.path.dirname(self.out), "chaos_console.log")
 
     def run(self) -> float:
@@ -233,18 +238,20 @@ class Chaos:
         """Faults into this launch until it exits; the launcher-level fault that ended it, if any."""
         while proc.poll() is None:
             if len(self.events) >= self.faults:
+                self._wait_for_step(proc, self.steps + 1)  # follows the steps to the end: the last fault's recovery
                 proc.wait()
                 return None
             seen = logged_steps(self.out)
             last = seen[-1] if seen else 0
-            if not self._wait_for_step(proc, last + 1):
+            if not self._wait_for_step(proc, max(last + 1, self._spread_step(len(self.events)))):
                 return None
             if logged_steps(self.out)[-1] >= self.steps - 1:  # too late in the run for another fault
+                self._wait_for_step(proc, self.steps + 1)
                 proc.wait()
                 return None
             time.sleep(self.rng.uniform(0, 1))
             kind = self.kinds[len(self.events) % len(self.kinds)] if self.in_order else self.rng.choice(self.kinds)
-            event = {"fault": kind, "at_step": logged_steps(self.out)[-1], "t": round(time.monotonic(), 1)}
+            event = {"fault": kind, "at_step": logged_steps(self.out)[-1], "t": time.monotonic()}
             if kind in ("kill9", "sigstop"):
                 ranks = child_pids(proc.pid)  # the launcher runs torchrun: its children are the ranks
                 if not ranks:
@@ -271,6 +278,11 @@ class Chaos:
             return kind
         return None
 
+    def _spread_step(self, k: int) -> int:
+        """The step fault k (from 0) waits for: the faults spread evenly over the run, so that each finds the run
+        stepping however fast the machine steps (waiting only for a new step, a fast machine ran out of steps)."""
+        return (k + 1) * (self.steps - 1) // (self.faults + 1) if self.spread else 0
+
     def _fill_until_a_save_fails(self, proc: subprocess.Popen) -> str:
         """Fills the checkpoints' filesystem until the run says 'no space left' (then frees it); what happened."""
         said = self._console().count("no space left on")
@@ -293,10 +305,21 @@ class Chaos:
     def _wait_for_step(self, proc: subprocess.Popen, step: int) -> bool:
         while proc.poll() is None:
             seen = logged_steps(self.out)
+            if seen and (not self.progress or seen[-1] > self.progress[-1][1]):
+                self.progress.append((time.monotonic(), seen[-1]))
             if seen and seen[-1] >= step:
                 return True
             time.sleep(0.2)
         return False
+
+    def recovery_seconds(self) -> list[float | None]:
+        """Per fault: seconds from the fault to the first step logged past the step it hit (the run's stall, as
+        seen from the metrics file, polled every 0.2 s), None if none followed."""
+        out = []
+        for event in self.events:
+            after = [t for t, step in self.progress if t > event["t"] and step > event["at_step"]]
+            out.append(round(min(after) - event["t"], 1) if after else None)
+        return out
 
     def _count_redone(self) -> None:
         """Steps done twice: each resume (in order of the faults that end the workers) restarts after a checkpoint
@@ -376,6 +399,9 @@ def main() -> None:
               "time_lost_per_fault_s": round((chaos_s - straight_s) / max(1, len(chaos.events)), 1),
               "identical_weights": same_weights, "identical_metrics": same_metrics, "work": work}
     report["async_save"] = args.async_save
+    recovery = chaos.recovery_seconds()
+    report["recovery_s_by_kind"] = {
+        k: [r for e, r in zip(chaos.events, recovery) if e["fault"] == k] for k in kinds}
     print(f"chaos: {report['faults']} faults ({', '.join(f'{k} {n}' for k, n in by_kind.items())}) over "
           f"{args.steps} PPO steps: {chaos.launches} launches, {report['torchrun_restarts']} torchrun restarts, "
           f"{report['resumes']} resumes, {chaos.redone} steps done twice; {report['time_lost_s']} s lost against "
@@ -383,6 +409,13 @@ def main() -> None:
           f"{report['straight_s']} s ({report['time_lost_per_fault_s']} s a fault); final weights "
           f"{'identical' if same_weights else 'DIFFERENT'}, every step's metrics "
           f"{'identical' if same_metrics else 'DIFFERENT'}")
+    def mean(seconds: list[float | None]) -> str:
+        known = [s for s in seconds if s is not None]
+        unseen = f", {len(seconds) - len(known)} with no step after it" if len(known) < len(seconds) else ""
+        return (f"{sum(known) / len(known):.1f} s" if known else "-") + f" ({len(seconds)}{unseen})"
+
+    print("chaos: from a fault to the next new step, by kind: " + "; ".join(
+        f"{k} {mean(v)}" for k, v in report["recovery_s_by_kind"].items() if v))
     print(json.dumps(report))
     ending = sum(map(ends_workers, chaos.events))
     if len(chaos.resumes) != ending:

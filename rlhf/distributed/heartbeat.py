@@ -7,7 +7,11 @@ naming the silent rank, the stage it was in at its last heartbeat and the stage 
 process with exit status 1, upon which the launcher (torchrun, `srun --kill-on-bad-exit`) stops the rest. A
 collective in DeepSpeed's or NCCL's hands may wait past the group's timeout; this does not. A store that stops
 answering for `timeout_s` (its host is gone) ends the rank the same way. Ranks that finished (`stop()`) are not
-waited for. Counters, not clocks: hosts' clocks may disagree.
+waited for. Counters, not clocks: hosts' clocks may disagree. The first rank to end the run says why in the store,
+and every other rank ends at its next tick with that line: a rank waiting in a collective with the ended one (gloo
+may wait out the whole --dist_timeout for a peer that exited) or one that was itself stopped and is now continued.
+A rank that was paused (stopped and continued, a frozen host) measures its peers' silence afresh instead of blaming
+them for its own pause.
 """
 
 from __future__ import annotations
@@ -28,9 +32,14 @@ from rlhf.utils import watchdog
 EXIT_STATUS = 1
 JOIN_TIMEOUT_S = 30.0  # a store call in flight at exit ends within the store's own timeout, or this
 DONE = "done"
+ENDED_KEY = "heartbeat/ended"  # "RANK|WHY" of the first rank that ended the run: every other rank ends at its next tick
 MIN_BEAT_S = 1.0
 """The shortest time between two heartbeats (one store write and one read per rank: a beat on every stage change
 of a fast step would load the store of a large world)."""
+LATE_TICK_S = 2.0
+"""A tick this much later than the longest regular gap (`period_s` + MIN_BEAT_S) means this rank itself was not
+running (stopped and continued, a host that froze, a thread starved of the GIL): what it saw of its peers before
+is stale, and their silence is measured afresh from this tick, instead of blaming a peer for this rank's pause."""
 
 
 class Heartbeat:
@@ -50,6 +59,7 @@ class Heartbeat:
         watched = [(rank + 1) % world_size] if world_size > 1 else []
         self._seen: dict[int, tuple[str | None, float]] = {r: (None, start) for r in watched}
         self._store_ok_at = start
+        self._ticked_at = start
         self._stop = threading.Event()
         self._changed = threading.Event()  # set by the watchdog when this rank enters or leaves a stage
 
@@ -64,14 +74,25 @@ class Heartbeat:
         """Write this rank's heartbeat, read the peers'; returns the silent ranks (and ends the process when
         there are any)."""
         now = self.clock()
+        paused = now - self._ticked_at if now - self._ticked_at > self.period_s + MIN_BEAT_S + LATE_TICK_S else 0.0
+        if paused:  # this rank was not running: its peers' silence is measured afresh
+            self._seen = {peer: (last, now) for peer, (last, _) in self._seen.items()}
+            self._store_ok_at = now
+        self._ticked_at = now
         try:
             self.beat()
             values = [self.store.get(k) if self.store.check([k]) else b"" for k in map(self._key, self._seen)]
+            ended = self.store.get(ENDED_KEY).decode() if self.store.check([ENDED_KEY]) else None
             self._store_ok_at = now
         except (RuntimeError, dist.DistStoreError) as err:
             if now - self._store_ok_at > self.timeout_s:
                 self._end(f"the rendezvous store has not answered for {now - self._store_ok_at:.0f} s ({err}): "
-                          "its host (torchrun's agent, or rank 0 under srun) is gone")
+                          "its host (torchrun's agent, or rank 0 under srun) is gone", tell_peers=False)
+            return []
+        if ended is not None:  # another rank ended the run: this one may be waiting in a collective that never ends
+            rank, why = ended.split("|", 1)
+            pause = f"; this rank was not running for {paused:.0f} s before (stopped, or its host froze)"
+            self._end(f"rank {rank} ended the run ({why})" + (pause if paused else ""))
             return []
         silent = []
         for (peer, (last, since)), raw in zip(list(self._seen.items()), values):
@@ -89,7 +110,12 @@ class Heartbeat:
         value = self._seen[rank][0]
         return f"(at its last heartbeat {value.split('|', 1)[1]})" if value else "(never reported)"
 
-    def _end(self, why: str) -> None:
+    def _end(self, why: str, tell_peers: bool = True) -> None:
+        """Ends this rank with one line; the first rank to end says why in the store, for the others."""
+        if tell_peers:
+            with contextlib.suppress(RuntimeError, dist.DistStoreError):
+                if not self.store.check([ENDED_KEY]):
+                    self.store.set(ENDED_KEY, f"{self.rank}|{why}")
         print(f"\n[rank {self.rank}] {why}; this rank is {watchdog.describe()}: ending the run (exit "
               f"{EXIT_STATUS}); the last complete checkpoint is intact", file=self.out or sys.stderr, flush=True)
         self.exit(EXIT_STATUS)
@@ -123,9 +149,16 @@ class Heartbeat:
 
     def _run(self) -> None:
         """A tick every `period_s`, and soon after this rank enters or leaves a stage (at most one a
-        MIN_BEAT_S): a peer that names this rank's stage names the one it was in, not one a period old."""
+        MIN_BEAT_S): a peer that names this rank's stage names the one it was in, not one a period old. The wait
+        wakes every MIN_BEAT_S, so that a rank continued after a pause ticks within a second."""
         while not self._stop.wait(MIN_BEAT_S):
-            self._changed.wait(self.period_s)
+            woke = time.monotonic()
+            deadline = woke + self.period_s
+            while not self._changed.wait(min(MIN_BEAT_S, max(0.0, deadline - woke))):
+                now = time.monotonic()
+                if now >= deadline or now - woke > MIN_BEAT_S + LATE_TICK_S:  # a period, or this rank was paused
+                    break
+                woke = now
             self._changed.clear()
             if not self._stop.is_set():
                 self.check()

@@ -43,7 +43,10 @@ def test_a_run_hit_by_each_kind_of_fault_ends_on_the_weights_and_metrics_of_the_
         straight = tmp_path / "straight"  # in forked ranks: one process start fewer than a launch
         run_job_variants(2, [("train_ppo", [*flags, "--save_path", str(straight), "--ckpt_path",
                                             str(tmp_path / "straight_ckpt")])], tmp_path / "consoles", straight)
-        run = chaos.Chaos(flags, str(tmp_path / "chaos"), STEPS, len(kinds), kinds, 0, reward, ckpt, in_order=True)
+        # each fault at the first new step after the last one (spread over 20 steps of a fraction of a second, the
+        # last fault found the run at its end): the three faults early in the run, one after another
+        run = chaos.Chaos(flags, str(tmp_path / "chaos"), STEPS, len(kinds), kinds, 0, reward, ckpt, in_order=True,
+                          spread=False)
         run.run()
     finally:
         reward.stop()

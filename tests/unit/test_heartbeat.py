@@ -1,6 +1,7 @@
 """The heartbeat that ends a run whose peer stopped (`rlhf.distributed.heartbeat`), on an in-memory store with
 a fake clock: a peer whose counter stops moving for longer than the timeout ends this rank with one line naming
-it and its last stage; a finished peer is not waited for; a store that stops answering ends it too."""
+it and its last stage; a rank paused itself does not blame its peer; a finished peer is not waited for; a store that
+stops answering ends it too."""
 
 import io
 import os
@@ -46,6 +47,30 @@ def test_a_stopped_peer_ends_the_rank_naming_it_and_its_stage():
                            "stage 'step/train' since ")
     assert "; this rank is in stage 'step/train' since " in line and line.endswith(
         ": ending the run (exit 1); the last complete checkpoint is intact\n")
+    clock.now += 10  # rank 1 continued (the launcher's SIGCONT): it ends at its first tick, with rank 0's reason
+    assert one.check() == [] and exits == [1, 1]
+    line = out.getvalue()[len(line):]
+    assert line.startswith("\n[rank 1] rank 0 ended the run (no heartbeat for more than 20 s from rank 1 (at its "
+                           "last heartbeat in stage 'step/train' since "), line
+    assert "); this rank was not running for 35 s before (stopped, or its host froze); this rank is " in line, line
+
+
+def test_a_rank_that_was_itself_paused_does_not_blame_its_peer():
+    """A rank stopped (SIGSTOP) and continued 40 s later, the launcher's SIGCONT before its SIGTERM: its first tick
+    finds the peer's counter where it was 40 s ago, which is this rank's pause, not the peer's silence."""
+    store, clock, out, exits = dist.HashStore(), Clock(), io.StringIO(), []
+    zero, one = pair(store, clock, out, exits)
+    for _ in range(2):
+        clock.now += 5
+        assert zero.check() == [] and one.check() == []  # rank 1 has seen rank 0's newest counter
+    clock.now += 40  # rank 1 is stopped; rank 0 too is not ticking here, so its counter stands still
+    assert one.check() == [] and exits == []
+    for _ in range(4):  # 20 s of rank 0's silence counted from rank 1's first tick after the pause: not yet too long
+        clock.now += 5
+        assert one.check() == []
+    clock.now += 5
+    assert one.check() == [0] and exits == [1]
+    assert "[rank 1] no heartbeat for more than 20 s from rank 0" in out.getvalue()
 
 
 def test_a_finished_peer_is_not_waited_for_and_a_silent_store_ends_the_rank():
