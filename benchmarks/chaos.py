@@ -6,8 +6,8 @@
 PPO with a critic (GAE, the embedded tiny policy, rewards from the embedded reward model behind `serve_rm`, ZeRO-2,
 2 CPU ranks, a checkpoint after every step, `--load_checkpoint`) runs twice through `rlhf.cli.launch`: once
 straight, once while a random schedule of faults hits it. The chaos run is relaunched whenever a fault ends it, as a
-scheduler requeues a job. The faults, spread evenly over the steps (fault k of N once the run has logged step
-k*(steps-1)/(N+1) and a step since the last fault), each a random 0-1 s after its step:
+scheduler requeues a job. The faults, spread evenly over the steps (the faults left over the steps left, at least a
+new step apart), each at a random moment of the step after it (up to 1 s):
 
     kill9     SIGKILL of a random rank: torchrun restarts the workers (--max-restarts), which resume
     sigstop   SIGSTOP of a random rank: the other rank's heartbeat names it and ends the run within
@@ -209,7 +209,7 @@ class Chaos:
         self.console = os.path.join(os.path.dirname(self.out), "chaos_console.log")
 
     def run(self) -> float:
-        start = time.monotonic()
+        start = self.started = time.monotonic()
         log = open(self.console, "w")
         pending_truncate = False
         while True:
@@ -243,13 +243,13 @@ class Chaos:
                 return None
             seen = logged_steps(self.out)
             last = seen[-1] if seen else 0
-            if not self._wait_for_step(proc, max(last + 1, self._spread_step(len(self.events)))):
+            if not self._wait_for_step(proc, self._spread_step(len(self.events), last)):
                 return None
             if logged_steps(self.out)[-1] >= self.steps - 1:  # too late in the run for another fault
                 self._wait_for_step(proc, self.steps + 1)
                 proc.wait()
                 return None
-            time.sleep(self.rng.uniform(0, 1))
+            time.sleep(self.rng.uniform(0, self._step_s()))  # somewhere in the step after the one just logged
             kind = self.kinds[len(self.events) % len(self.kinds)] if self.in_order else self.rng.choice(self.kinds)
             event = {"fault": kind, "at_step": logged_steps(self.out)[-1], "t": time.monotonic()}
             if kind in ("kill9", "sigstop"):
@@ -266,6 +266,7 @@ class Chaos:
                 self.events.append(event)
                 continue
             if kind == "diskfull":
+                event["filled_at_step"] = event["at_step"]
                 event["then"] = self._fill_until_a_save_fails(proc)
                 event["at_step"] = logged_steps(self.out)[-1]
                 self.events.append(event)
@@ -278,10 +279,13 @@ class Chaos:
             return kind
         return None
 
-    def _spread_step(self, k: int) -> int:
-        """The step fault k (from 0) waits for: the faults spread evenly over the run, so that each finds the run
-        stepping however fast the machine steps (waiting only for a new step, a fast machine ran out of steps)."""
-        return (k + 1) * (self.steps - 1) // (self.faults + 1) if self.spread else 0
+    def _spread_step(self, k: int, last: int) -> int:
+        """The step fault k (from 0) waits for, the run having logged `last`: the faults left spread evenly over the
+        steps left, so that each finds the run stepping however fast the machine steps (waiting only for a new step,
+        a fast machine ran out of steps; a fixed schedule lost the last faults to the steps a fault's 0-1 s delay
+        and a disk's filling let pass on a fast one)."""
+        left = self.faults - k  # a step of slack for each: a launcher's signal lets the step in progress end
+        return last + max(1, (self.steps - 1 - last - left) // (left + 1)) if self.spread else last + 1
 
     def _fill_until_a_save_fails(self, proc: subprocess.Popen) -> str:
         """Fills the checkpoints' filesystem until the run says 'no space left' (then frees it); what happened."""
@@ -311,6 +315,12 @@ class Chaos:
                 return True
             time.sleep(0.2)
         return False
+
+    def _step_s(self) -> float:
+        """The run's recent seconds a step (at most 1 s; 1 s before two steps were seen in a row)."""
+        rows = self.progress[-6:]
+        pairs = [(b[0] - a[0]) / (b[1] - a[1]) for a, b in zip(rows, rows[1:]) if b[1] > a[1]]
+        return min(1.0, sorted(pairs)[len(pairs) // 2]) if pairs else 1.0
 
     def recovery_seconds(self) -> list[float | None]:
         """Per fault: seconds from the fault to the first step logged past the step it hit (the run's stall, as
@@ -399,6 +409,7 @@ def main() -> None:
               "time_lost_per_fault_s": round((chaos_s - straight_s) / max(1, len(chaos.events)), 1),
               "identical_weights": same_weights, "identical_metrics": same_metrics, "work": work}
     report["async_save"] = args.async_save
+    report["events"] = [{**e, "t": round(e["t"] - chaos.started, 1)} for e in chaos.events]
     recovery = chaos.recovery_seconds()
     report["recovery_s_by_kind"] = {
         k: [r for e, r in zip(chaos.events, recovery) if e["fault"] == k] for k in kinds}
@@ -422,6 +433,9 @@ def main() -> None:
         print(f"chaos: {ending} faults that end the workers but {len(chaos.resumes)} resumes (see "
               f"{work}/chaos_console.log)")
     failed_to_fault = [e for e in chaos.events if e.get("then") == "no save failed"]
+    if len(chaos.events) < args.faults:
+        print(f"chaos: {len(chaos.events)} of the {args.faults} faults asked for fit in {args.steps} steps on this "
+              f"machine (each fault lets a few steps pass before it hits): pass more --steps")
     if failed_to_fault:
         print(f"chaos: {len(failed_to_fault)} diskfull fault(s) met no save (the run ended first)")
     if not (same_weights and same_metrics):
