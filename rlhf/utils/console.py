@@ -71,6 +71,9 @@ KNOWN_NOTICES: tuple[tuple[str, re.Pattern[str]], ...] = (
     # vLLM's CPU worker binds its threads and memory to its NUMA node; the engine puts torch's thread count back
     ("vllm", re.compile(r"CPU backend doesn't allow to use `torch\.set_num_threads` after the thread binding")),
     ("torch", re.compile(r"NUMA binding: Using MEMBIND policy")),
+    # on a CPU with AVX-512 BF16 (Intel Xeon) vLLM resets the Mamba state cache's dtype for every model; backend 'none'
+    # is a model without Mamba layers (every dense model), where there is no such cache
+    ("vllm", re.compile(r"Reset SSM cache type to float32 for accelerated GDN mamba backend 'none'")),
 )
 """(library, message pattern) of the notices known to need nothing from the user, each with its reason above."""
 

@@ -213,11 +213,14 @@ def test_every_known_notice_matches_the_text_the_libraries_print():
         ("vllm", "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it."),
         ("torch", "NUMA binding: Using MEMBIND policy for memory allocation on the NUMA nodes (0). Memory "
                   "allocations will be strictly bound to these NUMA nodes."),
+        ("vllm", "Reset SSM cache type to float32 for accelerated GDN mamba backend 'none'."),
     ]
     assert [known_notice(library, message) for library, message in printed] == [True] * len(printed)
-    assert len(KNOWN_NOTICES) == 5 and all(any(p.search(m) for _, m in printed) for _, p in KNOWN_NOTICES)
+    assert len(KNOWN_NOTICES) == 6 and all(any(p.search(m) for _, m in printed) for _, p in KNOWN_NOTICES)
     assert not known_notice("torch", printed[0][1])
     assert not known_notice("vllm", "Not enough KV cache blocks: the model cannot run at max_model_len 4096")
+    # a model with Mamba layers whose backend is not the accelerated one: shown
+    assert not known_notice("vllm", "Reset SSM cache type to float32 for accelerated GDN mamba backend 'mamba2'.")
 
 
 def test_library_warning_does_not_land_inside_a_progress_bar(tmp_path, capsys, library_logger):
