@@ -27,7 +27,7 @@ Reported: the faults and how each ended, the steps done twice (the steps a fault
 lost against the straight run, the seconds from each fault to the next new step (by kind), and whether the final
 weights (every tensor, bit for bit) and every step's metrics equal the straight run's. Each relaunch pays the job's
 start (imports, 10-14 s in the launcher on 2 CPU cores, then the engines); a torchrun restart forks its workers from
-the warm launcher and pays the engines only (`rlhf.cli.warm_start`). 20 faults take about 6 minutes on 2 CPU
+the warm launcher and pays the engines only (`rlhf.cli.warm_start`). 20 faults take 4-6 minutes on 2 CPU
 cores. tests/e2e/test_chaos.py runs a handful of faults on the same job. `--async_save`: the chaos run writes its
 checkpoints in the background (faults then also meet checkpoints still being written), and must still end on the
 straight run's weights.

@@ -149,16 +149,11 @@ class Heartbeat:
 
     def _run(self) -> None:
         """A tick every `period_s`, and soon after this rank enters or leaves a stage (at most one a
-        MIN_BEAT_S): a peer that names this rank's stage names the one it was in, not one a period old. The wait
-        wakes every MIN_BEAT_S, so that a rank continued after a pause ticks within a second."""
+        MIN_BEAT_S): a peer that names this rank's stage names the one it was in, not one a period old. The waits
+        end at a deadline on the monotonic clock, which runs on while the process is stopped: a rank continued after
+        a pause longer than the wait ticks at once."""
         while not self._stop.wait(MIN_BEAT_S):
-            woke = time.monotonic()
-            deadline = woke + self.period_s
-            while not self._changed.wait(min(MIN_BEAT_S, max(0.0, deadline - woke))):
-                now = time.monotonic()
-                if now >= deadline or now - woke > MIN_BEAT_S + LATE_TICK_S:  # a period, or this rank was paused
-                    break
-                woke = now
+            self._changed.wait(self.period_s)
             self._changed.clear()
             if not self._stop.is_set():
                 self.check()
