@@ -121,23 +121,28 @@ def varlen_attention_sdpa(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch
                           causal: bool = True, scale: float | None = None, window: int | None = None,
                           softcap: float | None = None) -> torch.Tensor:
     """Exact on any device: one `scaled_dot_product_attention` call per segment (a Python loop over S); with a
-    window, each segment's call takes its window mask; with a soft-cap, the segment's scores are explicit."""
+    window, each segment's call takes its window mask; with a soft-cap, the segment's scores are explicit.
+
+    The segments are cut with one `split` (its backward is one `cat` of the segments' gradients, where S slices
+    would each fill a zero tensor of all N tokens and add it), and each call gets 4-D [1, H, L, D] views: on CPU
+    that is the shape PyTorch's fused flash kernel takes (3-D inputs fall back to the unfused math path)."""
     _check_inputs(q_NHD, k_NKD, v_NKD, cu_seqlens)
     check_attention_variants(window, softcap, causal)
     enable_gqa = q_NHD.shape[1] != k_NKD.shape[1]
     scale_value = 1.0 / math.sqrt(q_NHD.shape[-1]) if scale is None else scale
-    bounds = cu_seqlens.tolist()
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        q_HLD, k_KLD, v_KLD = (t[start:end].transpose(0, 1) for t in (q_NHD, k_NKD, v_NKD))
-        visible_LL = visible_keys(end - start, causal, window, q_NHD.device)
+    for q_LHD, k_LKD, v_LKD in zip(*(t.split(lengths) for t in (q_NHD, k_NKD, v_NKD))):
+        q_1HLD, k_1KLD, v_1KLD = (t.transpose(0, 1)[None] for t in (q_LHD, k_LKD, v_LKD))
+        visible_LL = visible_keys(q_LHD.shape[0], causal, window, q_NHD.device)
         if softcap is not None:
-            o_HLD = _softcapped_attention(q_HLD, k_KLD, v_KLD, causal, scale_value, softcap, visible_LL)
+            o_1HLD = _softcapped_attention(q_1HLD[0], k_1KLD[0], v_1KLD[0], causal, scale_value, softcap,
+                                           visible_LL)[None]
         else:
-            o_HLD = F.scaled_dot_product_attention(q_HLD, k_KLD, v_KLD, attn_mask=visible_LL,
-                                                   is_causal=causal and visible_LL is None, scale=scale,
-                                                   enable_gqa=enable_gqa)
-        outs.append(o_HLD.transpose(0, 1))
+            o_1HLD = F.scaled_dot_product_attention(q_1HLD, k_1KLD, v_1KLD, attn_mask=visible_LL,
+                                                    is_causal=causal and visible_LL is None, scale=scale,
+                                                    enable_gqa=enable_gqa)
+        outs.append(o_1HLD[0].transpose(0, 1))
     return torch.cat(outs)
 
 

@@ -95,6 +95,26 @@ def test_varlen_attention_matches_reference(lengths, num_kv_heads, causal):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_varlen_sdpa_runs_the_fused_cpu_kernel_per_segment():
+    """On CPU each segment goes through PyTorch's fused flash kernel (4-D inputs; 3-D ones took the unfused math
+    path), forward and backward, and the segments' gradients are joined by one cat: no per-segment slice
+    backward (each of which filled a zero tensor of all N tokens)."""
+    from torch.profiler import profile
+
+    lengths = [3, 9, 1, 5]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(sum(lengths), 4, 8, generator=g, requires_grad=True)
+    kv = torch.randn(sum(lengths), 2, 8, generator=g, requires_grad=True)
+    with profile() as prof:
+        out = varlen_attention_sdpa(q, kv, kv, cu_seqlens_from_lengths(lengths))
+        torch.autograd.grad(out.sum(), (q, kv))
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("aten::_scaled_dot_product_flash_attention_for_cpu") == len(lengths)
+    assert calls.get("aten::_scaled_dot_product_flash_attention_for_cpu_backward") == len(lengths)
+    assert "aten::_scaled_dot_product_attention_math" not in calls
+    assert "aten::slice_backward" not in calls
+
+
 def test_varlen_rejects_bad_boundaries():
     q = torch.randn(6, 2, 4)
     with pytest.raises(ValueError, match="cu_seqlens"):
