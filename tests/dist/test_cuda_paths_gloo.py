@@ -134,3 +134,50 @@ def test_offload_keeps_the_low_precision_weights_and_forward_runs_after_offload(
     assert not stage3_adam_offload["masters_moved"]  # already on the host: --adam_offload skips the move
     for result in (stage2, stage2_adam_offload, stage3, stage3_adam_offload):
         assert result["steps_on_host"] and result["finite_after"] and result["forward_same"]
+
+
+def _offloaded_adam_steps() -> list[dict]:
+    """ZeRO-2 and ZeRO-3 with --adam_offload: which AdamW the engine built, and the weights after two steps."""
+    import torch.distributed as dist
+
+    from rlhf.assets import EMBEDDED_MODEL_DIR
+    from rlhf.config.shared_config import EngineConfig, OptimConfig
+    from rlhf.engines.deepspeed_engine import DeepSpeedModel
+    from rlhf.models.loading import load_causal_lm
+
+    results = []
+    for zero_stage, adam_offload in [(2, True), (3, True), (2, False)]:
+        model = DeepSpeedModel(lambda: load_causal_lm(EMBEDDED_MODEL_DIR, torch.float32, "sdpa"),
+                               EngineConfig(zero_stage=zero_stage, adam_offload=adam_offload),
+                               OptimConfig(lr_warmup_ratio=0.0, lr_scheduler="constant", adam_betas=(0.9, 0.95),
+                                           l2=0.0), learning_rate=1e-2, bf16=False, micro_batch_size=2,
+                               grad_accum_steps=1, num_optimizer_steps=2, device=torch.device("cpu"),
+                               dp_group=dist.group.WORLD)
+        ids_BT = torch.randint(3, model.module.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+        for _ in range(2):
+            _train_step(model, ids_BT)
+        results.append({"fused": model.engine.optimizer.optimizer.defaults["fused"],
+                        "weights": dict(model.full_parameters())})
+    return results
+
+
+def test_adam_offload_steps_with_the_fused_host_adam():
+    """--adam_offload: torch's fused AdamW over the host partitions (`fused_adam`), its two steps equal to the
+    plain model's with the default AdamW (within the rounding AdamW allows); without offload the default."""
+    from rlhf.assets import EMBEDDED_MODEL_DIR
+    from rlhf.models.loading import load_causal_lm
+    from tests.tiny_runs import assert_adam_weights_close
+
+    stage2, stage3, plain_engine = run_on_ranks(1, _offloaded_adam_steps)[0]
+    assert stage2["fused"] is True and stage3["fused"] is True and plain_engine["fused"] is None
+    model = load_causal_lm(EMBEDDED_MODEL_DIR, torch.float32, "sdpa")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
+    ids_BT = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model(input_ids=ids_BT).logits.float().logsumexp(-1).mean().backward()  # `_train_step`'s loss
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    for what, got in (("ZeRO-2 offload", stage2), ("ZeRO-3 offload", stage3), ("ZeRO-2", plain_engine)):
+        assert_adam_weights_close(want, got["weights"], 1e-2, 2, what=what)
