@@ -132,17 +132,16 @@ def varlen_attention_sdpa(q_NHD: torch.Tensor, k_NKD: torch.Tensor, v_NKD: torch
     scale_value = 1.0 / math.sqrt(q_NHD.shape[-1]) if scale is None else scale
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     outs = []
-    for q_LHD, k_LKD, v_LKD in zip(*(t.split(lengths) for t in (q_NHD, k_NKD, v_NKD))):
-        q_1HLD, k_1KLD, v_1KLD = (t.transpose(0, 1)[None] for t in (q_LHD, k_LKD, v_LKD))
-        visible_LL = visible_keys(q_LHD.shape[0], causal, window, q_NHD.device)
+    for segment in zip(*(t.split(lengths) for t in (q_NHD, k_NKD, v_NKD))):
+        q_HLD, k_KLD, v_KLD = (t.transpose(0, 1) for t in segment)
+        visible_LL = visible_keys(q_HLD.shape[1], causal, window, q_NHD.device)
         if softcap is not None:
-            o_1HLD = _softcapped_attention(q_1HLD[0], k_1KLD[0], v_1KLD[0], causal, scale_value, softcap,
-                                           visible_LL)[None]
+            o_HLD = _softcapped_attention(q_HLD, k_KLD, v_KLD, causal, scale_value, softcap, visible_LL)
         else:
-            o_1HLD = F.scaled_dot_product_attention(q_1HLD, k_1KLD, v_1KLD, attn_mask=visible_LL,
-                                                    is_causal=causal and visible_LL is None, scale=scale,
-                                                    enable_gqa=enable_gqa)
-        outs.append(o_1HLD[0].transpose(0, 1))
+            o_HLD = F.scaled_dot_product_attention(q_HLD[None], k_KLD[None], v_KLD[None], attn_mask=visible_LL,
+                                                   is_causal=causal and visible_LL is None, scale=scale,
+                                                   enable_gqa=enable_gqa)[0]
+        outs.append(o_HLD.transpose(0, 1))
     return torch.cat(outs)
 
 
