@@ -112,8 +112,8 @@ def _require_stage12_offload_states(zero_optimizer) -> None:
 def fused_adam(adam_offload: bool) -> bool | None:
     """torch's fused AdamW (True) where --adam_offload puts the fp32 master partitions and Adam's moments on the
     host: one vectorised pass over each tensor, where the default runs about ten element-wise ops one after
-    another over the whole flat ZeRO partition (`benchmarks/host_adam.py` on 2 CPU cores: 28 against 192 ms a step
-    for a 14.7M partition on one thread, 100 against 744 ms for 100M on two). Elsewhere None, torch's default
+    another over the whole flat ZeRO partition (`benchmarks/host_adam.py` on 2 CPU cores: 17 against 173 ms a step
+    for a 14.7M partition on one thread, 88 against 773 ms for 100M on two). Elsewhere None, torch's default
     (foreach on a GPU). A CPU run keeps the default too: the fused kernel rounds differently in the last bit,
     which moves the learning examples' printed figures (the quickstart's final reward 0.670 -> 0.672), for 1-2%
     of a CPU step."""
