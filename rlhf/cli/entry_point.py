@@ -18,6 +18,7 @@ from rlhf.config.errors import usage_errors_exit
 from rlhf.config.flags import parse_config
 from rlhf.distributed.peer_lost import peer_lost_exit
 from rlhf.utils.heap import freeze_heap
+from rlhf.utils.preload import preload_this_program
 from rlhf.utils.write_failure import write_failure_exit
 
 
@@ -29,7 +30,11 @@ def main_for(config_cls: type, run: Callable[[Any, Sequence[warnings.WarningMess
     not be written (`rlhf.utils.write_failure`): one line each.
 
     argv None means this call is the program (the flags are `sys.argv`): after the run returns, the process
-    ends here (`end_program`). With an argv list it returns, for callers that run several jobs in one process."""
+    ends here (`end_program`). With an argv list it returns, for callers that run several jobs in one process.
+    A program on a CPU build of torch first restarts itself with the libraries `rlhf.cli.launch` preloads, where
+    they are missing (`rlhf.utils.preload`: plain torchrun and srun do not add them)."""
+    if argv is None:
+        preload_this_program()
     with usage_errors_exit(started=distributed_started), peer_lost_exit(), write_failure_exit():
         with warnings.catch_warnings(record=True) as parse_warnings:
             warnings.simplefilter("default")

