@@ -31,14 +31,15 @@ def main_for(config_cls: type, run: Callable[[Any, Sequence[warnings.WarningMess
 
     argv None means this call is the program (the flags are `sys.argv`): after the run returns, the process
     ends here (`end_program`). With an argv list it returns, for callers that run several jobs in one process.
-    A program on a CPU build of torch first restarts itself with the libraries `rlhf.cli.launch` preloads, where
-    they are missing (`rlhf.utils.preload`: plain torchrun and srun do not add them)."""
-    if argv is None:
-        preload_this_program()
+    A program on a CPU build of torch restarts itself once its flags have parsed (a refused command answers
+    first) with the libraries `rlhf.cli.launch` preloads, where they are missing (`rlhf.utils.preload`: plain
+    torchrun and srun do not add them)."""
     with usage_errors_exit(started=distributed_started), peer_lost_exit(), write_failure_exit():
         with warnings.catch_warnings(record=True) as parse_warnings:
             warnings.simplefilter("default")
             cfg = parse_config(config_cls, argv, prog=prog)
+        if argv is None:
+            preload_this_program()
         run(cfg, parse_warnings)
     if argv is None:
         end_program(exit_status())

@@ -21,10 +21,10 @@ PROG = "python -m rlhf.cli.train_ppo"
 def main(argv: list[str] | None = None) -> None:
     """A command with the RePULSe fork's flags is the fork's `train_ppo` (`openrlhf.cli.train_ppo` there): it runs
     as `rlhf.cli.train_repulse`, said in one line, so the fork's scripts switch by changing the launcher."""
-    if argv is None:
-        preload_this_program()  # before that line (`main_for` would restart after it)
     fork = fork_flags_in(sys.argv[1:] if argv is None else list(argv))
     if fork:
+        if argv is None:
+            preload_this_program()  # before that line (`main_for` would restart after it)
         from rlhf.cli import train_repulse
 
         if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
