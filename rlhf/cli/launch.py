@@ -95,8 +95,6 @@ def split_grace_period(argv: list[str]) -> tuple[float, list[str]]:
     return grace, rest
 
 
-
-
 def split_flag(argv: list[str], flag: str) -> tuple[bool, list[str]]:
     """(whether the switch `flag` is among the launcher's own flags, before the training program; the rest)."""
     end = program_start(argv)
