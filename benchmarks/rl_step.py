@@ -74,9 +74,9 @@ def free_port() -> int:
 
 def preload_env() -> dict[str, str]:
     """LD_PRELOAD as a job on CPU runs with (`rlhf.utils.preload`), for the run and the floors alike."""
-    from rlhf.utils.preload import OPT_OUT, cpu_preload, search_dirs
+    from rlhf.utils.preload import cpu_preload, opted_out, search_dirs
 
-    if os.environ.get(OPT_OUT, "") not in ("", "0") or torch.cuda.is_available():
+    if opted_out(os.environ) or torch.cuda.is_available():
         return {}
     return {"LD_PRELOAD": cpu_preload(os.environ.get("LD_PRELOAD", ""), search_dirs())[0]}
 

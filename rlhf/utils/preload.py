@@ -21,6 +21,11 @@ OPT_OUT = "RLHF_NO_PRELOAD"  # set (to anything but "" or "0"): LD_PRELOAD stays
 RESTARTED = "RLHF_PRELOAD_RESTARTED"  # set in a program's environment by its restart: it never restarts twice
 
 
+def opted_out(environ: Mapping[str, str]) -> bool:
+    """Whether `environ` keeps LD_PRELOAD as it is (OPT_OUT set to anything but "" or "0")."""
+    return environ.get(OPT_OUT, "") not in ("", "0")
+
+
 def search_dirs() -> tuple[str, ...]:
     """Where the libraries are looked for, first match wins: this Python's prefix (a venv's intel-openmp), then the
     OS's library directories."""
@@ -45,7 +50,7 @@ def restart_preload(environ: Mapping[str, str], cpu_build: bool | None,
     """(LD_PRELOAD, the libraries added) a program should restart itself with, or None (pure): only for a CPU build
     of torch (`cpu_build` True; None, unknown, counts as not), where a library is found and not yet preloaded, and
     unless the environment opts out (OPT_OUT) or the program has restarted once already (RESTARTED)."""
-    if not cpu_build or environ.get(OPT_OUT, "") not in ("", "0") or environ.get(RESTARTED):
+    if not cpu_build or opted_out(environ) or environ.get(RESTARTED):
         return None
     preload, added = cpu_preload(environ.get("LD_PRELOAD", ""), search)
     return (preload, added) if added else None
@@ -65,7 +70,7 @@ def preload_this_program() -> None:
     preload, added = restart
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         print(f"[rlhf] restarting with LD_PRELOAD {', '.join(added)}, as rlhf.cli.launch starts its workers "
-              f"(CPU steps run up to 1.2x slower without them; {OPT_OUT}=1 keeps LD_PRELOAD as it is)",
+              f"(DeepSpeed's CPU steps ran 1.2-1.3x slower without them; {OPT_OUT}=1 keeps LD_PRELOAD as it is)",
               file=sys.stderr, flush=True)
     os.environ["LD_PRELOAD"] = preload
     os.environ[RESTARTED] = "1"
