@@ -1,6 +1,7 @@
 """Cutting a role's share of a batch into micro-batches: a fixed number of samples each, or
 (`--use_dynamic_batch`) as many samples as fit a per-rank token budget, with the same number of
-micro-batches on every rank of the role so collective forwards and backwards stay matched.
+micro-batches on every rank of the role so collective forwards and backwards stay matched; and dealing an
+optimizer step's samples to the role's data-parallel replicas (`MicroBatcher.replica_rows`).
 
 Losses divide by the global token (or sequence) count of the optimizer step, so the gradient does not
 depend on how the step is cut; `Actor.train_batch` and `Critic.train_batch` do that.
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rlhf.distributed.collectives import shard
 from rlhf.kernels import count_micro_batches, split_into_micro_batches
 from rlhf.models.layout import PADDED, SequenceLayout
 
@@ -28,6 +30,17 @@ class MicroBatcher:
     group: dist.ProcessGroup | None = None
     layout: SequenceLayout = PADDED
     flag: str = "--train_max_tokens_per_gpu"
+
+    def replica_rows(self, attention_mask_BT: torch.Tensor, num_replicas: int, replica: int) -> list[int]:
+        """Replica `replica`'s rows of one optimizer step's samples, in the given order: a contiguous share, or with
+        dynamic batching an equal number of rows dealt by length (`balanced_shares`), as OpenRLHF balances the
+        replicas' tokens under --use_dynamic_batch. The sum over the replicas' gradients does not depend on the
+        deal; the step's wall time is the slowest replica's."""
+        B = attention_mask_BT.shape[0]
+        if self.max_tokens is None:
+            return list(range(B)[shard(B, num_replicas, replica)])
+        costs = [self.layout.token_cost(int(n)) for n in attention_mask_BT.sum(-1)]
+        return balanced_shares(costs, num_replicas)[replica]
 
     def split(self, attention_mask_BT: torch.Tensor) -> list[list[int]]:
         """Row indices of each micro-batch (collective over `group` with dynamic batching)."""
@@ -50,6 +63,20 @@ class MicroBatcher:
             raise RuntimeError(f"a rank holds {fewest} samples but the group runs {count} micro-batches: the ranks "
                                "of one role must hold the same number of samples")
         return split_into_micro_batches(lengths, self.max_tokens, count)
+
+
+def balanced_shares(costs: list[int], num_shares: int) -> list[list[int]]:
+    """The indices of `costs` dealt into `num_shares` shares of equal size, each in ascending order (pure). Largest
+    cost first, each to the share with the smallest total that still has room (ties: the lower share). Raises as
+    `shard` when the count does not split evenly."""
+    size = len(range(len(costs))[shard(len(costs), num_shares, 0)])
+    shares: list[list[int]] = [[] for _ in range(num_shares)]
+    totals = [0] * num_shares
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        open_share = min((s for s in range(num_shares) if len(shares[s]) < size), key=lambda s: (totals[s], s))
+        shares[open_share].append(i)
+        totals[open_share] += costs[i]
+    return [sorted(share) for share in shares]
 
 
 def trimmed(sequences_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

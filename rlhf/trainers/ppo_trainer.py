@@ -30,7 +30,6 @@ from rlhf.distributed.collectives import (
     all_gather_rollout,
     concat_rollouts,
     select_rollout,
-    shard,
 )
 from rlhf.distributed.topology import Role, Topology
 from rlhf.engines.deepspeed_engine import DeepSpeedModel
@@ -307,15 +306,17 @@ class PPOTrainer:
                            epoch: int) -> list[list[Experience]]:
         """This replica's share of each optimizer step, cut into micro-batches. The step's samples do not depend
         on the data-parallel size: the whole experience is shuffled by (seed, step, epoch) alone and cut into
-        global optimizer steps of --train_batch_size, of which each replica takes its contiguous share (the ranks
-        of a ring take the same one). So a run resumed on another number of ranks or placement trains on the
+        global optimizer steps of --train_batch_size, of which each replica takes its share (the ranks of a ring
+        take the same one): a contiguous one, or with --use_dynamic_batch one balanced by tokens
+        (`MicroBatcher.replica_rows`). So a run resumed on another number of ranks or placement trains on the
         samples the uninterrupted run would have, step for step."""
         dp, rank = self.topology.dp_size(role), self.topology.dp_rank(role)
         order = list(range(exp.num_samples))
         random.Random(((self.cfg.seed * 100_003 + step) * 101 + epoch) * 4099).shuffle(order)
         per_step = self.cfg.batch.train_batch_size
         steps = [order[start:start + per_step] for start in range(0, len(order), per_step)]
-        mine = [exp.select(torch.tensor(rows[shard(len(rows), dp, rank)])) for rows in steps]
+        shares = [batcher.replica_rows(exp.attention_mask_BT[torch.tensor(rows)], dp, rank) for rows in steps]
+        mine = [exp.select(torch.tensor([rows[i] for i in share])) for rows, share in zip(steps, shares)]
         return [[part.select(torch.tensor(rows)).trimmed() for rows in batcher.split(part.attention_mask_BT)]
                 for part in mine]
 

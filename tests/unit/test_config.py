@@ -230,6 +230,59 @@ def test_dynamic_batch_budget_errors_name_the_flag():
     assert MicroBatcher(1).split(mask) == [[0], [1]]
 
 
+def test_dynamic_batch_deals_each_replica_an_even_token_share():
+    """--use_dynamic_batch deals an optimizer step's samples to the data-parallel replicas by length (equal counts,
+    even token totals, as OpenRLHF balances them under that flag); without it each replica takes a contiguous
+    share, as before. Either way the replicas' rows cover the step once."""
+    from rlhf.models.micro_batches import MicroBatcher, balanced_shares
+
+    # 9..2 tokens: longest first, each to the lighter replica with room: 9, 8, 7 (to the 8), 6 (to the 9), ...
+    assert balanced_shares([9, 8, 7, 6, 5, 4, 3, 2], 2) == [[0, 3, 4, 7], [1, 2, 5, 6]]  # 22 and 22 tokens
+    assert balanced_shares([10, 1, 1, 1], 2) == [[0, 3], [1, 2]]  # equal counts even when the tokens cannot be
+    assert balanced_shares([3, 3, 3, 3, 3, 3], 3) == [[0, 3], [1, 4], [2, 5]]  # ties: the lower replica first
+    with pytest.raises(ValueError, match="do not split evenly over 2 ranks"):
+        balanced_shares([1, 2, 3], 2)
+    lengths = [12, 3, 11, 2, 9, 4, 10, 1]
+    mask = torch.tensor([[1] * n + [0] * (12 - n) for n in lengths])
+    dynamic = [MicroBatcher(4, max_tokens=64).replica_rows(mask, 2, r) for r in range(2)]
+    assert dynamic == [[0, 4, 5, 7], [1, 2, 3, 6]]
+    assert [sum(lengths[i] for i in rows) for rows in dynamic] == [26, 26]  # contiguous shares: 28 and 24 tokens
+    assert [MicroBatcher(4).replica_rows(mask, 2, r) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_the_ppo_trainer_deals_optimizer_steps_by_tokens_with_dynamic_batching():
+    """PPOTrainer._optimizer_batches with 2 replicas on 4 samples of 9, 7, 11 and 8 tokens (one optimizer step):
+    with --use_dynamic_batch the replicas hold 18 and 17 tokens (the best split in equal counts); each sample is
+    trained on once either way."""
+    from types import SimpleNamespace
+
+    from rlhf.distributed.topology import Role
+    from rlhf.models.micro_batches import MicroBatcher
+    from rlhf.trainers.ppo_trainer import PPOTrainer
+    from tests.tiny_actor import synthetic_experiences
+
+    exp = synthetic_experiences(vocab=64)
+    lengths = exp.attention_mask_BT.sum(-1).tolist()
+    assert lengths == [9, 7, 11, 8]
+
+    def shares(batcher: MicroBatcher, seed: int) -> list[list[int]]:
+        out = []
+        for rank in range(2):
+            trainer = SimpleNamespace(topology=SimpleNamespace(dp_size=lambda role: 2, dp_rank=lambda role, r=rank: r),
+                                      cfg=SimpleNamespace(seed=seed, batch=SimpleNamespace(train_batch_size=4)))
+            (micro,) = PPOTrainer._optimizer_batches(trainer, exp, Role.ACTOR, batcher, step=0, epoch=0)
+            out.append(sorted(int(n) for part in micro for n in part.attention_mask_BT.sum(-1)))
+        return out
+
+    for seed in range(4):
+        dynamic = shares(MicroBatcher(2, max_tokens=64), seed)
+        assert sorted(dynamic[0] + dynamic[1]) == sorted(lengths) and list(map(len, dynamic)) == [2, 2]
+        assert sorted(map(sum, dynamic)) == [17, 18], seed
+        fixed = shares(MicroBatcher(2), seed)
+        assert sorted(fixed[0] + fixed[1]) == sorted(lengths) and list(map(len, fixed)) == [2, 2]
+    assert any(max(map(sum, shares(MicroBatcher(2), seed))) > 18 for seed in range(4))  # contiguous: uneven
+
+
 def test_defaults_are_openrlhf_v0_9_5():
     """A script that relies on a default runs OpenRLHF v0.9.5's algorithm (train_ppo_ray.py of that tag)."""
     cfg = parse()
