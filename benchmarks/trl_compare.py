@@ -13,7 +13,8 @@ Settings of both: `rl_step.py`'s random Llama of the size (the embedded 64-word 
 and copy reward, GRPO with 4 samples x 8 prompts a step (16 per rank), up to 128 new tokens (natural lengths,
 EOS ends a sample), temperature 1, top-p 1, no KL term, learning rate 1e-6, fp32, SDPA, one optimizer step per
 generation. TRL generates with transformers' `generate` (its default without vLLM); ours with
-`--packing_samples` and the rollout engine its defaults choose unless the extra flags say otherwise. The
+`--packing_samples --use_dynamic_batch` (OpenRLHF's throughput pair: padding-free rows, and the replicas' training
+tokens balanced) and the rollout engine its defaults choose unless the extra flags say otherwise. The
 responses are sampled, so their lengths differ between the two: both means are printed.
 """
 
@@ -66,9 +67,10 @@ def our_run(model: str, prompts: str, reward: str, steps: int, work: str, extra:
     ranks through the product's launcher (`rlhf.cli.launch`: torchrun with the allocator and OpenMP libraries that
     vLLM's CPU backend asks for preloaded, as a user runs it)."""
     save = os.path.join(work, "ours")
-    flags = [*RUN_FLAGS, "--packing_samples", "--pretrain", model, "--prompt_data", prompts, "--input_key", "input",
-             "--label_key", "label", "--remote_rm_url", reward, "--max_steps", str(steps), "--save_path", save,
-             "--ckpt_path", os.path.join(work, "ckpt"), "--save_steps", "-1", "--logging_steps", "1", *extra]
+    flags = [*RUN_FLAGS, "--packing_samples", "--use_dynamic_batch", "--pretrain", model, "--prompt_data", prompts,
+             "--input_key", "input", "--label_key", "label", "--remote_rm_url", reward, "--max_steps", str(steps),
+             "--save_path", save, "--ckpt_path", os.path.join(work, "ckpt"), "--save_steps", "-1",
+             "--logging_steps", "1", *extra]
     run_logged([sys.executable, "-m", "rlhf.cli.launch", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                 "--master_port", str(free_port()), "-m", "rlhf.cli.train_ppo", *flags],
                os.path.join(work, "ours.log"), "train_ppo")
