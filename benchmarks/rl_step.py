@@ -209,12 +209,15 @@ def print_inside(s: dict) -> None:
     gen = p["engine_generate"]
     print(f"  generation: engine.generate {gen:.3f} vs standalone {floor['generation']:.3f}; the rest of the "
           f"stage (ranks finishing apart, prompt slicing, to_rollout, decode) {run['generation'] - gen:.3f}")
-    fwd, reward, gather = p["actor_logprobs"], p["reward"], p["all_gather_rollout"]
+    fwd, ref, reward, gather = p["actor_logprobs"], p["ref_logprobs"], p["reward"], p["all_gather_rollout"]
     padded = "experience_padded" in floor
-    forward = (f"actor forward {fwd:.3f} vs plain packed {floor['experience_packed']:.3f}"
-               + (f", plain padded {floor['experience_padded']:.3f}" if padded else ""))
-    if not s["probe"].get("actor_logprobs"):
-        forward = "no actor forward (the batch feeds one update: the training forward's log-probs stand in)"
+    forwards = ([f"actor forward {fwd:.3f}"] if s["probe"].get("actor_logprobs") else
+                ["no actor forward (the batch feeds one update: the training forward's log-probs stand in)"])
+    forwards += [f"reference forward {ref:.3f}"] if s["probe"].get("ref_logprobs") else []
+    forward = ", ".join(forwards)
+    if s["probe"].get("actor_logprobs") or s["probe"].get("ref_logprobs"):
+        forward += (f" vs plain packed {floor['experience_packed']:.3f}"
+                    + (f", plain padded {floor['experience_padded']:.3f}" if padded else ""))
     print(f"  experience: {forward}; reward {reward:.3f}; "
           f"all_gather_rollout {gather:.3f} (the fastest rank's); engine vs actor log-prob |diff| "
           f"{s['logprob_diff']:.1e}")

@@ -3,8 +3,9 @@ step by step, what each rank of the measured run did, with no trainer around:
 
 - generation: the same rollout engine (built by `build_rollout_engine` from the same flags) on the same
   prompts, sampling settings and seeds (each rank replays its own recorded generate calls);
-- experience: a plain `no_grad` forward + token log-probs of the same sequences, in the same
-  --micro_rollout_batch_size micro-batches, packed (real tokens only, the project's varlen attention);
+- experience: a plain `no_grad` forward + token log-probs of the same sequences (the actor's forward, and the
+  reference model's where the run has one), in the same --micro_rollout_batch_size micro-batches, packed (real
+  tokens only, the project's varlen attention);
 - train: plain PyTorch forward + PPO-clip loss + backward + `torch.optim.AdamW` over the same micro-batches,
   packed, one optimizer step per recorded optimizer step, no DeepSpeed and no gradient communication;
 - weight sync: `copy_` of every parameter into preallocated tensors (the bytes one push moves);
@@ -128,13 +129,15 @@ def replay_step(work: dict, engine, plains: dict[str, Plain], micro_rollout: int
     for suffix, plain in (("", plains["packed"]), ("_padded", plains.get("padded"))):
         if plain is not None:
             out[f"experience{suffix}"] = timed(
-                lambda p=plain: [p.experience(s, m, micro_rollout) for s, m in work["logprobs"]], cpu,
+                lambda p=plain: [p.experience(s, m, micro_rollout) for s, m in work["logprobs"] + work["ref_logprobs"]],
+                cpu,
                 "experience" + suffix)
             out[f"train{suffix}"] = timed(lambda p=plain: [p.train(micro) for micro in work["train"]], cpu,
                                           "train" + suffix)
     out["weight_sync"] = timed(copy, cpu, "weight_sync")
     out["grad_allreduce"] = timed(lambda: dist.all_reduce(grad_flat), cpu, "grad_allreduce")
-    exp_masks = [m[i:i + micro_rollout] for _, m in work["logprobs"] for i in range(0, m.shape[0], micro_rollout)]
+    exp_masks = [m[i:i + micro_rollout] for _, m in work["logprobs"] + work["ref_logprobs"]
+                 for i in range(0, m.shape[0], micro_rollout)]
     return {**out, "cpu": cpu, "generated_tokens": float(sum(tokens)),
             "experience_tokens": real_and_computed(exp_masks),
             "train_tokens": real_and_computed([e.attention_mask_BT for micro in work["train"] for e in micro])}
@@ -143,7 +146,8 @@ def replay_step(work: dict, engine, plains: dict[str, Plain], micro_rollout: int
 def replay(record: dict, engine, plains: dict[str, Plain], micro_rollout: int) -> dict[int, dict]:
     """`replay_step` for every step the run recorded (step 1 included: the driver drops it as warm-up)."""
     calls = {name: by_step(record["calls"].get(key, [])) for name, key in
-             (("generate", "engine_generate"), ("logprobs", "actor_logprobs"), ("train", "actor_train_batch"))}
+             (("generate", "engine_generate"), ("logprobs", "actor_logprobs"), ("ref_logprobs", "ref_logprobs"),
+              ("train", "actor_train_batch"))}
     params = [p.detach() for p in plains["packed"].model.parameters()]
     buffers = [torch.empty_like(p) for p in params]
     grad_flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32)

@@ -132,8 +132,8 @@ def install_ignore_eos() -> None:
 
 def install_trainer_probes() -> None:
     """Time the calls inside `PPOTrainer.step`'s stages and record what the floors replay: each engine
-    generate call's (prompts, spec, seeds), each experience forward's (sequences, mask) and each optimizer
-    step's micro-batches."""
+    generate call's (prompts, spec, seeds), each experience forward's (sequences, mask: the actor's and the
+    reference model's) and each optimizer step's micro-batches."""
     import rlhf.trainers.experience as experience_module
     import rlhf.trainers.ppo_trainer as ppo_module
     from rlhf.engines.deepspeed_engine import DeepSpeedModel
@@ -177,6 +177,8 @@ def install_trainer_probes() -> None:
         timed_method(engine_cls, "generate", "engine_generate", lambda self, *args: args)
         timed_method(engine_cls, "load_weights", "engine_load_weights")
     timed_method(Actor, "logprobs", "actor_logprobs", lambda self, seq, mask: (seq, mask))
+    # the reference model's experience forward (with a KL term): the same architecture, replayed the same way
+    timed_method(experience_module, "batched_logprobs", "ref_logprobs", lambda model, seq, mask, *a, **k: (seq, mask))
     timed_method(Actor, "train_batch", "actor_train_batch", lambda self, micro, *a, **k: micro)
     timed_method(DeepSpeedModel, "backward", "ds_backward")
     timed_method(DeepSpeedModel, "step", "ds_step")

@@ -126,11 +126,12 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
     )
 
 
-def assemble(part: torch.Tensor | None, where: slice, shape: tuple[int, ...],
+def assemble(part: torch.Tensor | None, where: slice | torch.Tensor, shape: tuple[int, ...],
              group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The full float32 tensor of `shape` whose row ranges are computed on different ranks.
+    """The full float32 tensor of `shape` whose rows are computed on different ranks.
 
-    Each rank that computed rows `where` passes them as `part`; ranks that computed nothing pass None.
+    Each rank that computed rows `where` (a range, or row indices) passes them as `part`; ranks that computed
+    nothing pass None.
     Every row must be computed by exactly one rank. Called by every rank of `group` (the world).
     """
     full = torch.zeros(shape, dtype=torch.float32)

@@ -96,15 +96,26 @@ class ExperienceMaker:
         self.kl_ctl = KLController(algo.init_kl_coef, algo.kl_target, algo.kl_horizon)
         self.reward_stats = RunningMoments()
 
-    def _by_role(self, role: Role, compute: Callable[[slice], torch.Tensor], shape: tuple[int, ...],
-                 collective: bool = True) -> torch.Tensor:
+    def _by_role(self, role: Role, compute: Callable[[slice | torch.Tensor], torch.Tensor], shape: tuple[int, ...],
+                 collective: bool = True, balance: tuple[MicroBatcher | None, torch.Tensor] | None = None
+                 ) -> torch.Tensor:
         """Rows computed by `role`'s ranks on their shards, assembled on every training rank (collective over
         them: the world, except with --async_train).
         The ranks of a ring hold the same rows: all of them run a `collective` computation (a model
-        forward), only the first runs any other (an HTTP call, a reward function); the first contributes."""
+        forward), only the first runs any other (an HTTP call, a reward function); the first contributes.
+        `balance` (a model forward's micro-batcher on this rank, the batch's attention mask): with dynamic
+        batching each replica's rows are dealt by tokens, as the training step's are (`MicroBatcher.replica_rows`;
+        `compute` then gets a tensor of row indices); else each replica computes a contiguous shard."""
         hosts = self.topology.hosts(role)
         first_of_ring = hosts and self.topology.replica_rank(role) == 0
-        where = shard(shape[0], self.topology.dp_size(role), self.topology.dp_rank(role)) if hosts else slice(0, 0)
+        where: slice | torch.Tensor = slice(0, 0)
+        if hosts:
+            dp, rank = self.topology.dp_size(role), self.topology.dp_rank(role)
+            batcher = balance[0] if balance is not None else None
+            if batcher is not None and batcher.max_tokens is not None:
+                where = torch.tensor(batcher.replica_rows(balance[1], dp, rank), dtype=torch.long)
+            else:
+                where = shard(shape[0], dp, rank)
         part = compute(where) if first_of_ring or (hosts and collective) else None
         return assemble(part if first_of_ring else None, where, shape, self.topology.trainer_group)
 
@@ -161,12 +172,14 @@ class ExperienceMaker:
         """(actor log-probs, reference log-probs or None), float32 [B, T-1] on every rank. Collective."""
         B, T = batch.sequences_BT.shape
         seq, mask = batch.sequences_BT, batch.attention_mask_BT
-        old = self._by_role(Role.ACTOR, lambda w: self.actor.logprobs(seq[w], mask[w]), (B, T - 1))
+        old = self._by_role(Role.ACTOR, lambda w: self.actor.logprobs(seq[w], mask[w]), (B, T - 1),
+                            balance=(self.actor.infer_batcher if self.actor is not None else None, mask))
         if not with_ref:
             return old, None
         temperature = self.rollout.temperature
         ref = self._by_role(Role.REF, lambda w: batched_logprobs(self.ref_model, seq[w], mask[w], self.ref_batcher,
-                                                                 temperature, self.device), (B, T - 1))
+                                                                 temperature, self.device), (B, T - 1),
+                            balance=(self.ref_batcher, mask))
         return old, ref
 
     def score(self, batch: Rollout, with_ref: bool, rm_max_len: int | None = None
@@ -197,7 +210,8 @@ class ExperienceMaker:
         old, ref = (None, None) if self.skip_actor_forward and not with_ref else self._logprobs(batch, with_ref)
         values = None
         if Role.CRITIC in self.topology.plan:
-            values = self._by_role(Role.CRITIC, lambda w: self.critic.values(seq[w], mask[w]), (B, T - 1))
+            values = self._by_role(Role.CRITIC, lambda w: self.critic.values(seq[w], mask[w]), (B, T - 1),
+                                   balance=(self.critic.infer_batcher if self.critic is not None else None, mask))
         scored = scored or self._rewards(_truncated(batch, rm_max_len))
         raw_rewards, scores, extra = scored.rewards_B, scored.scores_B, scored.extra
         rewards = self._shape_rewards(raw_rewards, batch)

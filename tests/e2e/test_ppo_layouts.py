@@ -1,7 +1,7 @@
-"""`train_ppo` end to end with `--packing_samples`, `--use_dynamic_batch` and `--ring_attn_size 2`, and with
-`--ds_tensor_parallel_size 2`: PPO with a critic, a reward model and a reference model on 2 ranks gives the same
-first step as the padded, fixed-micro-batch, data-parallel run (same rollouts, so the same rewards, KL, losses and
-gradient norms)."""
+"""`train_ppo` end to end with `--packing_samples`, `--use_dynamic_batch` and `--ring_attn_size 2`, with
+`--ds_tensor_parallel_size 2`, and packed with `--use_dynamic_batch` on 2 data-parallel replicas (rows dealt by
+tokens): PPO with a critic, a reward model and a reference model on 2 ranks gives the same first step as the padded,
+fixed-micro-batch, data-parallel run (same rollouts, so the same rewards, KL, losses and gradient norms)."""
 
 import pytest
 
@@ -31,15 +31,23 @@ def test_packed_dynamic_ring_and_tensor_parallel_ppo_match_padded(tmp_path):
     ], tmp_path / "consoles", tmp_path / "padded", tmp_path / "ring")
     # a launch of its own: a third PPO run in one launch found no default group at its start (measured: it
     # re-created the rendezvous store and failed with EADDRINUSE)
-    (tp_stdout,) = run_job_variants(2, [_ppo(tmp_path / "tp", "--ds_tensor_parallel_size", "2")],
-                                    tmp_path / "consoles_tp", tmp_path / "tp")
+    # with it, packed samples and dynamic micro-batches on 2 data-parallel replicas per role, whose experience
+    # forwards and training shares are dealt by tokens (not contiguous as in the padded run)
+    tp_stdout, dp_stdout = run_job_variants(2, [
+        _ppo(tmp_path / "tp", "--ds_tensor_parallel_size", "2"),
+        _ppo(tmp_path / "dp", "--packing_samples", "--use_dynamic_batch", "--train_max_tokens_per_gpu", "40",
+             "--rollout_max_tokens_per_gpu", "48"),
+    ], tmp_path / "consoles_tp", tmp_path / "tp", tmp_path / "dp")
     padded, ring = read_metrics(tmp_path / "padded"), read_metrics(tmp_path / "ring")
     assert ("every model's linear layers split over 2 ranks (--ds_tensor_parallel_size, DeepSpeed AutoTP); "
             "data-parallel replicas: actor 1, critic 1, reward 1, ref 1") in tp_stdout
-    tp = read_metrics(tmp_path / "tp")
-    assert len(tp) == 2
+    tp, dp = read_metrics(tmp_path / "tp"), read_metrics(tmp_path / "dp")
+    assert len(tp) == 2 and len(dp) == 2
+    assert ("dynamic micro-batches of <= 40 tokens per rank in training, <= 48 in experience forwards; "
+            "data-parallel replicas: actor 2, critic 2, reward 2, ref 2") in dp_stdout
     for key in STEP_KEYS:
         assert tp[0][key] == pytest.approx(padded[0][key], rel=1e-4, abs=1e-5), ("tp", key)
+        assert dp[0][key] == pytest.approx(padded[0][key], rel=1e-4, abs=1e-5), ("dp", key)
     assert ("layout: packed samples (varlen attention: sdpa); ring attention over 2 ranks (head stride 1; fp32 "
             "einsum blocks); dynamic "
             "micro-batches of <= 16 tokens per rank in training, <= 24 in experience forwards; data-parallel "

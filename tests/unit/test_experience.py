@@ -73,3 +73,31 @@ def test_a_metric_without_a_declared_reduction_is_an_error():
 
     with pytest.raises(RuntimeError, match=r"actor produced metrics \['new_metric'\] with no declared reduction"):
         reduce_metrics({Role.ACTOR: {"policy_loss": 1.0, "new_metric": 2.0}}, TRAIN_METRICS, topology=None)
+
+
+def test_experience_forwards_deal_rows_by_tokens_with_dynamic_batching(monkeypatch):
+    """A role's replicas compute the rows `MicroBatcher.replica_rows` deals them with dynamic batching (even token
+    totals), contiguous shards otherwise; reward functions (no batcher) keep contiguous shards."""
+    from types import SimpleNamespace
+
+    import rlhf.trainers.experience as experience
+    from rlhf.distributed.topology import Role
+    from rlhf.models.micro_batches import MicroBatcher
+
+    lengths = [12, 3, 11, 2, 9, 4, 10, 1]
+    mask = torch.tensor([[1] * n + [0] * (12 - n) for n in lengths])
+    seen = []
+    monkeypatch.setattr(experience, "assemble", lambda part, where, shape, group: seen.append(where) or part)
+    rows = {}
+    for rank in range(2):
+        m = ExperienceMaker.__new__(ExperienceMaker)
+        m.topology = SimpleNamespace(hosts=lambda role: True, replica_rank=lambda role: 0,
+                                     dp_size=lambda role: 2, dp_rank=lambda role, r=rank: r, trainer_group=None)
+        for name, balance in (("dynamic", (MicroBatcher(4, max_tokens=64), mask)), ("fixed", (MicroBatcher(4), mask)),
+                              ("reward", None)):
+            tokens = m._by_role(Role.ACTOR, lambda w: mask[w].sum(-1), (8,), balance=balance)
+            rows[name, rank] = (seen[-1], tokens.tolist())
+    assert [rows["dynamic", r][0].tolist() for r in range(2)] == [[0, 4, 5, 7], [1, 2, 3, 6]]
+    assert [sum(rows["dynamic", r][1]) for r in range(2)] == [26, 26]  # contiguous shards: 28 and 24 tokens
+    assert [rows["fixed", r][0] for r in range(2)] == [slice(0, 4), slice(4, 8)]
+    assert [rows["reward", r][0] for r in range(2)] == [slice(0, 4), slice(4, 8)]

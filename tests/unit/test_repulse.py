@@ -191,8 +191,9 @@ def test_rm_max_len_truncates_what_reward_models_see():
 
     seen = []
     stub = SimpleNamespace(
-        _by_role=lambda role, compute, shape: compute(slice(None)),
-        actor=SimpleNamespace(logprobs=lambda seq, mask: torch.zeros(seq.shape[0], seq.shape[1] - 1)),
+        _by_role=lambda role, compute, shape, balance=None: compute(slice(None)),
+        actor=SimpleNamespace(logprobs=lambda seq, mask: torch.zeros(seq.shape[0], seq.shape[1] - 1),
+                              infer_batcher=None),
         _rewards=lambda batch: Scored(seen.append(batch) or torch.zeros(batch.num_samples), None, {}))
     stub._logprobs = lambda batch, with_ref: ExperienceMaker._logprobs(stub, batch, with_ref)
     B, T = 2, 6
