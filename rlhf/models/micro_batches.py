@@ -69,7 +69,8 @@ def balanced_shares(costs: list[int], num_shares: int) -> list[list[int]]:
     """The indices of `costs` dealt into `num_shares` shares of equal size, each in ascending order (pure). Largest
     cost first, each to the share with the smallest total that still has room (ties: the lower share). Raises as
     `shard` when the count does not split evenly."""
-    size = len(range(len(costs))[shard(len(costs), num_shares, 0)])
+    shard(len(costs), num_shares, 0)  # the same refusal as a contiguous split's
+    size = len(costs) // num_shares
     shares: list[list[int]] = [[] for _ in range(num_shares)]
     totals = [0] * num_shares
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
