@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import torch.multiprocessing as mp
 
 from rlhf.cli.warm_start import TRAINING_RUN_MODULES, VLLM_ENGINE_MODULES
+from rlhf.distributed.launch_env import PORT_IN_USE
 
 
 def free_port() -> int:
@@ -244,8 +245,9 @@ def assert_clean_output(stdout: str, stderr: str, *save_paths) -> None:
             assert at < 0, f"exit 0, but {where} holds {mark!r}:\n{text[max(0, at - 500):at + 3000]}"
 
 
-LAUNCHER_PORT_TAKEN = "is already in use on this machine"
-"""rlhf.cli.launch's refusal of a --master_port another process took between `free_port` and the launch."""
+LAUNCHER_PORT_TAKEN = PORT_IN_USE
+"""rlhf.cli.launch's refusal of a --master_port another process took between `free_port` and the launch, and rank
+0's where it hosts the rendezvous store itself (the examples' tests start their ranks without torchrun's agent)."""
 
 
 def _rendezvous_port_taken(stderr: str) -> bool:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rlhf.config.errors import UsageError
 from rlhf.distributed.heartbeat import Heartbeat
 
 
@@ -204,6 +205,9 @@ def _destroy_groups_at_exit() -> None:
         dist.destroy_process_group()
 
 
+PORT_IN_USE = "is already in use on this machine"
+"""How a taken rendezvous port is reported, by the launcher (`rlhf.cli.launch`) and by a rank 0 that hosts the store."""
+
 RUN_TAG_ENV = "RLHF_RUN_TAG"
 """Set by `init_distributed`: a tag every rank of this run (this restart attempt) shares and no other run has."""
 
@@ -224,6 +228,13 @@ def _store(launch: LaunchEnv, timeout: datetime.timedelta) -> dist.Store:
     Under torchrun the agent hosts the store; otherwise rank 0 does.
     """
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
-                          is_master=not agent_hosts and launch.rank == 0, timeout=timeout)
+    hosts = not agent_hosts and launch.rank == 0
+    try:
+        store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=hosts,
+                              timeout=timeout)
+    except dist.DistNetworkError as err:
+        if not hosts or "EADDRINUSE" not in str(err):
+            raise
+        raise UsageError(f"MASTER_PORT {launch.master_port} {PORT_IN_USE} ({launch.master_addr}; another run, or one "
+                         "still ending): set another MASTER_PORT (the launcher's --master_port)") from None
     return dist.PrefixStore(f"rlhf/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)

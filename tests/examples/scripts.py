@@ -5,14 +5,19 @@ import os
 import subprocess
 import time
 
-from tests.distributed import ROOT, assert_clean_exit
+from tests.distributed import LAUNCHER_PORT_TAKEN, ROOT, assert_clean_exit
 
 
 def run_script(script: str, out, *args: str, timeout: int = 900) -> float:
-    """Runs `bash launch/examples/SCRIPT OUT ARGS...`; returns its wall time in seconds."""
+    """Runs `bash launch/examples/SCRIPT OUT ARGS...`; returns its wall time in seconds. A run whose rendezvous
+    port (the free one the script picked) was taken by another process before rank 0 bound it is run again
+    (twice at most): nothing had started, and the script picks a new port each time."""
     start = time.monotonic()
-    proc = subprocess.run(["bash", f"launch/examples/{script}", str(out), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": ROOT})
+    for attempt in range(3):
+        proc = subprocess.run(["bash", f"launch/examples/{script}", str(out), *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": ROOT})
+        if proc.returncode == 0 or LAUNCHER_PORT_TAKEN not in proc.stderr or attempt == 2:
+            break
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert_clean_exit(proc, out)
     return time.monotonic() - start

@@ -47,3 +47,23 @@ def test_launch_env_slurm():
 
 def test_launch_env_single_process():
     assert read_launch_env({}).launcher == "single"
+
+
+def test_a_rank_0_hosting_the_store_on_a_taken_port_names_it(monkeypatch):
+    """srun (and any launch without torchrun's agent): rank 0 binds MASTER_PORT itself; another process holding it
+    is a one-line usage error naming the port and the fix, not DistNetworkError's traceback."""
+    import datetime
+    import socket
+
+    from rlhf.config.errors import UsageError
+    from rlhf.distributed.launch_env import PORT_IN_USE, LaunchEnv, _store
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        launch = LaunchEnv(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1", master_port=port,
+                           launcher="slurm")
+        with pytest.raises(UsageError, match=f"^MASTER_PORT {port} {PORT_IN_USE} .*set another MASTER_PORT"):
+            _store(launch, datetime.timedelta(seconds=5))
