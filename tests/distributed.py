@@ -77,39 +77,75 @@ def run_on_ranks(world_size: int, fn, *args, init_group: bool = True, timeout: f
     `fn` must be importable (module level) so the rank processes can find it. Each rank has the caller's
     environment plus the variables a launcher sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT). `init_group=False` leaves the default group to `fn` (a job initialises its own). A rank still
-    running after `timeout` seconds is killed and reported.
+    running after `timeout` seconds is killed and reported. A world whose rendezvous port (a free one, picked
+    here) was taken by another process before rank 0 bound it is started again on a new port (twice at most): its
+    other ranks, which would wait for that rendezvous until the timeout, are killed at once.
     """
-    import time
+    for attempt in range(3):
+        with tempfile.TemporaryDirectory() as out_dir:
+            procs = _start_world(world_size, free_port(), out_dir, fn, args, init_group)
+            hung = _wait_world(procs, out_dir, timeout)
+            if hung is not None or attempt == 2:
+                return _world_results(procs, out_dir, timeout, hung or set())
+    raise AssertionError("unreachable")
 
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = _context()
-        port = free_port()
-        procs = [ctx.Process(target=_entry, args=(r, world_size, port, out_dir, fn, args, dict(os.environ),
-                                                  init_group))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for r in hung:
-            procs[r].kill()
-            procs[r].join()
-        results = []
-        for r in range(world_size):
-            path = os.path.join(out_dir, f"{r}.pkl")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {r} " + (f"still ran after {timeout:.0f} s (killed)" if r in hung else
-                                   f"died without a result (exit code {procs[r].exitcode})"))
-            with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            if status != "ok":
-                raise RuntimeError(f"rank {r} failed:\n{value}")
-            if procs[r].exitcode != 0:  # an abort in the teardown, after the result
-                raise RuntimeError(f"rank {r} exited with code {procs[r].exitcode} after returning its result")
-            results.append(value)
-        return results
+
+def _start_world(world_size: int, port: int, out_dir: str, fn, args, init_group: bool) -> list:
+    ctx = _context()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, out_dir, fn, args, dict(os.environ), init_group))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _rank_outcome(out_dir: str, rank: int) -> tuple[str, object] | None:
+    path = os.path.join(out_dir, f"{rank}.pkl")
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def _wait_world(procs: list, out_dir: str, timeout: float) -> set[int] | None:
+    """Wait for every rank; the ranks still running at the deadline are killed and returned. None when rank 0
+    failed because its rendezvous port was taken (the other ranks killed then)."""
+    import time
+    from multiprocessing.connection import wait
+
+    deadline = time.monotonic() + timeout
+    running = {p.sentinel: p for p in procs}
+    while running and time.monotonic() < deadline:
+        for sentinel in wait(list(running), timeout=max(0.0, deadline - time.monotonic())):
+            running.pop(sentinel).join()
+        outcome = _rank_outcome(out_dir, 0) if not procs[0].is_alive() else None
+        if outcome and outcome[0] != "ok" and (PORT_TAKEN in outcome[1] or PORT_IN_USE in outcome[1]):
+            _kill(running.values())
+            return None
+    _kill(running.values())
+    return {procs.index(p) for p in running.values()}
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        p.kill()
+        p.join()
+
+
+def _world_results(procs: list, out_dir: str, timeout: float, hung: set[int]) -> list:
+    results = []
+    for r, proc in enumerate(procs):
+        outcome = _rank_outcome(out_dir, r)
+        if outcome is None:
+            raise RuntimeError(f"rank {r} " + (f"still ran after {timeout:.0f} s (killed)" if r in hung else
+                               f"died without a result (exit code {proc.exitcode})"))
+        status, value = outcome
+        if status != "ok":
+            raise RuntimeError(f"rank {r} failed:\n{value}")
+        if proc.exitcode != 0:  # an abort in the teardown, after the result
+            raise RuntimeError(f"rank {r} exited with code {proc.exitcode} after returning its result")
+        results.append(value)
+    return results
 
 
 def _each_variant(variants: list[tuple]) -> list:
