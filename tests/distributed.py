@@ -119,7 +119,7 @@ def _wait_world(procs: list, out_dir: str, timeout: float) -> set[int] | None:
         for sentinel in wait(list(running), timeout=max(0.0, deadline - time.monotonic())):
             running.pop(sentinel).join()
         outcome = _rank_outcome(out_dir, 0) if not procs[0].is_alive() else None
-        if outcome and outcome[0] != "ok" and (PORT_TAKEN in outcome[1] or PORT_IN_USE in outcome[1]):
+        if outcome and outcome[0] != "ok" and (PORT_TAKEN in outcome[1] or rendezvous_port_taken(outcome[1])):
             _kill(running.values())
             return None
     _kill(running.values())
@@ -192,7 +192,7 @@ def run_torchrun(nproc: int, target: str, *args: str, timeout: int = 600,
         cmd = [sys.executable, "-m", launcher, f"--nproc_per_node={nproc}",
                "--master_addr=127.0.0.1", f"--master_port={free_port()}", *target_args, *args]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode == 0 or not _rendezvous_port_taken(proc.stderr) or attempt == 2:
+        if proc.returncode == 0 or not rendezvous_port_taken(proc.stderr) or attempt == 2:
             if proc.returncode == 0:
                 assert_clean_exit(proc)
             return proc
@@ -286,7 +286,7 @@ LAUNCHER_PORT_TAKEN = PORT_IN_USE
 0's where it hosts the rendezvous store itself (the examples' tests start their ranks without torchrun's agent)."""
 
 
-def _rendezvous_port_taken(stderr: str) -> bool:
+def rendezvous_port_taken(stderr: str) -> bool:
     """torchrun failed binding its rendezvous store, or rlhf.cli.launch refused the taken port (before any
     worker started)."""
     return (PORT_TAKEN in stderr and "next_rendezvous" in stderr) or LAUNCHER_PORT_TAKEN in stderr

@@ -5,7 +5,7 @@ import os
 import subprocess
 import time
 
-from tests.distributed import LAUNCHER_PORT_TAKEN, ROOT, assert_clean_exit
+from tests.distributed import ROOT, assert_clean_exit, rendezvous_port_taken
 
 
 def run_script(script: str, out, *args: str, timeout: int = 900) -> float:
@@ -16,7 +16,7 @@ def run_script(script: str, out, *args: str, timeout: int = 900) -> float:
     for attempt in range(3):
         proc = subprocess.run(["bash", f"launch/examples/{script}", str(out), *args], cwd=ROOT, capture_output=True,
                               text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": ROOT})
-        if proc.returncode == 0 or LAUNCHER_PORT_TAKEN not in proc.stderr or attempt == 2:
+        if proc.returncode == 0 or not rendezvous_port_taken(proc.stderr) or attempt == 2:
             break
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert_clean_exit(proc, out)
